@@ -1,0 +1,59 @@
+# qstore: `make demo` runs the end-to-end workload, `make test` runs every test.
+# Everything either needs is installed here, into .venv.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+JAVA_STAMP := $(VENV)/.java-ok
+
+.PHONY: all install java test test-fast check demo bench crash clean
+
+all: test
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e ".[spark,dev,bench]"
+	touch $@
+
+install: $(STAMP)
+
+# Spark needs Java 17+. On a Debian machine as root, install it with apt.
+$(JAVA_STAMP): | $(PY)
+	@if ! tools/java-version.sh >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "Installing openjdk-17-jre-headless (Spark needs Java 17+)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless; \
+	  else \
+	    echo "Java 17+ is required for Spark: install a JRE 17 or newer (e.g. openjdk-17-jre-headless)"; exit 1; \
+	  fi; \
+	fi
+	@tools/java-version.sh
+	touch $@
+
+java: $(JAVA_STAMP)
+
+test: $(STAMP) $(JAVA_STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not spark and not slow"
+
+check: $(STAMP)
+	$(VENV)/bin/ruff check qstore tests tools spark
+	$(VENV)/bin/mypy
+
+demo: $(STAMP) $(JAVA_STAMP)
+	$(VENV)/bin/qstore demo --dir demo-data --fresh
+
+bench: $(STAMP)
+	$(VENV)/bin/qstore bench
+
+crash: $(STAMP)
+	$(PY) tools/crash.py --kills 300
+
+clean:
+	rm -rf $(VENV) demo-data .pytest_cache .mypy_cache .ruff_cache

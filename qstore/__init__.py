@@ -1,0 +1,65 @@
+"""qstore: a durable, embedded priority work queue.
+
+Architecture, in one page:
+
+- ``qstore.open(path)`` opens a :class:`Store`: a directory with ``meta/``, a
+  RocksDB database (through rocksdict) holding queues, messages, priority
+  indexes, leases and counters (``qstore.meta``), and ``payload/``, append-only
+  CRC-checked segment files holding message bodies, read through mmap
+  (``qstore.payload``). A message refers to its body by
+  ``(file_id, offset, length)``.
+- Every operation is one RocksDB WriteBatch, written after the payload bytes it
+  refers to. Durability modes decide when both reach stable storage.
+- A :class:`Queue` pops in plain key order of its ready index; leases,
+  delays, dead letters and dedup are further indexes (docs/meta-schema.md).
+- A background compactor runs seal-then-compact passes (docs/compaction.md);
+  ``store.snapshot`` takes consistent snapshots that the Spark data source
+  ``qstore`` reads for the audit and backfill jobs (docs/spark.md).
+"""
+
+from ._compact import CompactionResult
+from ._config import Config
+from ._errors import (
+    Corruption,
+    InvalidArgument,
+    LeaseExpired,
+    MessageNotFound,
+    PayloadTooLarge,
+    QStoreError,
+    QueueExists,
+    QueueNotFound,
+    ReadOnlyStore,
+    StorageError,
+    StoreClosed,
+    StoreLocked,
+)
+from ._message import Message, QueueStats, SegmentStats, StoreStats
+from ._queue import Queue
+from ._store import Store
+from ._store import open_store as open
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompactionResult",
+    "Config",
+    "Corruption",
+    "InvalidArgument",
+    "LeaseExpired",
+    "Message",
+    "MessageNotFound",
+    "PayloadTooLarge",
+    "QStoreError",
+    "Queue",
+    "QueueExists",
+    "QueueNotFound",
+    "QueueStats",
+    "ReadOnlyStore",
+    "SegmentStats",
+    "StorageError",
+    "StoreClosed",
+    "StoreLocked",
+    "StoreStats",
+    "__version__",
+    "open",
+]

@@ -1,0 +1,93 @@
+"""The exception tree of qstore.
+
+Every error qstore raises on purpose derives from :class:`QStoreError`::
+
+    QStoreError
+    ├── StoreLocked            another process holds the store read-write
+    ├── StoreClosed            the store was closed
+    ├── ReadOnlyStore          a write on a store opened with readonly=True
+    ├── QueueNotFound          no queue of that name
+    ├── QueueExists            create_queue of an existing name (exist_ok=False)
+    ├── InvalidArgument        bad input; also a ValueError
+    │   └── PayloadTooLarge    payload over max_payload_bytes
+    ├── MessageNotFound        no such message (never pushed, acked, purged)
+    ├── LeaseExpired           receipt expired or superseded by a later delivery
+    ├── Corruption             damaged bytes on disk: (path, offset, reason)
+    └── StorageError           an unexpected failure of RocksDB or the OS
+
+Errors from rocksdict (plain ``Exception`` with a message) are wrapped in
+:class:`StorageError` or :class:`StoreLocked`; they never reach users raw.
+"""
+
+from __future__ import annotations
+
+
+class QStoreError(Exception):
+    """Root of every error qstore raises."""
+
+
+class StoreLocked(QStoreError):
+    """Another process (or another open in this one) holds the store read-write."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"store {path!r} is locked by another writer; open it with readonly=True")
+        self.path = path
+
+
+class StoreClosed(QStoreError):
+    """The store has been closed."""
+
+
+class ReadOnlyStore(QStoreError):
+    """A write was attempted on a store opened with ``readonly=True``."""
+
+
+class QueueNotFound(QStoreError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"queue {name!r} does not exist")
+        self.name = name
+
+
+class QueueExists(QStoreError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"queue {name!r} already exists")
+        self.name = name
+
+
+class InvalidArgument(QStoreError, ValueError):
+    """Bad input: wrong type, out of range, unknown option. Nothing was changed."""
+
+
+class PayloadTooLarge(InvalidArgument):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"payload of {size} bytes is over max_payload_bytes={limit}")
+        self.size = size
+        self.limit = limit
+
+
+class MessageNotFound(QStoreError):
+    def __init__(self, queue: str, message_id: int) -> None:
+        super().__init__(f"message {message_id} not found in queue {queue!r}")
+        self.queue = queue
+        self.message_id = message_id
+
+
+class LeaseExpired(QStoreError):
+    """The receipt's lease expired or a later delivery superseded it; nothing changed."""
+
+
+class Corruption(QStoreError):
+    """Damaged bytes on disk. Never repaired silently, never returned as data."""
+
+    def __init__(self, path: str, offset: int, reason: str) -> None:
+        super().__init__(f"corruption in {path} at offset {offset}: {reason}")
+        self.path = path
+        self.offset = offset
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[Corruption], tuple[str, int, str]]:
+        return (Corruption, (self.path, self.offset, self.reason))
+
+
+class StorageError(QStoreError):
+    """An unexpected failure of RocksDB or the operating system."""

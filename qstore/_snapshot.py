@@ -1,0 +1,81 @@
+"""Consistent snapshots of a running store, for Spark jobs and backups.
+
+A snapshot directory holds ``meta/`` (a RocksDB checkpoint), ``payload/``
+(hard links of every segment) and ``MANIFEST.json`` (format version, time,
+every segment with the length of its data at the moment of the checkpoint).
+All three are taken under the writer lock, so they agree. Segments are never
+modified in place (the active one only grows; compaction only unlinks), so a
+hard link keeps the snapshot's bytes intact whatever the live store does
+next; bytes of the active segment past the manifest's length belong to the
+live store and are ignored by readers of the snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from ._errors import InvalidArgument, StorageError
+from .payload._format import segment_name
+from .payload._writer import fsync_dir
+
+if TYPE_CHECKING:
+    from ._store import Store
+
+MANIFEST = "MANIFEST.json"
+MANIFEST_FORMAT = 1  # never change the meaning of 1
+
+
+def take_snapshot(store: Store, dest: str) -> str:
+    dest = os.fspath(dest)
+    if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):
+        raise InvalidArgument(f"snapshot destination {dest!r} exists and is not empty")
+    os.makedirs(os.path.join(dest, "payload"), exist_ok=True)
+    with store._lock:
+        store._check_open()
+        created = store.clock()
+        store.meta.checkpoint(os.path.join(dest, "meta"))
+        segments = []
+        for fid in store.payload.file_ids():
+            name = segment_name(fid)
+            try:
+                os.link(store.payload.path_of(fid), os.path.join(dest, "payload", name))
+            except OSError as exc:
+                raise StorageError(f"cannot hard-link segment {name} into {dest!r}: {exc} "
+                                   "(a snapshot must be on the store's filesystem)") from exc
+            segments.append({"file_id": fid, "length": store.payload.segment_size(fid)})
+        active = store.payload.active_id
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "kind": "qstore-snapshot",
+        "created_at": created,
+        "active_id": active,
+        "segments": segments,
+    }
+    write_json_durably(os.path.join(dest, MANIFEST), manifest)
+    fsync_dir(os.path.join(dest, "payload"))
+    return dest
+
+
+def write_json_durably(path: str, value: Any) -> None:
+    """Write temp, fsync, rename, fsync the directory."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def read_manifest(snapshot: str) -> dict[str, Any]:
+    path = os.path.join(snapshot, MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest: dict[str, Any] = json.load(f)
+    except FileNotFoundError:
+        raise InvalidArgument(f"{snapshot!r} is not a qstore snapshot (no {MANIFEST})") from None
+    if manifest.get("kind") != "qstore-snapshot" or manifest.get("format") != MANIFEST_FORMAT:
+        raise InvalidArgument(f"{path} is not a snapshot manifest of format {MANIFEST_FORMAT}")
+    return manifest

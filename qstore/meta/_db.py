@@ -1,0 +1,145 @@
+"""A thin wrapper over rocksdict that turns its plain exceptions into qstore errors.
+
+See ../shared notes on the binding's traps: raw mode everywhere (or a wrong
+open flips the stored mode), iteration bounds through the upper bound only,
+and close() only after every iterator is gone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from rocksdict import AccessType, Checkpoint, Options, ReadOptions, Rdict, WriteBatch, WriteOptions
+
+from .._errors import StorageError, StoreLocked
+
+Batch = WriteBatch
+
+
+def _options(create: bool) -> Options:
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(create)
+    opts.set_max_background_jobs(2)
+    # Deleted index keys at a queue's head leave tombstones; bigger L0 files and
+    # regular compaction keep seeks short (the queue also keeps a head cursor).
+    opts.set_write_buffer_size(64 * 1024 * 1024)
+    return opts
+
+
+def _locked(exc: Exception) -> bool:
+    text = str(exc)
+    return "lock" in text.lower() and ("LOCK" in text or "Resource temporarily" in text)
+
+
+class MetaDB:
+    """The metadata database of one store."""
+
+    def __init__(self, path: str, *, readonly: bool, store_path: str) -> None:
+        self.path = path
+        self.readonly = readonly
+        access = AccessType.read_only() if readonly else AccessType.read_write()
+        try:
+            self._db = Rdict(path, _options(not readonly), access_type=access)
+        except Exception as exc:
+            if not readonly and _locked(exc):
+                raise StoreLocked(store_path) from None
+            raise StorageError(f"cannot open metadata at {path}: {exc}") from None
+        self._wopts = WriteOptions()
+        self._wopts_sync = WriteOptions()
+        self._wopts_sync.sync = True
+
+    def get(self, key: bytes) -> bytes | None:
+        try:
+            return self._db.get(key)  # type: ignore[no-any-return]
+        except Exception as exc:
+            raise StorageError(f"metadata read failed: {exc}") from None
+
+    def multi_get(self, keys: list[bytes]) -> list[bytes | None]:
+        try:
+            return self._db[keys]  # type: ignore[no-any-return]
+        except Exception as exc:
+            raise StorageError(f"metadata read failed: {exc}") from None
+
+    def write(self, batch: WriteBatch, *, sync: bool = False) -> None:
+        try:
+            self._db.write(batch, self._wopts_sync if sync else self._wopts)
+        except Exception as exc:
+            raise StorageError(f"metadata write failed: {exc}") from None
+
+    def sync_wal(self) -> None:
+        try:
+            self._db.flush_wal(True)
+        except Exception as exc:
+            raise StorageError(f"metadata sync failed: {exc}") from None
+
+    def scan(self, lo: bytes, hi: bytes, limit: int | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """(key, value) for lo <= key < hi in order, from a point-in-time iterator."""
+        ro = ReadOptions()
+        ro.set_iterate_upper_bound(hi)  # NOT set_iterate_lower_bound: it sets the upper one
+        it = self._db.iter(ro)
+        try:
+            it.seek(lo)
+            n = 0
+            while it.valid() and (limit is None or n < limit):
+                yield it.key(), it.value()
+                it.next()
+                n += 1
+        finally:
+            del it
+
+    def scan_keys(self, lo: bytes, hi: bytes, limit: int | None = None) -> list[bytes]:
+        ro = ReadOptions()
+        ro.set_iterate_upper_bound(hi)
+        it = self._db.iter(ro)
+        it.seek(lo)
+        keys: list[bytes] = []
+        while it.valid() and (limit is None or len(keys) < limit):
+            keys.append(it.key())
+            it.next()
+        del it
+        return keys
+
+    def first_key(self, lo: bytes, hi: bytes) -> bytes | None:
+        ro = ReadOptions()
+        ro.set_iterate_upper_bound(hi)
+        it = self._db.iter(ro)
+        it.seek(lo)
+        key: bytes | None = it.key() if it.valid() else None
+        del it
+        return key
+
+    def checkpoint(self, dest: str) -> None:
+        try:
+            Checkpoint(self._db).create_checkpoint(dest)
+        except Exception as exc:
+            raise StorageError(f"checkpoint to {dest} failed: {exc}") from None
+
+    def compact_range(self, lo: bytes | None, hi: bytes | None) -> None:
+        self._db.compact_range(lo, hi)
+
+    def flush(self) -> None:
+        self._db.flush()
+
+    def property_int(self, name: str) -> int | None:
+        value: Any = self._db.property_int_value(name)
+        return int(value) if value is not None else None
+
+    @property
+    def raw(self) -> Rdict:
+        return self._db
+
+    def close(self) -> None:
+        try:
+            self._db.close()
+        except Exception as exc:
+            raise StorageError(f"closing metadata failed: {exc}") from None
+
+
+def new_batch() -> WriteBatch:
+    return WriteBatch(raw_mode=True)
+
+
+def meta_dir(store_path: str) -> str:
+    return os.path.join(store_path, "meta")

@@ -1,0 +1,122 @@
+"""RocksDB key encodings. Plain byte order of the keys is the order qstore needs.
+
+Every prefix byte and layout here is written to disk: NEVER CHANGE one; add a
+new prefix instead. See docs/meta-schema.md for the table and a worked example.
+
+Per-queue keys start with a one-byte kind and the queue's fixed-width 4-byte
+id (not its name), so queue ``a`` can never scan into queue ``ab``. Integers
+are big-endian so byte order equals numeric order.
+"""
+
+from __future__ import annotations
+
+import struct
+
+# Singletons (value: msgpack).
+META = b"M"
+FORMAT_KEY = META + b"format"
+ID_HWM_KEY = META + b"id_hwm"  # message ids below this may have been handed out
+QID_NEXT_KEY = META + b"qid_next"
+COMPACTION_KEY = META + b"compaction"
+# Queues by name and their counters.
+QUEUE = b"Q"  # Q name(utf-8)                       -> QueueRecord
+COUNTS = b"C"  # C qid:u32                           -> counters
+SEGMENT = b"S"  # S file_id:u64                      -> SegmentRecord
+# Per-queue message keys.
+MESSAGE = b"m"  # m qid:u32 id:u64                   -> MessageRecord
+READY = b"r"  # r qid:u32 priority-key id:u64       -> b""
+DELAYED = b"d"  # d qid:u32 due_us:u64 id:u64         -> b""
+INFLIGHT = b"i"  # i qid:u32 deadline_us:u64 id:u64    -> b""
+DEAD = b"x"  # x qid:u32 id:u64                   -> b""
+DEDUP = b"k"  # k qid:u32 digest[16]               -> id:u64
+PER_QUEUE_KINDS = (MESSAGE, READY, DELAYED, INFLIGHT, DEAD, DEDUP)
+
+U32 = struct.Struct(">I")
+U64 = struct.Struct(">Q")
+U64x2 = struct.Struct(">QQ")
+QID_ID = struct.Struct(">IQ")
+
+INT_MIN = -(2**63)
+INT_MAX = 2**63 - 1
+MAX_STR_PRIORITY_BYTES = 1024
+_FLIP = bytes(range(255, -1, -1))  # byte complement: reverses the order of prefix-free keys
+
+
+def queue_key(name: str) -> bytes:
+    return QUEUE + name.encode("utf-8")
+
+
+def counts_key(qid: int) -> bytes:
+    return COUNTS + U32.pack(qid)
+
+
+def segment_key(file_id: int) -> bytes:
+    return SEGMENT + U64.pack(file_id)
+
+
+def segment_id(key: bytes) -> int:
+    return int(U64.unpack_from(key, 1)[0])
+
+
+def prefix(kind: bytes, qid: int) -> bytes:
+    return kind + U32.pack(qid)
+
+
+def prefix_end(p: bytes) -> bytes:
+    """The smallest key greater than every key starting with ``p``."""
+    stripped = p.rstrip(b"\xff")
+    return stripped[:-1] + bytes([stripped[-1] + 1])
+
+
+def message_key(qid: int, mid: int) -> bytes:
+    return MESSAGE + QID_ID.pack(qid, mid)
+
+
+def dead_key(qid: int, mid: int) -> bytes:
+    return DEAD + QID_ID.pack(qid, mid)
+
+
+def timed_key(kind: bytes, qid: int, when_us: int, mid: int) -> bytes:
+    """A delayed (due time) or in-flight (lease deadline) index key."""
+    return kind + U32.pack(qid) + U64x2.pack(when_us, mid)
+
+
+def timed_parts(key: bytes) -> tuple[int, int]:
+    """(when_us, id) of a delayed or in-flight key."""
+    when, mid = U64x2.unpack_from(key, 5)
+    return int(when), int(mid)
+
+
+def trailing_id(key: bytes) -> int:
+    """The message id every per-queue index key ends with."""
+    return int(U64.unpack_from(key, len(key) - 8)[0])
+
+
+def dedup_key(qid: int, digest: bytes) -> bytes:
+    return DEDUP + U32.pack(qid) + digest
+
+
+def priority_key(order: str, ptype: str, priority: int | str) -> bytes:
+    """Encode a priority so that ascending key order is pop order.
+
+    int: offset binary (sign bit flipped) big-endian, complemented for "max".
+    str: UTF-8 with 0x00 escaped as 0x00 0xFF and terminated by 0x00 0x00, a
+    prefix-free encoding that keeps byte order; complemented for "max".
+    fifo: empty, so the id alone orders the queue.
+    """
+    if order == "fifo":
+        return b""
+    if ptype == "int":
+        u = int(priority) + 2**63
+        return U64.pack(u if order == "min" else 2**64 - 1 - u)
+    raw = str(priority).encode("utf-8").replace(b"\x00", b"\x00\xff") + b"\x00\x00"
+    return raw if order == "min" else raw.translate(_FLIP)
+
+
+def ready_key(qid: int, pkey: bytes, mid: int) -> bytes:
+    return READY + U32.pack(qid) + pkey + U64.pack(mid)
+
+
+def to_us(seconds: float) -> int:
+    """Seconds since the epoch as non-negative integer microseconds."""
+    return max(0, int(seconds * 1_000_000))

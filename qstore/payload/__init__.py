@@ -1,0 +1,11 @@
+"""Payload segments: append-only, length-prefixed, CRC-checked, memory-mapped files.
+
+Message bodies live here; the metadata refers to them by
+:class:`PayloadRef` ``(file_id, offset, length)``. See docs/payload-format.md.
+"""
+
+from ._format import PayloadRef
+from ._reader import SegmentReader
+from ._segments import RecoveryReport, SegmentSet, TailRepair
+
+__all__ = ["PayloadRef", "RecoveryReport", "SegmentReader", "SegmentSet", "TailRepair"]

@@ -1,0 +1,151 @@
+"""Reading payload records through a memory map, and scanning a segment's records."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .._errors import Corruption
+from . import _format as fmt
+from ._format import PayloadRef
+
+
+@dataclass(frozen=True)
+class ScanStop:
+    """Why and where a scan of a segment stopped before its end."""
+
+    offset: int
+    reason: str
+    torn: bool  # True: nothing but a cut-off record or zeros follows (a crash mid-write)
+
+
+class SegmentReader:
+    """A read-only memory map of one segment file.
+
+    The map covers the file as it was at the last :meth:`remap`. The writer of
+    the active segment grows the file ahead of its writes and remaps before it
+    publishes a new reference, so a reference read from the metadata always
+    lies inside the current map. Readers of a store opened read-only remap on
+    demand when a reference points past the map (the writer is another process).
+
+    Deleting the file does not disturb a reader that already holds this object:
+    the kernel keeps an unlinked file's pages alive while they are mapped.
+    """
+
+    def __init__(self, path: str, file_id: int) -> None:
+        self.path = path
+        self.file_id = file_id
+        self._fd = os.open(path, os.O_RDONLY)
+        self._map: mmap.mmap | None = None
+        self._mapped = 0
+        self.remap()
+        problem = fmt.header_problem(self._view(0, fmt.HEADER_SIZE), file_id)
+        if problem is not None:
+            self.close()
+            raise Corruption(path, 0, problem)
+
+    def remap(self) -> None:
+        if self._fd < 0:
+            return  # detached: the file is gone, the map is all there is
+        size = os.fstat(self._fd).st_size
+        if size == self._mapped and self._map is not None:
+            return
+        # Replace, never close, the old map: a thread may be slicing it right now,
+        # and it is released when the last reference to it goes.
+        self._map = mmap.mmap(self._fd, size, access=mmap.ACCESS_READ) if size else None
+        self._mapped = size
+
+    @property
+    def mapped_size(self) -> int:
+        return self._mapped
+
+    def _view(self, start: int, end: int) -> bytes:
+        m = self._map
+        if m is None:
+            return b""
+        return m[start:end]
+
+    def read(self, ref: PayloadRef, limit: int | None = None) -> bytes:
+        """The payload bytes of ``ref``, checked against its frame and CRC.
+
+        ``limit`` is the end of valid data when known (the writer's end offset);
+        anything past it is treated as past the end of the segment.
+        """
+        end = ref.offset + fmt.FRAME_SIZE + ref.length
+        if end > self._mapped:
+            self.remap()
+        bound = self._mapped if limit is None else min(limit, self._mapped)
+        if ref.offset < fmt.HEADER_SIZE or end > bound:
+            raise Corruption(self.path, ref.offset, fmt.OUT_OF_BOUNDS)
+        m = self._map
+        assert m is not None
+        length, crc = fmt.FRAME.unpack_from(m, ref.offset)
+        if length != ref.length:
+            raise Corruption(self.path, ref.offset, fmt.BAD_LENGTH)
+        body = m[ref.offset + fmt.FRAME_SIZE : end]
+        if fmt.record_crc(m[ref.offset : ref.offset + 4], body) != crc:
+            raise Corruption(self.path, ref.offset, fmt.BAD_CRC)
+        return body
+
+    def scan(self, start: int = fmt.HEADER_SIZE, end: int | None = None) -> Iterator[PayloadRef]:
+        """Yield every intact record from ``start``; a stop is raised as :class:`ScanError`."""
+        self.remap()
+        m = self._map
+        size = self._mapped if end is None else min(end, self._mapped)
+        pos = start
+        while pos < size:
+            stop = self._check_at(m, pos, size)
+            if isinstance(stop, ScanStop):
+                raise ScanError(stop)
+            yield PayloadRef(self.file_id, pos, stop)
+            pos += fmt.FRAME_SIZE + stop
+
+    def _check_at(self, m: mmap.mmap | None, pos: int, size: int) -> int | ScanStop:
+        """The body length of the intact record at ``pos``, or why there is none."""
+        assert m is not None
+        if size - pos < fmt.FRAME_SIZE:
+            return ScanStop(pos, fmt.SHORT_FRAME, True)
+        length, crc = fmt.FRAME.unpack_from(m, pos)
+        body_end = pos + fmt.FRAME_SIZE + length
+        if body_end > size:
+            return ScanStop(pos, fmt.SHORT_BODY, True)
+        if fmt.record_crc(m[pos : pos + 4], m[pos + fmt.FRAME_SIZE : body_end]) != crc:
+            return ScanStop(pos, fmt.BAD_CRC, _all_zero(m, body_end, size))
+        return length
+
+    def detach(self) -> None:
+        """Close the file but keep the map: the segment is being deleted under readers."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def close(self) -> None:
+        self._map = None
+        self._mapped = 0
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class ScanError(Exception):
+    """Internal: a scan stopped at a record that is not intact."""
+
+    def __init__(self, stop: ScanStop) -> None:
+        super().__init__(stop.reason)
+        self.stop = stop
+
+
+def _all_zero(m: mmap.mmap, start: int, end: int, chunk: int = 1 << 20) -> bool:
+    for pos in range(start, end, chunk):
+        piece = m[pos : min(pos + chunk, end)]
+        if piece.count(0) != len(piece):
+            return False
+    return True
+
+
+def is_zero_from(m_reader: SegmentReader, start: int) -> bool:
+    """True if every byte from ``start`` to the end of the map is zero."""
+    m = m_reader._map
+    return m is None or _all_zero(m, start, m_reader.mapped_size)

@@ -1,0 +1,371 @@
+"""The set of segment files of one store: append, read, rotate, seal, copy, delete."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .._errors import Corruption, PayloadTooLarge
+from . import _format as fmt
+from ._format import PayloadRef
+from ._reader import ScanError, SegmentReader, is_zero_from
+from ._writer import SegmentWriter, create_segment_file, fsync_dir
+
+log = logging.getLogger("qstore.payload")
+
+
+@dataclass(frozen=True)
+class TailRepair:
+    """What recovery cut from the active segment's tail on open."""
+
+    file_id: int
+    offset: int
+    bytes_cut: int
+    reason: str
+
+
+@dataclass
+class RecoveryReport:
+    torn_tails: list[TailRepair] = field(default_factory=list)
+    discarded: list[int] = field(default_factory=list)
+
+
+class SegmentSet:
+    """All payload segments in one directory.
+
+    One segment is active (appended to); all others are sealed (immutable).
+    Appends and rotation are serialised by the caller's writer lock plus an
+    internal lock that also guards the segment table for readers.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        segment_max_bytes: int,
+        max_payload_bytes: int,
+        readonly: bool = False,
+        tail_hints: Mapping[int, int] | None = None,
+        discard: Iterable[int] = (),
+        next_file_id_floor: int = 1,
+    ) -> None:
+        """Open (creating if needed) the segments in ``directory``.
+
+        ``tail_hints`` maps a file id to an offset up to which the metadata
+        already references records: recovery scans the active segment only
+        from there. ``discard`` names segment files to delete first (the
+        unfinished output of an interrupted compaction).
+        """
+        self.directory = directory
+        self.segment_max_bytes = segment_max_bytes
+        self.max_payload_bytes = max_payload_bytes
+        self.readonly = readonly
+        self.recovery = RecoveryReport()
+        self._lock = threading.Lock()
+        self._readers: dict[int, SegmentReader] = {}
+        self._writer: SegmentWriter | None = None
+        if not readonly:
+            os.makedirs(directory, exist_ok=True)
+        ids = self._list_ids()
+        if not readonly:
+            for fid in discard:
+                if fid in ids:
+                    os.unlink(self._path(fid))
+                    ids.remove(fid)
+                    self.recovery.discarded.append(fid)
+                    log.warning("removed %s: output of an unfinished compaction", self._path(fid))
+            if self.recovery.discarded:
+                fsync_dir(directory)
+        hints = dict(tail_hints or {})
+        self._next_id = max([next_file_id_floor, *(i + 1 for i in ids), *(i + 1 for i in hints)])
+        for fid in ids[:-1]:
+            self._readers[fid] = SegmentReader(self._path(fid), fid)
+        if readonly:
+            if ids:
+                self._readers[ids[-1]] = SegmentReader(self._path(ids[-1]), ids[-1])
+            return
+        if ids:
+            self._open_active(ids[-1], hints.get(ids[-1], fmt.HEADER_SIZE))
+        else:
+            self._start_segment()
+
+    # -- opening --------------------------------------------------------------
+
+    def _path(self, file_id: int) -> str:
+        return os.path.join(self.directory, fmt.segment_name(file_id))
+
+    def _list_ids(self) -> list[int]:
+        if not os.path.isdir(self.directory):
+            return []
+        ids = (fmt.parse_segment_name(n) for n in os.listdir(self.directory))
+        return sorted(i for i in ids if i is not None)
+
+    def _open_active(self, file_id: int, scan_from: int) -> None:
+        path = self._path(file_id)
+        size = os.path.getsize(path)
+        if size < fmt.HEADER_SIZE and scan_from <= fmt.HEADER_SIZE:
+            # A crash between creating the file and syncing its header: nothing
+            # can reference it yet, so it is rewritten.
+            with open(path, "rb") as f:
+                if f.read().strip(b"\x00") and size:
+                    raise Corruption(path, 0, fmt.SHORT_HEADER)
+            log.warning("rewrote the header of %s (%d bytes were left by a crash)", path, size)
+            os.unlink(path)
+            create_segment_file(path, file_id)
+        reader = SegmentReader(path, file_id)
+        end = self._recover_tail(reader, max(scan_from, fmt.HEADER_SIZE))
+        self._readers[file_id] = reader
+        self._writer = SegmentWriter(path, file_id, end, self.segment_max_bytes)
+
+    def _recover_tail(self, reader: SegmentReader, start: int) -> int:
+        """The end of the intact records; a torn tail is cut, other damage raised."""
+        if start > reader.mapped_size:
+            raise Corruption(reader.path, reader.mapped_size, fmt.OUT_OF_BOUNDS)
+        end = start
+        try:
+            for ref in reader.scan(start):
+                end = ref.offset + ref.frame_bytes
+        except ScanError as exc:
+            stop = exc.stop
+            if not stop.torn:
+                raise Corruption(reader.path, stop.offset, stop.reason) from None
+            cut = reader.mapped_size - stop.offset
+            if not is_zero_from(reader, stop.offset):
+                repair = TailRepair(reader.file_id, stop.offset, cut, stop.reason)
+                self.recovery.torn_tails.append(repair)
+                log.warning(
+                    "truncated torn tail of %s at offset %d: %d bytes cut (%s)",
+                    reader.path, stop.offset, cut, stop.reason,
+                )
+            end = stop.offset
+        if end != reader.mapped_size:
+            os.truncate(reader.path, end)
+            reader.remap()
+        return end
+
+    def _start_segment(self) -> None:
+        """Begin a fresh active segment (the caller has sealed the old one)."""
+        fid = self._next_id
+        self._next_id += 1
+        path = self._path(fid)
+        create_segment_file(path, fid)
+        self._readers[fid] = SegmentReader(path, fid)
+        self._writer = SegmentWriter(path, fid, fmt.HEADER_SIZE, self.segment_max_bytes)
+
+    # -- writing --------------------------------------------------------------
+
+    def check_size(self, body: bytes) -> None:
+        if len(body) > self.max_payload_bytes:
+            raise PayloadTooLarge(len(body), self.max_payload_bytes)
+
+    def append(self, body: bytes) -> PayloadRef:
+        return self.append_many([body])[0]
+
+    def append_many(self, bodies: Sequence[bytes]) -> list[PayloadRef]:
+        """Append each body as a record; a batch that fits is one write (see ``IOV_MAX``).
+
+        The segment rotates before a record that would take it past
+        ``segment_max_bytes``; a single record larger than that gets a segment
+        of its own.
+        """
+        for body in bodies:
+            self.check_size(body)
+        refs: list[PayloadRef] = []
+        with self._lock:
+            writer = self._active_writer()
+            start = 0
+            while start < len(bodies):
+                room = writer.room()
+                nbytes = fmt.FRAME_SIZE + len(bodies[start])
+                if nbytes > room and not writer.empty:
+                    writer = self._rotate_locked()
+                    continue
+                stop = start + 1
+                while stop < len(bodies) and nbytes + fmt.FRAME_SIZE + len(bodies[stop]) <= room:
+                    nbytes += fmt.FRAME_SIZE + len(bodies[stop])
+                    stop += 1
+                if writer.reserve(nbytes):
+                    self._readers[writer.file_id].remap()
+                refs.extend(writer.append(bodies[start:stop]))
+                start = stop
+        return refs
+
+    def _active_writer(self) -> SegmentWriter:
+        if self._writer is None:
+            raise RuntimeError("segment set is read-only or closed")
+        return self._writer
+
+    def _rotate_locked(self) -> SegmentWriter:
+        self._active_writer().finish()
+        self._readers[self._active_writer().file_id].remap()
+        self._start_segment()
+        return self._active_writer()
+
+    def seal(self) -> int:
+        """Make the active segment immutable and start a new one; returns the sealed id."""
+        with self._lock:
+            sealed = self._active_writer().file_id
+            self._rotate_locked()
+        return sealed
+
+    def sync(self) -> None:
+        """fdatasync what was appended to the active segment (sealed ones are synced)."""
+        with self._lock:
+            writer = self._writer
+            if writer is None or not writer.unsynced:
+                return
+            writer.unsynced = False
+            fd = os.dup(writer._fd)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    @property
+    def unsynced(self) -> bool:
+        writer = self._writer
+        return writer is not None and writer.unsynced
+
+    # -- reading --------------------------------------------------------------
+
+    def read(self, ref: PayloadRef) -> bytes:
+        reader = self._readers.get(ref.file_id)
+        if reader is None:
+            reader = self._open_reader(ref.file_id)
+        writer = self._writer
+        limit = writer.end if writer is not None and writer.file_id == ref.file_id else None
+        return reader.read(ref, limit)
+
+    def _open_reader(self, file_id: int) -> SegmentReader:
+        """A reader for a segment that appeared after open (read-only views)."""
+        path = self._path(file_id)
+        if not os.path.exists(path):
+            raise Corruption(path, 0, fmt.MISSING_SEGMENT)
+        with self._lock:
+            reader = self._readers.get(file_id)
+            if reader is None:
+                reader = self._readers[file_id] = SegmentReader(path, file_id)
+        return reader
+
+    # -- compaction primitives ------------------------------------------------
+
+    def reserve_file_id(self) -> int:
+        """A fresh file id for a compaction output (record it before writing it)."""
+        with self._lock:
+            fid = self._next_id
+            self._next_id += 1
+        return fid
+
+    def copy_live(
+        self,
+        file_id: int,
+        refs: Sequence[PayloadRef],
+        progress: Callable[[int], None] | None = None,
+    ) -> dict[PayloadRef, PayloadRef]:
+        """Copy the records of ``refs`` into new sealed segment ``file_id``, fsynced.
+
+        Every source record is CRC-checked as it is read: damage raises
+        :class:`Corruption` and the output is removed. Returns old -> new refs.
+        """
+        path = self._path(file_id)
+        create_segment_file(path, file_id)
+        writer = SegmentWriter(path, file_id, fmt.HEADER_SIZE, max_bytes=2**63)
+        mapping: dict[PayloadRef, PayloadRef] = {}
+        try:
+            batch: list[bytes] = []
+            olds: list[PayloadRef] = []
+            pending = 0
+            for ref in refs:
+                body = self.read(ref)
+                batch.append(body)
+                olds.append(ref)
+                pending += fmt.FRAME_SIZE + len(body)
+                if pending >= 4 * 1024 * 1024:
+                    self._flush_copy(writer, batch, olds, mapping, pending, progress)
+                    batch, olds, pending = [], [], 0
+            if batch:
+                self._flush_copy(writer, batch, olds, mapping, pending, progress)
+            writer.finish()
+        except BaseException:
+            writer.finish()
+            os.unlink(path)
+            raise
+        fsync_dir(self.directory)
+        with self._lock:
+            self._readers[file_id] = SegmentReader(path, file_id)
+        return mapping
+
+    @staticmethod
+    def _flush_copy(
+        writer: SegmentWriter,
+        batch: list[bytes],
+        olds: list[PayloadRef],
+        mapping: dict[PayloadRef, PayloadRef],
+        nbytes: int,
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        writer.reserve(nbytes)
+        for old, new in zip(olds, writer.append(batch), strict=True):
+            mapping[old] = new
+        if progress is not None:
+            progress(nbytes)
+
+    def delete(self, file_ids: Iterable[int]) -> None:
+        """Unlink sealed segments. Readers already holding one keep a valid map."""
+        removed = False
+        ids = list(file_ids)
+        with self._lock:
+            # Check every id before unlinking any, so a bad call changes nothing.
+            if self._writer is not None and self._writer.file_id in ids:
+                raise ValueError(f"cannot delete the active segment {self._writer.file_id}")
+            for fid in ids:
+                reader = self._readers.pop(fid, None)
+                if reader is not None:
+                    reader.detach()
+                try:
+                    os.unlink(self._path(fid))
+                    removed = True
+                except FileNotFoundError:
+                    pass
+        if removed:
+            fsync_dir(self.directory)
+
+    # -- accounting -----------------------------------------------------------
+
+    @property
+    def active_id(self) -> int | None:
+        writer = self._writer
+        return writer.file_id if writer is not None else None
+
+    @property
+    def active_end(self) -> int:
+        return self._active_writer().end
+
+    def file_ids(self) -> list[int]:
+        with self._lock:
+            return sorted(self._readers)
+
+    def segment_size(self, file_id: int) -> int:
+        """Bytes of data in a segment (the active one's preallocated zeros excluded)."""
+        writer = self._writer
+        if writer is not None and writer.file_id == file_id:
+            return writer.end
+        return os.path.getsize(self._path(file_id))
+
+    def disk_usage(self) -> int:
+        return sum(self.segment_size(fid) for fid in self.file_ids())
+
+    def path_of(self, file_id: int) -> str:
+        return self._path(file_id)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._writer is not None:
+                self._writer.finish()
+                self._writer = None
+            for reader in self._readers.values():
+                reader.close()
+            self._readers.clear()
