@@ -58,6 +58,7 @@ __all__ = [
     "SegmentStats",
     "StorageError",
     "StoreClosed",
+    "Store",
     "StoreLocked",
     "StoreStats",
     "__version__",

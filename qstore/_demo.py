@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TimeElapsedColumn
 
 from ._message import Message
 from ._queue import Queue
@@ -71,7 +71,7 @@ def _produce(q: Queue, ledger: Ledger, count: int, seed: int, delayed_share: flo
 
 
 def _consume(q: Queue, ledger: Ledger, stop: threading.Event, check_order: bool,
-             progress: Progress, task: int) -> None:
+             progress: Progress, task: TaskID) -> None:
     last: tuple[int, int] | None = None
     while not stop.is_set():
         msgs = q.pop_many(20, lease=30.0, wait=0.05)
@@ -101,7 +101,7 @@ def _consume(q: Queue, ledger: Ledger, stop: threading.Event, check_order: bool,
             progress.advance(task, len(good))
 
 
-def _run_consumers(store: Store, ledger: Ledger, progress: Progress, task: int, *,
+def _run_consumers(store: Store, ledger: Ledger, progress: Progress, task: TaskID, *,
                    check_order: bool, until_total: int, producers: list[threading.Thread]) -> None:
     q = store.queue("jobs")
     stop = threading.Event()

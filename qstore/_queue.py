@@ -13,7 +13,7 @@ import hashlib
 import math
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from ._errors import (
     InvalidArgument,
@@ -29,7 +29,7 @@ from .payload import PayloadRef
 if TYPE_CHECKING:
     from ._store import QueueState, Store
 
-Receipted = Union[Message, str]
+Receipted = Message | str
 PROMOTE_BATCH = 1000  # promotions per batch, to bound the time the writer lock is held
 
 _ST = records
@@ -307,7 +307,9 @@ class Queue:
 
     # -- ack / nack / extend --------------------------------------------------
 
-    def _leased(self, item: Receipted, now_us: int) -> tuple[QueueState, int, records.MessageRecord]:
+    def _leased(
+        self, item: Receipted, now_us: int
+    ) -> tuple[QueueState, int, records.MessageRecord]:
         """The in-flight record ``item`` holds a live lease on (writer lock held)."""
         q = self._state()
         qid, mid, delivery = _receipt_parts(item)

@@ -25,7 +25,7 @@ from ._errors import (
     StorageError,
     StoreClosed,
 )
-from ._message import QueueStats, SegmentStats, StoreStats
+from ._message import SegmentStats, StoreStats
 from ._txn import Txn, apply_counts
 from .meta import MetaDB, keys, records
 from .payload import PayloadRef, SegmentSet
@@ -122,14 +122,16 @@ class Store:
         for key, value in self.meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT)):
             self.seg_live[keys.segment_id(key)] = list(records.decode_segment(value))
         compaction = self.meta.get(keys.COMPACTION_KEY)
-        discard = records.unpack(compaction, "compaction")[2] if compaction else None
+        discard: list[int] = []
+        if compaction is not None and compaction_unfinished(compaction):
+            discard.append(records.unpack(compaction, "compaction")[2])
         self.payload = SegmentSet(
             os.path.join(self.path, "payload"),
             segment_max_bytes=self.config.segment_max_bytes,
             max_payload_bytes=self.config.max_payload_bytes,
             readonly=self.readonly,
             tail_hints={fid: v[2] for fid, v in self.seg_live.items()},
-            discard=[discard] if discard is not None and compaction_unfinished(compaction) else [],
+            discard=discard,
             next_file_id_floor=max(self.seg_live, default=0) + 1,
         )
 

@@ -140,10 +140,13 @@ def print_stats(st: Any, console: Console = out) -> None:
 @click.argument("store_path", metavar="STORE")
 @click.argument("queue")
 @click.argument("payload", required=False)
-@click.option("--file", "file_", type=click.File("rb"), help="Read the payload from a file ('-' for stdin).")
+@click.option("--file", "file_", type=click.File("rb"),
+              help="Read the payload from a file ('-' for stdin).")
 @click.option("-p", "--priority", help="Priority (int, or text on a str queue).")
-@click.option("--delay", type=float, default=0.0, show_default=True, help="Seconds before it is ready.")
-@click.option("--create", is_flag=True, help="Create the queue (order max, int priorities) if missing.")
+@click.option("--delay", type=float, default=0.0, show_default=True,
+              help="Seconds before it is ready.")
+@click.option("--create", is_flag=True,
+              help="Create the queue (order max, int priorities) if missing.")
 def push(store_path: str, queue: str, payload: str | None, file_: Any, priority: str | None,
          delay: float, create: bool) -> None:
     """Push one message (PAYLOAD text, or --file) onto QUEUE; prints its id."""
@@ -204,7 +207,7 @@ def peek(store_path: str, queue: str, count: int, dead: bool) -> None:
     import datetime as dt
 
     for m in msgs:
-        when = dt.datetime.fromtimestamp(m.enqueued_at, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        when = dt.datetime.fromtimestamp(m.enqueued_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
         table.add_row(str(m.id), str(m.priority), str(m.attempts), when, _show_payload(m.payload))
     out.print(table)
 
@@ -251,7 +254,8 @@ def snapshot(store_path: str, dest: str) -> None:
 @main.command()
 @click.argument("snapshot_path", metavar="SNAPSHOT")
 @click.option("--master", default=None, help="Spark master URL (default local[2]).")
-@click.option("--out", "out_dir", default=None, help="Where to write the report (default SNAPSHOT/audit).")
+@click.option("--out", "out_dir", default=None,
+              help="Where to write the report (default SNAPSHOT/audit).")
 def audit(snapshot_path: str, master: str | None, out_dir: str | None) -> None:
     """Audit a snapshot with Spark. Exit 0 clean, 1 findings, 2 bad usage."""
     from .spark.audit import run_audit

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from rocksdict import AccessType, Checkpoint, Options, ReadOptions, Rdict, WriteBatch, WriteOptions
+from rocksdict import AccessType, Checkpoint, Options, Rdict, ReadOptions, WriteBatch, WriteOptions
 
 from .._errors import StorageError, StoreLocked
 
@@ -52,13 +52,15 @@ class MetaDB:
 
     def get(self, key: bytes) -> bytes | None:
         try:
-            return self._db.get(key)  # type: ignore[no-any-return]
+            value: bytes | None = self._db.get(key)
+            return value
         except Exception as exc:
             raise StorageError(f"metadata read failed: {exc}") from None
 
     def multi_get(self, keys: list[bytes]) -> list[bytes | None]:
         try:
-            return self._db[keys]  # type: ignore[no-any-return]
+            values: list[bytes | None] = self._db[keys]  # type: ignore[index,assignment]
+            return values
         except Exception as exc:
             raise StorageError(f"metadata read failed: {exc}") from None
 

@@ -27,7 +27,8 @@ _pack = msgpack.Packer(use_bin_type=True).pack
 
 
 def pack(value: Any) -> bytes:
-    return _pack(value)  # type: ignore[no-any-return]
+    data: bytes = _pack(value)
+    return data
 
 
 def unpack(data: bytes, what: str) -> list[Any]:
@@ -61,10 +62,11 @@ class MessageRecord:
         self.digest = digest
 
     def encode(self) -> bytes:
-        return _pack([
+        data: bytes = _pack([
             RECORD_VERSION, self.state, self.priority, self.file_id, self.offset, self.length,
             self.attempts, self.deliveries, self.enqueued_at, self.when_us, self.digest,
         ])
+        return data
 
     @classmethod
     def decode(cls, data: bytes) -> MessageRecord:
@@ -93,7 +95,8 @@ class QueueRecord:
 
 def encode_counts(counts: list[int]) -> bytes:
     """[ready, delayed, in_flight, dead, bytes]."""
-    return _pack([RECORD_VERSION, *counts])
+    data: bytes = _pack([RECORD_VERSION, *counts])
+    return data
 
 
 def decode_counts(data: bytes) -> list[int]:
@@ -102,7 +105,8 @@ def decode_counts(data: bytes) -> list[int]:
 
 def encode_segment(live_bytes: int, live_count: int, end: int) -> bytes:
     """Live record bytes (frames included), live record count, and data end offset."""
-    return _pack([RECORD_VERSION, live_bytes, live_count, end])
+    data: bytes = _pack([RECORD_VERSION, live_bytes, live_count, end])
+    return data
 
 
 def decode_segment(data: bytes) -> tuple[int, int, int]:

@@ -113,7 +113,7 @@ class SegmentReader:
             return ScanStop(pos, fmt.SHORT_BODY, True)
         if fmt.record_crc(m[pos : pos + 4], m[pos + fmt.FRAME_SIZE : body_end]) != crc:
             return ScanStop(pos, fmt.BAD_CRC, _all_zero(m, body_end, size))
-        return length
+        return int(length)
 
     def detach(self) -> None:
         """Close the file but keep the map: the segment is being deleted under readers."""
