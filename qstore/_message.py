@@ -82,5 +82,8 @@ class StoreStats:
 
     @property
     def garbage_ratio(self) -> float:
-        disk = self.disk_bytes
-        return 0.0 if disk == 0 else max(0.0, (disk - self.live_bytes) / disk)
+        """Dead record bytes over all record bytes (segment headers are not garbage)."""
+        from .payload._format import HEADER_SIZE
+
+        body = sum(max(0, s.size - HEADER_SIZE) for s in self.segments)
+        return 0.0 if body == 0 else max(0.0, (body - self.live_bytes) / body)

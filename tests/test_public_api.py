@@ -1,0 +1,86 @@
+"""The public surface is exactly what __init__ exports, and the error tree is as documented."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import qstore
+
+
+def test_all_is_exactly_the_public_surface() -> None:
+    public = {n for n in dir(qstore) if not n.startswith("_")} - {
+        "cli", "meta", "payload", "spark",  # subpackages/modules, imported lazily or by tools
+    }
+    assert set(qstore.__all__) - {"__version__"} == public
+    assert qstore.__all__ == sorted(qstore.__all__)
+
+
+@pytest.mark.parametrize("error", [
+    qstore.StoreLocked, qstore.StoreClosed, qstore.ReadOnlyStore, qstore.QueueNotFound,
+    qstore.QueueExists, qstore.InvalidArgument, qstore.PayloadTooLarge, qstore.MessageNotFound,
+    qstore.LeaseExpired, qstore.Corruption, qstore.StorageError,
+])
+def test_every_error_derives_from_qstoreerror(error: type[Exception]) -> None:
+    assert issubclass(error, qstore.QStoreError)
+
+
+def test_invalid_argument_is_a_value_error_and_payload_too_large_is_invalid_argument() -> None:
+    assert issubclass(qstore.InvalidArgument, ValueError)
+    assert issubclass(qstore.PayloadTooLarge, qstore.InvalidArgument)
+
+
+def test_corruption_carries_path_offset_reason() -> None:
+    exc = qstore.Corruption("payload/0000000001.seg", 24, "record checksum mismatch")
+    assert (exc.path, exc.offset, exc.reason) == ("payload/0000000001.seg", 24,
+                                                  "record checksum mismatch")
+    assert "offset 24" in str(exc)
+
+
+def test_message_and_stats_are_immutable(store: qstore.Store) -> None:
+    q = store.create_queue("q")
+    q.push(b"x", priority=1)
+    msg = q.pop()
+    assert msg is not None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        msg.payload = b"y"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        q.stats().ready = 3  # type: ignore[misc]
+
+
+def test_config_is_frozen_keyword_only_and_comparable() -> None:
+    a = qstore.Config(durability="always")
+    assert a == qstore.Config(durability="always")
+    assert a != qstore.Config()
+    assert "durability='always'" in repr(a)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.durability = "none"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        qstore.Config("always")  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"durabilty": "none"}, "unknown option"),
+    ({"durability": "sometimes"}, "durability"),
+    ({"sync_interval": 0}, "sync_interval"),
+    ({"segment_max_bytes": -1}, "segment_max_bytes"),
+    ({"compact_threshold": 1.5}, "compact_threshold"),
+    ({"clock": 3}, "clock"),
+    ({"readonly": "yes"}, "readonly"),
+])
+def test_bad_open_options_raise_invalid_argument(tmp_path, options, fragment) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(qstore.InvalidArgument, match=fragment):
+        qstore.open(tmp_path / "s", **options)
+    assert not (tmp_path / "s").exists()
+
+
+def test_store_closed_raises_store_closed(store_path: str) -> None:
+    store = qstore.open(store_path, compactor=False)
+    q = store.create_queue("q")
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(qstore.StoreClosed):
+        q.push(b"x")
+    with pytest.raises(qstore.StoreClosed):
+        store.queues()
