@@ -38,8 +38,9 @@ class SegmentReader:
         self.path = path
         self.file_id = file_id
         self._fd = os.open(path, os.O_RDONLY)
+        # The map's own length is the mapped size, so a reader that takes one
+        # reference to the map sees a consistent pair even while another thread remaps.
         self._map: mmap.mmap | None = None
-        self._mapped = 0
         self.remap()
         problem = fmt.header_problem(self._view(0, fmt.HEADER_SIZE), file_id)
         if problem is not None:
@@ -50,16 +51,16 @@ class SegmentReader:
         if self._fd < 0:
             return  # detached: the file is gone, the map is all there is
         size = os.fstat(self._fd).st_size
-        if size == self._mapped and self._map is not None:
+        if size == self.mapped_size:
             return
         # Replace, never close, the old map: a thread may be slicing it right now,
         # and it is released when the last reference to it goes.
         self._map = mmap.mmap(self._fd, size, access=mmap.ACCESS_READ) if size else None
-        self._mapped = size
 
     @property
     def mapped_size(self) -> int:
-        return self._mapped
+        m = self._map
+        return 0 if m is None else len(m)
 
     def _view(self, start: int, end: int) -> bytes:
         m = self._map
@@ -74,12 +75,14 @@ class SegmentReader:
         anything past it is treated as past the end of the segment.
         """
         end = ref.offset + fmt.FRAME_SIZE + ref.length
-        if end > self._mapped:
+        m = self._map
+        if m is None or end > len(m):
             self.remap()
-        bound = self._mapped if limit is None else min(limit, self._mapped)
+            m = self._map
+        mapped = 0 if m is None else len(m)
+        bound = mapped if limit is None else min(limit, mapped)
         if ref.offset < fmt.HEADER_SIZE or end > bound:
             raise Corruption(self.path, ref.offset, fmt.OUT_OF_BOUNDS)
-        m = self._map
         assert m is not None
         length, crc = fmt.FRAME.unpack_from(m, ref.offset)
         if length != ref.length:
@@ -93,7 +96,8 @@ class SegmentReader:
         """Yield every intact record from ``start``; a stop is raised as :class:`ScanError`."""
         self.remap()
         m = self._map
-        size = self._mapped if end is None else min(end, self._mapped)
+        mapped = 0 if m is None else len(m)
+        size = mapped if end is None else min(end, mapped)
         pos = start
         while pos < size:
             stop = self._check_at(m, pos, size)
@@ -123,7 +127,6 @@ class SegmentReader:
 
     def close(self) -> None:
         self._map = None
-        self._mapped = 0
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -15,6 +16,9 @@ from ._reader import ScanError, SegmentReader, is_zero_from
 from ._writer import SegmentWriter, create_segment_file, fsync_dir
 
 log = logging.getLogger("qstore.payload")
+
+_COPY_PIECES = 1000  # pieces per pwritev of copy_live (Linux takes at most IOV_MAX = 1024)
+_COPY_BYTES = 4 * 1024 * 1024  # bytes per pwritev of copy_live
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ class SegmentSet:
         max_payload_bytes: int,
         readonly: bool = False,
         tail_hints: Mapping[int, int] | None = None,
-        discard: Iterable[int] = (),
+        discard: Sequence[int] = (),
         next_file_id_floor: int = 1,
     ) -> None:
         """Open (creating if needed) the segments in ``directory``.
@@ -80,9 +84,18 @@ class SegmentSet:
             if self.recovery.discarded:
                 fsync_dir(directory)
         hints = dict(tail_hints or {})
-        self._next_id = max([next_file_id_floor, *(i + 1 for i in ids), *(i + 1 for i in hints)])
+        # Never hand out an id a file ever had (a discarded output's included).
+        self._next_id = max([next_file_id_floor, *(i + 1 for i in ids), *(i + 1 for i in hints),
+                             *(i + 1 for i in discard)])
         for fid in ids[:-1]:
-            self._readers[fid] = SegmentReader(self._path(fid), fid)
+            reader = self._readers[fid] = SegmentReader(self._path(fid), fid)
+            hint = hints.get(fid)
+            if not readonly and hint is not None and reader.mapped_size > hint:
+                # A segment that was active when the process died while a later id
+                # (a compaction output) already existed: cut its tail as for the
+                # active segment. Nothing past the hint is referenced, so no data
+                # is at stake; a cleanly sealed segment ends at its hint.
+                self._recover_tail(reader, hint)
         if readonly:
             if ids:
                 self._readers[ids[-1]] = SegmentReader(self._path(ids[-1]), ids[-1])
@@ -165,7 +178,7 @@ class SegmentSet:
         return self.append_many([body])[0]
 
     def append_many(self, bodies: Sequence[bytes]) -> list[PayloadRef]:
-        """Append each body as a record; a batch that fits is one write (see ``IOV_MAX``).
+        """Append each body as a record; a batch that fits is one pwritev per 512 records.
 
         The segment rotates before a record that would take it past
         ``segment_max_bytes``; a single record larger than that gets a segment
@@ -268,50 +281,85 @@ class SegmentSet:
         """Copy the records of ``refs`` into new sealed segment ``file_id``, fsynced.
 
         Every source record is CRC-checked as it is read: damage raises
-        :class:`Corruption` and the output is removed. Returns old -> new refs.
+        :class:`Corruption` and the output is removed. Returns old -> new refs,
+        in the order of ``refs``; ``progress(nbytes)`` follows the bytes written.
+
+        A record is copied unchanged, frame and all (its CRC covers its length
+        and body, not its offset), straight from the source's memory map; records
+        that lie back to back in a source go out as one piece of a ``pwritev``.
         """
         path = self._path(file_id)
         create_segment_file(path, file_id)
-        writer = SegmentWriter(path, file_id, fmt.HEADER_SIZE, max_bytes=2**63)
+        fd = os.open(path, os.O_WRONLY)
         mapping: dict[PayloadRef, PayloadRef] = {}
+        views: dict[int, memoryview] = {}
+        pieces: list[memoryview] = []
         try:
-            batch: list[bytes] = []
-            olds: list[PayloadRef] = []
-            pending = 0
+            at = pos = fmt.HEADER_SIZE  # at: where pieces go; pos: end of the data so far
+            run_fid, run_start, run_end = -1, 0, 0  # the back-to-back records being gathered
             for ref in refs:
-                body = self.read(ref)
-                batch.append(body)
-                olds.append(ref)
-                pending += fmt.FRAME_SIZE + len(body)
-                if pending >= 4 * 1024 * 1024:
-                    self._flush_copy(writer, batch, olds, mapping, pending, progress)
-                    batch, olds, pending = [], [], 0
-            if batch:
-                self._flush_copy(writer, batch, olds, mapping, pending, progress)
-            writer.finish()
+                view = self._verified_record(ref, views)
+                end = ref.offset + fmt.FRAME_SIZE + ref.length
+                if (ref.file_id != run_fid or ref.offset != run_end
+                        or run_end - run_start >= _COPY_BYTES):
+                    if run_end > run_start:
+                        pieces.append(views[run_fid][run_start:run_end])
+                    run_fid, run_start = ref.file_id, ref.offset
+                    if len(pieces) >= _COPY_PIECES or pos - at >= _COPY_BYTES:
+                        at = _write_pieces(fd, pieces, at, progress)
+                        pieces = []
+                run_end = end
+                views[ref.file_id] = view
+                mapping[ref] = PayloadRef(file_id, pos, ref.length)
+                pos += end - ref.offset
+            if run_end > run_start:
+                pieces.append(views[run_fid][run_start:run_end])
+            _write_pieces(fd, pieces, at, progress)
+            pieces = []
+            os.fsync(fd)
         except BaseException:
-            writer.finish()
+            os.close(fd)
             os.unlink(path)
             raise
+        finally:
+            pieces = []
+            views.clear()
+        os.close(fd)
         fsync_dir(self.directory)
         with self._lock:
             self._readers[file_id] = SegmentReader(path, file_id)
         return mapping
 
-    @staticmethod
-    def _flush_copy(
-        writer: SegmentWriter,
-        batch: list[bytes],
-        olds: list[PayloadRef],
-        mapping: dict[PayloadRef, PayloadRef],
-        nbytes: int,
-        progress: Callable[[int], None] | None,
-    ) -> None:
-        writer.reserve(nbytes)
-        for old, new in zip(olds, writer.append(batch), strict=True):
-            mapping[old] = new
-        if progress is not None:
-            progress(nbytes)
+    def _verified_record(self, ref: PayloadRef, views: dict[int, memoryview]) -> memoryview:
+        """A view of the map of ``ref``'s segment in which its record is intact."""
+        view = views.get(ref.file_id)
+        for _ in range(2):
+            if view is None:
+                view = self._source_view(ref.file_id)
+            off = ref.offset
+            end = off + fmt.FRAME_SIZE + ref.length
+            if off >= fmt.HEADER_SIZE and end <= len(view):
+                length, crc = fmt.FRAME.unpack_from(view, off)
+                if length == ref.length and crc == zlib.crc32(
+                    view[off + fmt.FRAME_SIZE : end], zlib.crc32(view[off : off + 4])
+                ):
+                    return view
+            # Raises the precise Corruption; if it does not, the map was stale
+            # (the active segment grew since): look again in a fresh one.
+            self.read(ref)
+            view = None
+        raise Corruption(self._path(ref.file_id), ref.offset, fmt.BAD_CRC)
+
+    def _source_view(self, file_id: int) -> memoryview:
+        reader = self._readers.get(file_id)
+        if reader is None:
+            reader = self._open_reader(file_id)
+        m = reader._map  # written from directly: the payload bytes are not copied in Python
+        view = memoryview(m) if m is not None else memoryview(b"")
+        writer = self._writer
+        if writer is not None and writer.file_id == file_id:
+            view = view[: writer.end]  # past the writer's end is preallocated zeros
+        return view
 
     def delete(self, file_ids: Iterable[int]) -> None:
         """Unlink sealed segments. Readers already holding one keep a valid map."""
@@ -369,3 +417,16 @@ class SegmentSet:
             for reader in self._readers.values():
                 reader.close()
             self._readers.clear()
+
+
+def _write_pieces(
+    fd: int, pieces: list[memoryview], at: int, progress: Callable[[int], None] | None
+) -> int:
+    """Write ``pieces`` back to back at ``at``; returns the offset after them."""
+    total = sum(len(p) for p in pieces)
+    written = os.pwritev(fd, pieces, at) if pieces else 0
+    while written < total:  # a short write (rare: signals, huge batches): finish it
+        written += os.pwrite(fd, b"".join(pieces)[written:], at + written)
+    if progress is not None and total:
+        progress(total)
+    return at + total
