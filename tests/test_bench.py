@@ -1,0 +1,103 @@
+"""The benchmark harness's mechanics at a tiny size; no timing assertions (figures are noise)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import pytest
+
+from qstore._bench import _peers, _results, _runner, _scaling, _targets, run
+from qstore._bench._plan import MODES
+
+TINY = ["--quick", "--n", "30", "--budget", "0.05", "--quiet"]
+
+
+def _installed() -> list[_peers.PeerSpec]:
+    return [spec for spec in _peers.PEERS if spec.missing() is None]
+
+
+@pytest.mark.parametrize("spec", _installed(), ids=lambda s: s.name)
+def test_every_adapter_pushes_pops_and_acks_what_it_was_given(spec: _peers.PeerSpec,
+                                                              tmp_path: Any) -> None:
+    peer = spec.make(str(tmp_path / "q"), False)
+    try:
+        peer.fill([(b"a", 1), (b"b", 2)])
+        peer.push(b"c", 3)
+        peer.push_many([(b"d", 4), (b"e", 5)])
+        handles = peer.pop_many(10)
+        assert len(handles) == 5
+        peer.ack_many(handles[:4])
+        peer.ack(handles[4])
+        assert peer.pop() is None
+    finally:
+        peer.close()
+
+
+def test_every_peer_gets_a_row_and_the_saved_json_renders_the_same_tables(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    out = str(tmp_path / "results.json")
+    assert run([*TINY, "--only", "push,pop_ack", "--dir", str(tmp_path), "--json", out]) == 0
+    printed = capsys.readouterr().out
+    doc = _results.load(out)
+    for workload in ("push", "pop+ack"):
+        peers = {r["peer"] for r in doc["rows"] if r["workload"] == workload}
+        assert peers == {spec.name for spec in _peers.PEERS}
+    assert {t["id"] for t in doc["targets"]} == {t.id for t in _targets.TARGETS}
+    assert run(["--show", out]) == 0
+    shown = capsys.readouterr().out
+    assert printed.replace(f"results written to {out}\n", "") == shown
+    assert [p for p in os.listdir(tmp_path) if p.startswith("qstore-bench-")] == []
+
+
+def test_a_peer_that_is_not_installed_is_reported_not_fatal(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    ghost = dataclasses.replace(_peers.BY_NAME["litequeue"], name="ghost",
+                                module="qstore_no_such_module")
+    monkeypatch.setattr(_runner, "PEERS", (*_peers.PEERS, ghost))
+    monkeypatch.setattr(_runner, "BY_NAME", {**_peers.BY_NAME, "ghost": ghost})
+    out = str(tmp_path / "results.json")
+    code = run([*TINY, "--only", "push", "--peers", "qstore/interval,ghost", "--dir",
+                str(tmp_path), "--json", out])
+    assert code == 0
+    rows = {r["peer"]: r for r in _results.load(out)["rows"]}
+    assert rows["ghost"]["status"] == "not installed"
+    assert rows["ghost"]["rate"] is None
+    assert rows["qstore/interval"]["status"] == "ok"
+    assert "not installed" in capsys.readouterr().out
+
+
+def test_unknown_workload_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        run(["--only", "pushh"])
+    assert exc.value.code == 2
+    assert "unknown workload pushh" in capsys.readouterr().err
+
+
+def test_targets_are_not_applicable_when_their_inputs_were_not_measured() -> None:
+    rows = [{"workload": "push", "size": 1024, "peer": "qstore/interval", "threads": 1,
+             "rate": 100.0},
+            {"workload": "push", "size": 1024, "peer": "bare", "threads": 1, "rate": 400.0}]
+    got = {t["id"]: t for t in _targets.evaluate(rows, [], dataclasses.asdict(MODES["quick"]))}
+    assert got["interval-push-bare"]["measured"] == 0.25
+    assert got["interval-push-bare"]["status"] == "missed"
+    assert got["interval-push-litequeue"]["status"] == "n/a"
+    assert got["spark-audit"]["status"] == "n/a"
+
+
+def test_scaling_measurements_produce_their_metrics(tmp_path: Any) -> None:
+    p = dataclasses.replace(MODES["quick"], n=50, budget=0.05, cycles=200, backlog=300,
+                            compact_messages=400, disk_bytes=4 * 1024 * 1024)
+    names = {m.name for m in _scaling.measure_churn(str(tmp_path / "churn"), p)}
+    assert {"churn.steady_fresh", "churn.steady_after", "churn.backlog_after",
+            "churn.ratio"} <= names
+    store = str(tmp_path / "open")
+    _scaling.build_backlog(store, p)
+    names = {m.name for m in _scaling.measure_open(store, p)}
+    assert {"open.seconds", "open.rss_mb"} <= names
+    os.makedirs(tmp_path / "compact")
+    names = {m.name for m in _scaling.measure_compaction(str(tmp_path / "compact"), p)}
+    assert {"disk.write_mib_s", "compaction.mib_s", "compaction.ratio",
+            "compaction.ops_ratio"} <= names
