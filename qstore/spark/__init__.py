@@ -3,6 +3,6 @@
 Import of this package does not import pyspark; :func:`get_session` does.
 """
 
-from ._session import DEFAULT_MASTER, get_session
+from ._session import DEFAULT_MASTER, get_session, register
 
-__all__ = ["DEFAULT_MASTER", "get_session"]
+__all__ = ["DEFAULT_MASTER", "get_session", "register"]

@@ -25,14 +25,17 @@ def get_session(master: str | None = None, app_name: str = "qstore", *,
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
-    master = master or os.environ.get("QSTORE_SPARK_MASTER") or DEFAULT_MASTER
+    master = master or os.environ.get("QSTORE_SPARK_MASTER")
+    # Under spark-submit the JVM starts this Python with a gateway port and its
+    # own --master; only a plain `python` run defaults to local mode.
+    if master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:
+        master = DEFAULT_MASTER
     log4j = resources.files("qstore.spark").joinpath("log4j2.properties")
     java_opts = f"-Dlog4j2.configurationFile=file:{log4j}"
     if fast_start:
         java_opts += " -XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
     builder = (
-        SparkSession.builder.master(master)
-        .appName(app_name)
+        SparkSession.builder.appName(app_name)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.driver.extraJavaOptions", java_opts)
@@ -40,10 +43,18 @@ def get_session(master: str | None = None, app_name: str = "qstore", *,
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.python.worker.reuse", "true")
     )
+    if master is not None:
+        builder = builder.master(master)
     for key, value in (extra or {}).items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    register(spark)
+    return spark
+
+
+def register(spark: Any) -> Any:
+    """Register the ``qstore`` data source on any SparkSession; returns the session."""
     from ._datasource import QStoreDataSource
 
     spark.dataSource.register(QStoreDataSource)

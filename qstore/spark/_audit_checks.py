@@ -1,0 +1,248 @@
+"""The audit's findings and the checks that run on the driver.
+
+The driver reads what is small (the manifest, the ``Q``, ``C`` and ``S``
+records, the list of segment files and their headers) and compares it with
+what the executors recounted from the messages. Message-level checks (every
+reference, every index key, overlaps) run in Spark; see :mod:`.audit`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from .._message import SegmentStats
+from ..meta import keys, records
+from ..payload import _format as fmt
+from ._snapshot_view import Snapshot
+from ._verify import NOT_IN_MANIFEST
+
+# Finding kinds (one row of findings.parquet each; docs/spark.md explains each).
+CRC_MISMATCH = "crc_mismatch"  # message: the record's checksum does not match its bytes
+LENGTH_MISMATCH = "length_mismatch"  # message: the frame's length is not the reference's
+OUT_OF_BOUNDS = "out_of_bounds"  # message: the record is not inside the segment's data
+MISSING_SEGMENT = "missing_segment"  # message or segment: the segment file is not there
+BAD_SEGMENT_HEADER = "bad_segment_header"  # message or segment: the file header is damaged
+BAD_RECORD = "bad_record"  # message: any other reason a payload cannot be read
+OVERLAP = "overlap"  # message: its bytes overlap an earlier record's in the same segment
+INDEX_MISSING = "index_missing"  # message: its key in the index of its state (or dedup) is absent
+STRAY_INDEX_KEY = "stray_index_key"  # index key: no message owns it
+MESSAGE_WITHOUT_QUEUE = "message_without_queue"  # message: its queue id has no Q record
+ORPHAN_QUEUE_KEYS = "orphan_queue_keys"  # per-queue keys of a queue id with no Q record
+COUNTER_MISMATCH = "counter_mismatch"  # queue: the C record differs from a recount
+SEGMENT_RECORD_MISMATCH = "segment_record_mismatch"  # segment: the S record differs
+SEGMENT_TRUNCATED = "segment_truncated"  # segment: file shorter than its manifest length
+ORPHAN_SEGMENT = "orphan_segment"  # segment: a file nothing references or accounts for
+UNLISTED_SEGMENT = "unlisted_segment"  # segment: a referenced file missing from the manifest
+
+HEADER_REASONS = {fmt.BAD_MAGIC, fmt.BAD_VERSION, fmt.BAD_HEADER_CRC, fmt.WRONG_FILE_ID,
+                  fmt.SHORT_HEADER}
+REASON_KINDS = {
+    fmt.BAD_CRC: CRC_MISMATCH,
+    fmt.BAD_LENGTH: LENGTH_MISMATCH,
+    fmt.OUT_OF_BOUNDS: OUT_OF_BOUNDS,
+    fmt.MISSING_SEGMENT: MISSING_SEGMENT,
+    NOT_IN_MANIFEST: MISSING_SEGMENT,
+    **{reason: BAD_SEGMENT_HEADER for reason in HEADER_REASONS},
+}
+
+FINDINGS_SCHEMA = pa.schema([
+    pa.field("kind", pa.string()),
+    pa.field("queue", pa.string()),
+    pa.field("message_id", pa.int64()),
+    pa.field("file_id", pa.int64()),
+    pa.field("offset", pa.int64()),
+    pa.field("detail", pa.string()),
+])
+COUNTER_FIELDS = ("ready", "delayed", "in_flight", "dead", "bytes")
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str
+    queue: str | None = None
+    message_id: int | None = None
+    file_id: int | None = None
+    offset: int | None = None
+    detail: str = ""
+
+    def sort_key(self) -> tuple[Any, ...]:
+        return (self.kind, self.queue or "", self.message_id if self.message_id is not None
+                else -1, self.file_id if self.file_id is not None else -1, self.offset or 0)
+
+
+def findings_table(findings: Iterable[Finding]) -> pa.Table:
+    rows = sorted(findings, key=Finding.sort_key)
+    return pa.table({
+        "kind": pa.array([f.kind for f in rows], pa.string()),
+        "queue": pa.array([f.queue for f in rows], pa.string()),
+        "message_id": pa.array([f.message_id for f in rows], pa.int64()),
+        "file_id": pa.array([f.file_id for f in rows], pa.int64()),
+        "offset": pa.array([f.offset for f in rows], pa.int64()),
+        "detail": pa.array([f.detail for f in rows], pa.string()),
+    }, schema=FINDINGS_SCHEMA)
+
+
+@dataclass
+class MetaFacts:
+    """What the driver reads from a snapshot before the Spark passes."""
+
+    path: str
+    created_at: float
+    queues: dict[int, str]  # qid -> name
+    queue_types: dict[str, str]  # name -> priority type
+    counters: dict[int, list[int] | None]  # qid -> stored [ready, delayed, in_flight, dead, bytes]
+    segment_records: dict[int, tuple[int, int, int]]  # fid -> (live bytes, live count, end)
+    manifest: dict[int, int]  # fid -> data length at the checkpoint
+    active_id: int | None
+    files: dict[int, int]  # fid -> size of the file in payload/
+    headers: dict[int, str]  # fid -> why its header is damaged (damaged ones only)
+    compaction_output: int | None  # output of a compaction that never committed
+    orphan_queue_keys: list[Finding] = field(default_factory=list)
+
+
+def read_meta_facts(snap: Snapshot) -> MetaFacts:
+    meta = snap.meta
+    counters: dict[int, list[int] | None] = {}
+    for qid in snap.queues:
+        raw = meta.get(keys.counts_key(qid))
+        counters[qid] = records.decode_counts(raw) if raw is not None else None
+    segs = {keys.segment_id(k): records.decode_segment(v)
+            for k, v in meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT))}
+    output = None
+    raw = meta.get(keys.COMPACTION_KEY)
+    if raw is not None:
+        _, phase, out, _sources = records.unpack(raw, "compaction")
+        output = int(out) if phase == "copying" else None
+    files: dict[int, int] = {}
+    headers: dict[int, str] = {}
+    directory = os.path.join(snap.path, "payload")
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        fid = fmt.parse_segment_name(name)
+        if fid is None:
+            continue
+        path = os.path.join(directory, name)
+        files[fid] = os.path.getsize(path)
+        with open(path, "rb") as f:
+            problem = fmt.header_problem(f.read(fmt.HEADER_SIZE), fid)
+        if problem is not None:
+            headers[fid] = problem
+    orphans = []
+    for kind in (*keys.PER_QUEUE_KINDS, keys.COUNTS):
+        for qid in snap.qids_with_keys(kind):
+            if qid not in snap.queues and kind != keys.MESSAGE:  # messages: found row by row
+                orphans.append(Finding(ORPHAN_QUEUE_KEYS, detail=(
+                    f"keys with prefix {kind.decode()!r} for queue id {qid}, "
+                    "which has no Q record")))
+    return MetaFacts(
+        path=snap.path,
+        created_at=float(snap.manifest.get("created_at", 0.0)),
+        queues={qid: info.name for qid, info in snap.queues.items()},
+        queue_types={info.name: info.rec.priority_type for info in snap.queues.values()},
+        counters=counters,
+        segment_records=segs,
+        manifest=dict(snap.segment_lengths),
+        active_id=snap.active_id,
+        files=files,
+        headers=headers,
+        compaction_output=output,
+        orphan_queue_keys=orphans,
+    )
+
+
+def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]]
+                   ) -> tuple[list[Finding], list[dict[str, Any]]]:
+    """Segment-level findings and one summary row per segment.
+
+    ``recount`` maps a file id to (messages referencing it, their bytes with
+    frames). A segment file is an orphan when no message references it, it
+    has no ``S`` record, and it is neither the snapshot's active segment (a
+    fresh one has no record yet) nor the output of an unfinished compaction
+    (discarded when the store reopens), and it holds more than its header (a
+    compaction pass seals and then deletes an empty active segment; a snapshot
+    may fall in between). A segment that still has an ``S``
+    record but no live message is garbage awaiting compaction, not an orphan.
+    """
+    findings: list[Finding] = []
+    rows: list[dict[str, Any]] = []
+    fids = sorted(set(facts.manifest) | set(facts.files) | set(facts.segment_records)
+                  | set(recount))
+    for fid in fids:
+        listed = fid in facts.manifest
+        present = fid in facts.files
+        count, frame_bytes = recount.get(fid, (0, 0))
+        stored = facts.segment_records.get(fid)
+        length = facts.manifest.get(fid, facts.files.get(fid, 0))
+        if listed and not present:
+            findings.append(Finding(MISSING_SEGMENT, file_id=fid, detail=(
+                f"listed in MANIFEST.json ({length} bytes) but absent from payload/; "
+                f"{count} messages reference it")))
+        if present and fid in facts.headers:
+            findings.append(Finding(BAD_SEGMENT_HEADER, file_id=fid, offset=0,
+                                    detail=facts.headers[fid]))
+        if listed and present and facts.files[fid] < length:
+            findings.append(Finding(SEGMENT_TRUNCATED, file_id=fid, offset=facts.files[fid],
+                                    detail=(f"file has {facts.files[fid]} bytes, the manifest "
+                                            f"says {length}")))
+        unaccounted = (count == 0 and stored is None and fid != facts.active_id
+                       and length > fmt.HEADER_SIZE)  # a header-only file holds nothing
+        if present and unaccounted and fid != facts.compaction_output:
+            findings.append(Finding(ORPHAN_SEGMENT, file_id=fid, detail=(
+                f"{facts.files[fid]} bytes that no message references and no S record "
+                "accounts for" + ("" if listed else "; not listed in MANIFEST.json"))))
+        elif present and not listed and count:
+            findings.append(Finding(UNLISTED_SEGMENT, file_id=fid, detail=(
+                f"{count} messages reference it but MANIFEST.json does not list it")))
+        live_bytes, live_count, end = stored if stored is not None else (0, 0, 0)
+        if (live_bytes, live_count) != (frame_bytes, count):
+            findings.append(Finding(SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
+                f"S record says {live_count} live records / {live_bytes} bytes, recount "
+                f"finds {count} / {frame_bytes}" + ("" if stored is not None
+                                                    else " (no S record)"))))
+        if stored is not None and listed and end > length:
+            findings.append(Finding(SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
+                f"S record's data end {end} is past the manifest length {length}")))
+        if stored is not None and not listed and not present and count == 0:
+            findings.append(Finding(SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
+                "S record for a segment that does not exist")))
+        active = fid == facts.active_id
+        rows.append({
+            "file_id": fid,
+            "length": length,
+            "file_size": facts.files.get(fid),
+            "listed": listed,
+            "active": active,
+            "messages": count,
+            "live_bytes": frame_bytes,
+            "stored_live_count": stored[1] if stored is not None else None,
+            "stored_live_bytes": stored[0] if stored is not None else None,
+            "garbage_ratio": round(SegmentStats(fid, length, frame_bytes, count,
+                                                active).garbage_ratio, 6),
+        })
+    return findings, rows
+
+
+def check_counters(facts: MetaFacts, recount: Mapping[str, list[int]]
+                   ) -> tuple[list[Finding], dict[str, dict[str, Any]]]:
+    """Compare each queue's ``C`` record with the recount by state (plus payload bytes)."""
+    findings = []
+    table: dict[str, dict[str, Any]] = {}
+    for qid, name in sorted(facts.queues.items(), key=lambda kv: kv[1]):
+        counted = recount.get(name, [0, 0, 0, 0, 0])
+        stored = facts.counters.get(qid)
+        if stored is None:
+            findings.append(Finding(COUNTER_MISMATCH, queue=name, detail="no C record"))
+        elif list(stored) != counted:
+            diffs = [f"{f}: stored {s}, recount {c}"
+                     for f, s, c in zip(COUNTER_FIELDS, stored, counted, strict=True) if s != c]
+            findings.append(Finding(COUNTER_MISMATCH, queue=name, detail="; ".join(diffs)))
+        table[name] = {
+            "recount": dict(zip(COUNTER_FIELDS, counted, strict=True)),
+            "stored": dict(zip(COUNTER_FIELDS, stored, strict=True)) if stored else None,
+            "match": stored is not None and list(stored) == counted,
+        }
+    return findings, table

@@ -1,0 +1,200 @@
+"""The audit's human outputs: a short terminal summary and a self-contained HTML report.
+
+Both render the ``summary.json`` dictionary built by :mod:`.audit`; the HTML
+report draws its charts as inline SVG (no scripts, no external files).
+"""
+
+from __future__ import annotations
+
+import datetime
+import html
+from typing import Any
+
+CHART_WIDTH = 760
+MAX_DEPTH_BARS = 40
+MAX_EXAMPLES = 50
+
+
+def _when(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _where(f: dict[str, Any]) -> str:
+    parts = []
+    if f.get("message_id") is not None:
+        parts.append(f"message {f['message_id']}")
+    if f.get("queue") is not None:
+        parts.append(f"in {f['queue']!r}")
+    if f.get("file_id") is not None:
+        at = f" @ {f['offset']}" if f.get("offset") is not None else ""
+        parts.append(f"segment {f['file_id']}{at}")
+    return " ".join(parts) or "store"
+
+
+def render_text(summary: dict[str, Any]) -> str:
+    """A few lines for the terminal: what was audited, the queues, the verdict."""
+    msgs = summary["messages"]
+    disk = summary["disk"]
+    lines = [
+        f"qstore audit of {summary['snapshot']}",
+        f"  snapshot taken {_when(summary['snapshot_created_at'])}; "
+        f"audited in {summary['seconds']:.1f} s",
+        f"  {msgs['total']:,} messages in {len(summary['queues'])} queues; "
+        f"{disk['segments']} segments, {_size(disk['bytes'])}, "
+        f"{disk['garbage_ratio']:.1%} garbage",
+    ]
+    if summary["queues"]:
+        lines.append(f"  {'queue':<20} {'ready':>10} {'delayed':>9} {'in_flight':>9} "
+                     f"{'dead':>7} {'bytes':>12}  counters")
+        for name, q in summary["queues"].items():
+            c = q["recount"]
+            lines.append(f"  {name[:20]:<20} {c['ready']:>10,} {c['delayed']:>9,} "
+                         f"{c['in_flight']:>9,} {c['dead']:>7,} {c['bytes']:>12,}  "
+                         f"{'ok' if q['match'] else 'MISMATCH'}")
+    found = summary["findings"]
+    if found["total"] == 0:
+        lines.append("  CLEAN: every reference resolves to an intact record; counters, segment "
+                     "records and indexes match a recount (exit 0)")
+    else:
+        lines.append(f"  FINDINGS: {found['total']:,} (exit 1)")
+        examples = {f["kind"]: f for f in reversed(found["examples"])}
+        for kind, n in sorted(found["by_kind"].items()):
+            ex = examples.get(kind)
+            hint = f"  e.g. {_where(ex)}: {ex['detail']}" if ex else ""
+            lines.append(f"    {kind:<24} {n:>8,}{hint}"[:160])
+    outs = summary.get("outputs", {})
+    if outs:
+        lines.append(f"  wrote {', '.join(outs.values())}")
+    return "\n".join(lines)
+
+
+def render_html(summary: dict[str, Any]) -> str:
+    """The report page: verdict, findings, queues, and two charts."""
+    e = html.escape
+    found = summary["findings"]
+    verdict = ("<p class=ok>Clean: no findings (exit 0).</p>" if found["total"] == 0 else
+               f"<p class=bad>{found['total']:,} findings (exit 1).</p>")
+    kinds = "".join(f"<tr><td>{e(k)}</td><td class=n>{n:,}</td></tr>"
+                    for k, n in sorted(found["by_kind"].items()))
+    examples = "".join(
+        f"<tr><td>{e(f['kind'])}</td><td>{e(str(f.get('queue') or ''))}</td>"
+        f"<td class=n>{_cell(f.get('message_id'))}</td><td class=n>{_cell(f.get('file_id'))}</td>"
+        f"<td class=n>{_cell(f.get('offset'))}</td><td>{e(f['detail'])}</td></tr>"
+        for f in found["examples"][:MAX_EXAMPLES])
+    queues = "".join(
+        f"<tr><td>{e(name)}</td>"
+        + "".join(f"<td class=n>{q['recount'][k]:,}</td>"
+                  for k in ("ready", "delayed", "in_flight", "dead", "bytes"))
+        + f"<td>{'ok' if q['match'] else '<b>mismatch</b>'}</td></tr>"
+        for name, q in summary["queues"].items())
+    sizes = "".join(
+        f"<tr><td>{e(s['queue'] or '')}</td><td>{e(str(s['priority']))}</td>"
+        + "".join(f"<td class=n>{_cell(s[k])}</td>"
+                  for k in ("count", "min", "p50", "p90", "p99", "max", "bytes"))
+        + "</tr>"
+        for s in summary["payload_sizes"][:MAX_DEPTH_BARS])
+    more = (f"<p>Showing {MAX_EXAMPLES} of {found['total']:,}; every finding is in "
+            "findings.parquet.</p>" if found["total"] > MAX_EXAMPLES else "")
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>qstore audit</title>
+<style>
+body{{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222;max-width:60em}}
+table{{border-collapse:collapse;margin:.5em 0 1.5em}}
+td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left}}
+td.n{{text-align:right;font-variant-numeric:tabular-nums}}
+.ok{{color:#176f2c;font-weight:bold}} .bad{{color:#b00020;font-weight:bold}}
+svg text{{font:11px system-ui,sans-serif}}
+</style></head><body>
+<h1>qstore audit</h1>
+<p>Snapshot <code>{e(summary['snapshot'])}</code>, taken {_when(summary['snapshot_created_at'])};
+audited {_when(summary['audited_at'])} in {summary['seconds']:.1f} s.
+{summary['messages']['total']:,} messages, {summary['disk']['segments']} segments
+({_size(summary['disk']['bytes'])}, {summary['disk']['garbage_ratio']:.1%} garbage).</p>
+{verdict}
+<h2>Findings by kind</h2>
+<table><tr><th>kind</th><th>count</th></tr>{kinds}</table>
+<table><tr><th>kind</th><th>queue</th><th>message</th><th>segment</th><th>offset</th>
+<th>detail</th></tr>{examples}</table>{more}
+<h2>Queues (recount)</h2>
+<table><tr><th>queue</th><th>ready</th><th>delayed</th><th>in flight</th><th>dead</th>
+<th>payload bytes</th><th>C record</th></tr>{queues}</table>
+<h2>Garbage ratio per segment</h2>
+{garbage_chart(summary['segments'])}
+<h2>Depth per queue and priority</h2>
+{depth_chart(summary['payload_sizes'])}
+<h2>Payload sizes per queue and priority (bytes)</h2>
+<table><tr><th>queue</th><th>priority</th><th>messages</th><th>min</th><th>p50</th><th>p90</th>
+<th>p99</th><th>max</th><th>total</th></tr>{sizes}</table>
+</body></html>
+"""
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return ""
+    return f"{v:,}" if isinstance(v, int) else html.escape(str(v))
+
+
+def garbage_chart(segments: list[dict[str, Any]]) -> str:
+    """Vertical bars, one per segment, height = garbage ratio (0 to 100%)."""
+    if not segments:
+        return "<p>No segments.</p>"
+    height, left, bottom = 160, 40, 30
+    step = max(3.0, min(40.0, (CHART_WIDTH - left) / len(segments)))
+    width = left + step * len(segments) + 10
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" '
+             f'height="{height + bottom + 10}" role="img" aria-label="garbage ratio per segment">']
+    for frac in (0.0, 0.5, 1.0):
+        y = 10 + height * (1 - frac)
+        parts.append(f'<line x1="{left}" x2="{width - 5:.0f}" y1="{y:.1f}" y2="{y:.1f}" '
+                     'stroke="#ddd"/>')
+        parts.append(f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end">{frac:.0%}</text>')
+    label_every = max(1, int(30 // step) + 1)
+    for i, seg in enumerate(segments):
+        ratio = float(seg["garbage_ratio"])
+        h = height * ratio
+        x = left + i * step
+        color = "#4a7bd0" if not seg["active"] else "#8fb3ea"
+        parts.append(f'<rect x="{x + 1:.1f}" y="{10 + height - h:.1f}" width="{step - 2:.1f}" '
+                     f'height="{h:.1f}" fill="{color}"><title>segment {seg["file_id"]}: '
+                     f'{ratio:.1%} garbage, {seg["messages"]:,} live messages</title></rect>')
+        if i % label_every == 0:
+            parts.append(f'<text x="{x + step / 2:.1f}" y="{height + 24}" '
+                         f'text-anchor="middle">{seg["file_id"]}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def depth_chart(groups: list[dict[str, Any]]) -> str:
+    """Horizontal bars: messages per (queue, priority), for the largest groups."""
+    shown = sorted(groups[:MAX_DEPTH_BARS], key=lambda g: (
+        g["queue"] or "", isinstance(g["priority"], str), g["priority"]))
+    if not shown:
+        return "<p>No messages.</p>"
+    label_w, bar_h = 220, 16
+    top = max(g["count"] for g in shown) or 1
+    span = CHART_WIDTH - label_w - 80
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_WIDTH}" '
+             f'height="{len(shown) * (bar_h + 4) + 10}" role="img" '
+             'aria-label="depth per queue and priority">']
+    for i, g in enumerate(shown):
+        y = 5 + i * (bar_h + 4)
+        w = max(1.0, span * g["count"] / top)
+        label = html.escape(f"{g['queue']} / {g['priority']}"[:36])
+        parts.append(f'<text x="{label_w - 6}" y="{y + 12}" text-anchor="end">{label}</text>')
+        parts.append(f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar_h}" '
+                     'fill="#d0894a"/>')
+        parts.append(f'<text x="{label_w + w + 4:.1f}" y="{y + 12}">{g["count"]:,}</text>')
+    if len(groups) > len(shown):
+        parts.append("</svg>")
+        return "\n".join(parts) + f"<p>{len(shown)} largest of {len(groups)} groups.</p>"
+    parts.append("</svg>")
+    return "\n".join(parts)

@@ -1,0 +1,213 @@
+"""The Spark audit: clean on a clean store, and each kind of real damage named precisely."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from rocksdict import Options, Rdict
+
+import qstore
+from qstore.meta import keys, records
+from qstore.payload._format import segment_name
+from qstore.payload._writer import SegmentWriter, create_segment_file
+from qstore.spark._audit_checks import FINDINGS_SCHEMA
+from qstore.spark._audit_merge import cross_task_overlaps, merge
+from qstore.spark._audit_source import AUDIT_SCHEMA, audit_range
+from qstore.spark._scan import scan_snapshot
+from qstore.spark._snapshot_view import Snapshot, plan_ranges
+from qstore.spark.audit import AuditResult, main, run_audit
+
+from .conftest import ManualClock, Snap
+
+pytestmark = pytest.mark.spark
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+BODY = 100  # every payload of the damaged store has this length, so two records can overlap
+
+
+def test_clean_snapshot_audits_clean(spark: Any, clean_snap: Snap, tmp_path: Any,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_audit(clean_snap.path, spark=spark, out=str(tmp_path / "out"))
+    assert (result.exit_code, result.findings) == (0, 0)
+    assert "CLEAN" in capsys.readouterr().out
+    summary = json.loads(_read(result.paths["summary"]))
+    assert summary["clean"] and summary["exit_code"] == 0
+    assert summary["messages"]["total"] == len(clean_snap.payloads)
+    for name, st in clean_snap.stats.items():
+        q = summary["queues"][name]
+        assert q["match"] and q["recount"] == {"ready": st.ready, "delayed": st.delayed,
+                                               "in_flight": st.in_flight, "dead": st.dead,
+                                               "bytes": st.bytes}
+    assert summary["queues"]["tags"]["index"]["dedup"] == {"keys": 12, "expected": 12}
+    assert len(summary["segments"]) >= 3
+    assert {(g["queue"], g["priority"]) for g in summary["payload_sizes"]} >= {
+        ("jobs", 9), ("tags", "p0"), ("poison", 1)}
+    table = pq.read_table(result.paths["findings"])
+    assert table.num_rows == 0 and table.schema.equals(FINDINGS_SCHEMA)
+    report = _read(result.paths["report"])
+    assert report.count("<svg") == 2 and "Clean" in report and "tags" in report
+
+
+@dataclass(frozen=True)
+class Damage:
+    """A damaged snapshot, the audit of it, and which message or segment got which damage."""
+
+    result: AuditResult
+    findings: list[dict[str, Any]]
+    flipped: int  # message whose payload byte was flipped
+    truncated: tuple[int, int]  # (segment, its last message) cut short
+    deleted: tuple[int, list[int]]  # (segment, its messages) whose file was removed
+    orphan: int  # segment file added with no reference and no S record
+    overlapped: tuple[int, int]  # (message repointed, message whose bytes it now shares)
+    unindexed: int  # message whose ready key was deleted
+    stray: int  # message id of a ready key added with no message
+
+
+@pytest.fixture(scope="module")
+def damage(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Damage:
+    base = tmp_path_factory.mktemp("damaged")
+    with qstore.open(os.path.join(base, "store"), clock=ManualClock(), compactor=False,
+                     segment_max_bytes=1200) as store:
+        jobs = store.create_queue("jobs")
+        jobs.push_many([(b"%-100d" % i, i % 10) for i in range(80)])
+        tags = store.create_queue("tags", priority_type="str")
+        tags.push_many([(b"%-100d" % i, "t") for i in range(5)])
+        snap = store.snapshot(os.path.join(base, "snap"))
+    # The snapshot's segments are hard links of the (closed) store's: damage them in place.
+    rows = scan_snapshot(snap, queues=["jobs"]).to_pylist()
+    by_seg: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_seg.setdefault(r["file_id"], []).append(r)
+    segs = sorted(by_seg)
+    assert len(segs) >= 6 and all(r["length"] == BODY for r in rows)
+
+    flipped = by_seg[segs[0]][1]
+    with open(os.path.join(snap, "payload", segment_name(segs[0])), "r+b") as f:
+        f.seek(flipped["offset"] + 8 + 10)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    cut = os.path.join(snap, "payload", segment_name(segs[1]))
+    os.truncate(cut, os.path.getsize(cut) - 5)
+    os.unlink(os.path.join(snap, "payload", segment_name(segs[2])))
+    orphan = max(segs) + 100
+    orphan_path = os.path.join(snap, "payload", segment_name(orphan))
+    create_segment_file(orphan_path, orphan)
+    writer = SegmentWriter(orphan_path, orphan, 24, 1 << 20)
+    writer.reserve(200)
+    writer.append([b"nobody refers to me"])
+    writer.finish()
+
+    db = Rdict(os.path.join(snap, "meta"), Options(raw_mode=True))
+    qid_jobs, qid_tags = 1, 2
+    mover, target = by_seg[segs[3]][0], by_seg[segs[3]][1]
+    rec = records.MessageRecord.decode(db[keys.message_key(qid_jobs, mover["id"])])
+    rec.offset = target["offset"]
+    db[keys.message_key(qid_jobs, mover["id"])] = rec.encode()
+    unindexed = by_seg[segs[4]][0]
+    pkey = keys.priority_key("max", "int", unindexed["priority_int"])
+    del db[keys.ready_key(qid_jobs, pkey, unindexed["id"])]
+    stray = 999_999
+    db[keys.ready_key(qid_jobs, keys.priority_key("max", "int", 5), stray)] = b""
+    db[keys.counts_key(qid_tags)] = records.encode_counts([99, 0, 0, 0, 123])
+    db.close()
+
+    result = run_audit(snap, spark=spark, quiet=True)
+    findings = pq.read_table(result.paths["findings"]).to_pylist()
+    return Damage(result, findings, flipped["id"], (segs[1], by_seg[segs[1]][-1]["id"]),
+                  (segs[2], [r["id"] for r in by_seg[segs[2]]]), orphan,
+                  (mover["id"], target["id"]), unindexed["id"], stray)
+
+
+def _of(damage: Damage, kind: str) -> list[dict[str, Any]]:
+    return [f for f in damage.findings if f["kind"] == kind]
+
+
+def test_flipped_payload_byte_is_a_crc_finding_for_that_message(damage: Damage) -> None:
+    [f] = _of(damage, "crc_mismatch")
+    assert (f["queue"], f["message_id"]) == ("jobs", damage.flipped)
+
+
+def test_truncated_segment_is_a_bounds_finding_for_its_last_message(damage: Damage) -> None:
+    fid, last = damage.truncated
+    [f] = _of(damage, "out_of_bounds")
+    assert (f["message_id"], f["file_id"]) == (last, fid)
+    [seg] = _of(damage, "segment_truncated")
+    assert seg["file_id"] == fid and seg["message_id"] is None
+
+
+def test_deleted_segment_is_missing_for_each_of_its_messages(damage: Damage) -> None:
+    fid, ids = damage.deleted
+    found = _of(damage, "missing_segment")
+    assert {f["file_id"] for f in found} == {fid}
+    assert sorted(f["message_id"] for f in found if f["message_id"] is not None) == sorted(ids)
+    assert [f for f in found if f["message_id"] is None]  # and once for the segment itself
+
+
+def test_added_segment_file_is_an_orphan(damage: Damage) -> None:
+    [f] = _of(damage, "orphan_segment")
+    assert f["file_id"] == damage.orphan
+
+
+def test_records_sharing_bytes_are_an_overlap(damage: Damage) -> None:
+    mover, target = damage.overlapped
+    [f] = _of(damage, "overlap")
+    assert {f["message_id"], int(f["detail"].rsplit(" ", 1)[1].rstrip(")"))} == {mover, target}
+
+
+def test_overlap_between_tasks_is_named_the_same_way(damage: Damage) -> None:
+    # One message per task: the overlap can only be seen between tasks' runs.
+    with Snapshot(damage.result.summary["snapshot"]) as snap:
+        ranges = [r for r in plan_ranges(snap, partitions=10_000) if r.qid == 1]
+        facts = merge(pa.Table.from_batches(
+            [b for r in ranges for b in audit_range(snap, r)], schema=AUDIT_SCHEMA))
+        assert not [f for f in facts.findings if f.kind == "overlap"]
+        [f] = cross_task_overlaps(snap, facts.runs, {1: "jobs"})
+    [expected] = _of(damage, "overlap")
+    assert (f.kind, f.queue, f.message_id, f.detail) == (
+        "overlap", "jobs", expected["message_id"], expected["detail"])
+
+
+def test_missing_and_stray_index_keys_are_named(damage: Damage) -> None:
+    [missing] = _of(damage, "index_missing")
+    assert missing["message_id"] == damage.unindexed and "ready index" in missing["detail"]
+    [stray] = _of(damage, "stray_index_key")
+    assert (stray["queue"], stray["message_id"]) == ("jobs", damage.stray)
+
+
+def test_wrong_counter_is_a_counter_finding(damage: Damage) -> None:
+    [f] = _of(damage, "counter_mismatch")
+    assert f["queue"] == "tags" and "ready: stored 99, recount 5" in f["detail"]
+
+
+def test_damaged_audit_exits_1_and_reports_only_the_damage(damage: Damage) -> None:
+    result = damage.result
+    assert result.exit_code == 1 and result.findings == len(damage.findings)
+    assert {f["kind"] for f in damage.findings} == {
+        "crc_mismatch", "out_of_bounds", "segment_truncated", "missing_segment",
+        "orphan_segment", "overlap", "index_missing", "stray_index_key", "counter_mismatch"}
+    summary = json.loads(_read(result.paths["summary"]))
+    assert summary["exit_code"] == 1 and summary["findings"]["total"] == result.findings
+    assert set(summary["findings"]["by_kind"]) == {f["kind"] for f in damage.findings}
+    assert not summary["queues"]["tags"]["match"]
+    report = _read(result.paths["report"])
+    assert "crc_mismatch" in report and "<svg" in report
+    assert "FINDINGS" in result.text and "crc_mismatch" in result.text
+
+
+def test_main_exit_codes_for_bad_usage(tmp_path: Any,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    assert main([]) == 2
+    assert main([str(tmp_path)]) == 2  # not a snapshot: no Spark needed to say so
+    assert "not a qstore snapshot" in capsys.readouterr().err
