@@ -1,0 +1,423 @@
+"""Executor side of the backfill: one Spark partition in, staged store files out.
+
+A :class:`PartitionLoader` turns the rows of one partition into exactly the
+keys and records that :meth:`qstore.Queue.push_many` would have written for
+them (a test checks byte equality), but as files instead of WriteBatches:
+
+- payload segment files in the qstore segment format, named and headed with
+  the FINAL file ids the driver reserved for this partition, rolled at
+  ``segment_max_bytes`` as the store rolls its own while reserved ids last (the
+  last one then takes the rest: a sealed segment may be larger, as a
+  compaction output may);
+- ``p<pid>-m.sst``: the message records ``m qid id``, written as they come
+  (ids grow with row order, so they are already sorted);
+- ``p<pid>-x.sst``: the index keys, sorted: delayed ``d``, dedup ``k`` and
+  ready ``r`` keys (``d`` < ``k`` < ``r`` in byte order);
+- ``rejects-p<pid>.parquet``: the rows that cannot be loaded, with a reason.
+
+Row ``n`` of partition ``p`` gets id ``first_id(p) + n`` whether it is loaded
+or rejected, so ids follow row order (the FIFO rule for equal priorities) and
+a rejected row only leaves a gap. Every output is written under a temporary
+name and renamed when complete, so a retried task attempt replaces, never
+mixes with, an earlier one. This module does not import pyspark or open the
+store: it runs in Spark's Python workers.
+
+Speed: a batch's payload records are framed with one ``numpy.insert`` and
+written with one call, and index keys are built and sorted as arrays; per row
+there remain only the CRC, the record's msgpack and the SST put.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from rocksdict import Options, SstFileWriter
+
+from ..meta import keys, records
+from ..payload import _format as fmt
+from ..payload._writer import fsync_dir
+from ._rows import LoadSpec, Rows, parse
+
+# Columns of the rejects table added to the source's columns.
+REASON_COL = "reject_reason"
+PARTITION_COL = "source_partition"
+ROW_COL = "source_row"
+
+_SIGN = np.uint64(1 << 63)
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """The driver's reservation for one partition."""
+
+    pid: int
+    rows: int  # rows the counting pass saw; the task fails if it sees another number
+    first_id: int  # ids first_id .. first_id + rows - 1 are this partition's
+    file_ids: list[int]  # final segment file ids, used in order
+    duplicates: dict[int, str] = field(default_factory=dict)  # row -> reject reason
+
+
+class _Segments:
+    """Payload segments of one partition, rolled at ``segment_max_bytes`` like the store's."""
+
+    def __init__(self, directory: str, file_ids: list[int], max_bytes: int, tmp: str) -> None:
+        self._dir = directory
+        self._ids = list(file_ids)
+        self._max = max_bytes
+        self._tmp = tmp
+        self._f: Any = None
+        self.file_id = 0
+        self.end = 0
+        self.done: list[dict[str, int]] = []  # finished segments
+        self._live_bytes = self._live_count = 0
+
+    def _path(self, fid: int) -> str:
+        return os.path.join(self._dir, fmt.segment_name(fid))
+
+    def _open(self) -> None:
+        if not self._ids:
+            raise RuntimeError("backfill partition has no segment file id reserved")
+        self.file_id = self._ids.pop(0)
+        self._f = open(self._path(self.file_id) + self._tmp, "wb", buffering=1 << 20)  # noqa: SIM115
+        self._f.write(fmt.encode_header(self.file_id))
+        self.end = fmt.HEADER_SIZE
+        self._live_bytes = self._live_count = 0
+
+    def fits(self, nbytes: int) -> bool:
+        """True if ``nbytes`` of records go in the current segment (opening the first)."""
+        if self._f is None:
+            if fmt.HEADER_SIZE + nbytes > self._max and len(self._ids) > 1:
+                return False
+            self._open()
+        return self.end + nbytes <= self._max or not self._ids
+
+    def append(self, frame: bytes, body: memoryview) -> tuple[int, int]:
+        """Write one record, rolling first if it does not fit; returns (file id, offset)."""
+        nbytes = len(frame) + len(body)
+        if self._f is None:
+            self._open()
+        elif self.end + nbytes > self._max and self.end > fmt.HEADER_SIZE and self._ids:
+            self._close()
+            self._open()
+        self._f.write(frame)
+        self._f.write(body)
+        return self._count(nbytes, 1)
+
+    def append_chunk(self, chunk: Any, count: int) -> tuple[int, int]:
+        """Write ``count`` framed records at once (``fits`` said yes); returns the start."""
+        self._f.write(memoryview(chunk))
+        return self._count(len(chunk), count)
+
+    def _count(self, nbytes: int, count: int) -> tuple[int, int]:
+        at = self.end
+        self.end += nbytes
+        self._live_bytes += nbytes
+        self._live_count += count
+        return self.file_id, at
+
+    def _close(self) -> None:
+        f = self._f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        self._f = None
+        os.replace(self._path(self.file_id) + self._tmp, self._path(self.file_id))
+        self.done.append({"file_id": self.file_id, "live_bytes": self._live_bytes,
+                          "live_count": self._live_count, "end": self.end})
+
+    def finish(self) -> list[dict[str, int]]:
+        if self._f is not None:
+            self._close()
+        return self.done
+
+    def abort(self) -> None:
+        """Close without publishing (the temporary file goes with the staging directory)."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def _sst_writer(path: str) -> SstFileWriter:
+    writer = SstFileWriter(Options(raw_mode=True))  # raw mode, as the store's database
+    writer.open(path)
+    return writer
+
+
+def _fixed_keys(prefix: bytes, *columns: np.ndarray) -> tuple[bytes, int]:
+    """Keys ``prefix + big-endian u64 per column`` for each row, concatenated; and the width."""
+    n = len(columns[0])
+    width = len(prefix) + 8 * len(columns)
+    buf = np.empty((n, width), np.uint8)
+    buf[:, : len(prefix)] = np.frombuffer(prefix, np.uint8)
+    for j, col in enumerate(columns):
+        at = len(prefix) + 8 * j
+        buf[:, at: at + 8] = col.astype(">u8").view(np.uint8).reshape(n, 8)
+    return buf.tobytes(), width
+
+
+class PartitionLoader:
+    """Writes one partition's staged files; feed it Arrow batches, then :meth:`finish`."""
+
+    def __init__(self, spec: LoadSpec, plan: PartitionPlan, staging: str, attempt: str) -> None:
+        self.spec = spec
+        self.plan = plan
+        self.staging = staging
+        self._tmp = f".{attempt}.tmp"
+        self._segs = _Segments(os.path.join(staging, "seg"), plan.file_ids,
+                               spec.segment_max_bytes, self._tmp)
+        self._m_path = os.path.join(staging, "sst", f"p{plan.pid:05d}-m.sst")
+        self._m: SstFileWriter | None = None
+        self._delayed: list[tuple[np.ndarray, np.ndarray]] = []  # (due us, id) per batch
+        self._ready: list[tuple[np.ndarray, np.ndarray]] = []  # (priority key, id) per batch
+        self._ready_keys: list[bytes] = []  # str priorities: whole keys
+        self._dedup: list[tuple[bytes, bytes]] = []
+        self._seeds: dict[int, int] = {}  # body length -> CRC of its 4 length bytes
+        self._rejects: list[pa.RecordBatch] = []
+        self.rows = self.loaded = self.ready = self.delayed = self.nbytes = 0
+        self.duplicates = 0
+        self.min_due_us: int | None = None
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        plan = self.plan
+        start = self.rows
+        if start + batch.num_rows > plan.rows:
+            raise RuntimeError(
+                f"partition {plan.pid} has more rows than the counting pass saw ({plan.rows}): "
+                "the source is not deterministic; write it to Parquet (or checkpoint the "
+                "DataFrame) and backfill from that")
+        self.rows += batch.num_rows
+        rows = parse(batch, self.spec)
+        for row, why in plan.duplicates.items():
+            if start <= row < self.rows and rows.reasons[row - start] is None:
+                rows.reasons[row - start] = why
+                self.duplicates += 1
+        valid = [i for i, r in enumerate(rows.reasons) if r is None]
+        if valid:
+            self._write(rows, np.array(valid, np.int64), start)
+        if len(valid) < rows.n:
+            self._add_rejects(batch, [i for i, r in enumerate(rows.reasons) if r is not None],
+                              rows.reasons, start)
+
+    def _frame_records(self, rows: Rows, idx: np.ndarray) -> tuple[list[int], list[int]]:
+        """Append the payloads of rows ``idx`` to the segments; (file ids, offsets)."""
+        offsets = rows.offsets
+        starts = offsets[idx]
+        lens = offsets[idx + 1] - starts
+        data, seeds, crc32, length = rows.data, self._seeds, zlib.crc32, fmt.LENGTH.pack
+        crcs = []
+        for o, n in zip(starts.tolist(), lens.tolist(), strict=True):
+            seed = seeds.get(n)
+            if seed is None:
+                seed = seeds[n] = crc32(length(n))
+            crcs.append(crc32(data[o: o + n], seed))  # = fmt.record_crc(length, body)
+        k = len(idx)
+        total = int(lens.sum()) + fmt.FRAME_SIZE * k
+        segs = self._segs
+        if k == rows.n and segs.fits(total):
+            # The whole batch, contiguous in the Arrow buffer: insert the 8-byte frame
+            # headers before each body and write it as one chunk.
+            head = np.empty((k, 2), "<u4")
+            head[:, 0] = lens
+            head[:, 1] = crcs
+            rel = offsets[:-1] - offsets[0]
+            body = np.frombuffer(data, np.uint8)[offsets[0]: offsets[-1]]
+            chunk = np.insert(body, np.repeat(rel, fmt.FRAME_SIZE), head.view(np.uint8).ravel())
+            fid, at = segs.append_chunk(chunk, k)
+            return [fid] * k, (at + rel + fmt.FRAME_SIZE * np.arange(k)).tolist()
+        fids, ats = [], []
+        for i, n, c in zip(idx.tolist(), lens.tolist(), crcs, strict=True):
+            fid, at = segs.append(length(n) + length(c), rows.body(i))
+            fids.append(fid)
+            ats.append(at)
+        return fids, ats
+
+    def _write(self, rows: Rows, idx: np.ndarray, start: int) -> None:
+        spec = self.spec
+        qid, now = spec.qid, spec.now
+        fids, ats = self._frame_records(rows, idx)
+        lens = (rows.offsets[idx + 1] - rows.offsets[idx]).tolist()
+        mids = np.int64(self.plan.first_id + start) + idx
+        delays = rows.delays[idx]
+        late = delays > 0
+        # keys.to_us(now + delay), vectorised: the same float64 arithmetic, truncated.
+        when = np.where(late, np.maximum(0, ((now + delays) * 1_000_000).astype(np.int64)), 0)
+        prio_arr = rows.priorities[idx] if spec.priority_type == "int" else np.asarray(
+            [rows.priorities[i] for i in idx.tolist()], object)
+        prios = prio_arr.tolist()
+        digests = [None] * len(idx) if rows.digests is None else [
+            rows.digests[i] for i in idx.tolist()]
+        if self._m is None:
+            self._m = _sst_writer(self._m_path + self._tmp)
+        m, pack, u64 = self._m, records.pack, keys.U64.pack
+        m_prefix = keys.prefix(keys.MESSAGE, qid)
+        states = np.where(late, records.DELAYED, records.READY).tolist()
+        for mid, st, prio, fid, at, n, w, dg in zip(mids.tolist(), states, prios, fids, ats, lens,
+                                                    when.tolist(), digests, strict=True):
+            # The layout of records.MessageRecord.encode(), without building the object.
+            m[m_prefix + u64(mid)] = pack([records.RECORD_VERSION, st, prio, fid, at, n, 0, 0,
+                                           now, w, dg])
+        self._index(mids, late, when, prio_arr, digests)
+        self.nbytes += sum(lens)
+        self.loaded += len(idx)
+
+    def _index(self, mids: np.ndarray, late: np.ndarray, when: np.ndarray, prios: np.ndarray,
+               digests: list[bytes | None]) -> None:
+        spec = self.spec
+        if late.any():
+            self._delayed.append((when[late], mids[late]))
+            due = int(when[late].min())
+            self.min_due_us = due if self.min_due_us is None else min(self.min_due_us, due)
+        soon = ~late
+        self.delayed += int(late.sum())
+        self.ready += int(soon.sum())
+        if spec.order == "fifo":
+            self._ready.append((np.zeros(0, np.uint64), mids[soon]))
+        elif spec.priority_type == "int":
+            # keys.priority_key, vectorised: offset binary, complemented for "max".
+            pk = prios[soon].view(np.uint64) ^ _SIGN
+            self._ready.append((pk if spec.order == "min" else ~pk, mids[soon]))
+        else:
+            prefix = keys.prefix(keys.READY, spec.qid)
+            for p, mid in zip(prios[soon].tolist(), mids[soon].tolist(), strict=True):
+                self._ready_keys.append(prefix + keys.priority_key(spec.order, "str", p)
+                                        + keys.U64.pack(mid))
+        if spec.dedup:
+            prefix = keys.prefix(keys.DEDUP, spec.qid)
+            self._dedup.extend((prefix + dg, keys.U64.pack(mid))
+                               for dg, mid in zip(digests, mids.tolist(), strict=True)
+                               if dg is not None)
+
+    def _index_entries(self) -> Iterable[tuple[bytes, bytes]]:
+        """Every index key of the partition, in key order: d, then k, then r."""
+        qid = self.spec.qid
+        if self._delayed:
+            due = np.concatenate([w for w, _ in self._delayed])
+            mid = np.concatenate([m for _, m in self._delayed])
+            order = np.lexsort((mid, due))
+            raw, width = _fixed_keys(keys.prefix(keys.DELAYED, qid), due[order], mid[order])
+            yield from ((raw[i: i + width], b"") for i in range(0, len(raw), width))
+        yield from sorted(self._dedup)
+        if self._ready:
+            pk = np.concatenate([p for p, _ in self._ready])
+            mid = np.concatenate([m for _, m in self._ready])
+            prefix = keys.prefix(keys.READY, qid)
+            if len(pk):
+                order = np.lexsort((mid, pk))
+                raw, width = _fixed_keys(prefix, pk[order], mid[order])
+            else:  # fifo: the id alone
+                raw, width = _fixed_keys(prefix, np.sort(mid))
+            yield from ((raw[i: i + width], b"") for i in range(0, len(raw), width))
+        yield from ((k, b"") for k in sorted(self._ready_keys))
+
+    def abort(self) -> None:
+        """Give up: close open files, publish nothing (a failed task)."""
+        self._segs.abort()
+        self._m = None
+
+    def _add_rejects(self, batch: pa.RecordBatch, rows: list[int], reasons: list[str | None],
+                     start: int) -> None:
+        picked = batch.take(pa.array(rows, pa.int64()))
+        extra = {
+            REASON_COL: pa.array([reasons[i] for i in rows], pa.string()),
+            PARTITION_COL: pa.array([self.plan.pid] * len(rows), pa.int32()),
+            ROW_COL: pa.array([start + i for i in rows], pa.int64()),
+        }
+        arrays = list(picked.columns) + list(extra.values())
+        names = list(picked.schema.names) + list(extra)
+        self._rejects.append(pa.RecordBatch.from_arrays(arrays, names=names))
+
+    def finish(self) -> dict[str, Any]:
+        """Close, sync and publish every file; returns the summary the driver needs."""
+        plan = self.plan
+        if self.rows != plan.rows:
+            self.abort()
+            raise RuntimeError(
+                f"partition {plan.pid} has {self.rows} rows but the counting pass saw "
+                f"{plan.rows}: the source is not deterministic; write it to Parquet (or "
+                "checkpoint the DataFrame) and backfill from that")
+        segments = self._segs.finish()
+        ssts = []
+        if self._m is not None:
+            self._m.finish()  # SstFileWriter.finish() syncs the file
+            os.replace(self._m_path + self._tmp, self._m_path)
+            ssts.append(os.path.basename(self._m_path))
+        if self.loaded:
+            x_path = os.path.join(self.staging, "sst", f"p{plan.pid:05d}-x.sst")
+            writer = _sst_writer(x_path + self._tmp)
+            for k, v in self._index_entries():
+                writer[k] = v
+            writer.finish()
+            os.replace(x_path + self._tmp, x_path)
+            ssts.append(os.path.basename(x_path))
+        rejects: str | None = None
+        if self._rejects:
+            rejects = f"rejects-p{plan.pid:05d}.parquet"
+            path = os.path.join(self.staging, "rejects", rejects)
+            pq.write_table(pa.Table.from_batches(self._rejects), path + self._tmp)
+            _fsync_file(path + self._tmp)
+            os.replace(path + self._tmp, path)
+        for sub in ("seg", "sst", "rejects"):
+            fsync_dir(os.path.join(self.staging, sub))
+        return {
+            "pid": plan.pid, "rows": self.rows, "loaded": self.loaded,
+            "rejected": self.rows - self.loaded, "duplicates": self.duplicates,
+            "ready": self.ready, "delayed": self.delayed, "bytes": self.nbytes,
+            "min_due_us": self.min_due_us, "segments": segments, "ssts": ssts,
+            "rejects": rejects,
+        }
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_partition(batches: Iterable[pa.RecordBatch], spec: LoadSpec, plan: PartitionPlan,
+                   staging: str, attempt: str) -> dict[str, Any]:
+    started = time.perf_counter()
+    busy = 0.0  # seconds in this module, the rest is Spark handing over batches
+    loader = PartitionLoader(spec, plan, staging, attempt)
+    try:
+        for batch in batches:
+            t = time.perf_counter()
+            loader.add(batch)
+            busy += time.perf_counter() - t
+    except BaseException:
+        loader.abort()
+        raise
+    t = time.perf_counter()
+    summary = loader.finish()
+    summary["finish_s"] = time.perf_counter() - t
+    summary["add_s"] = busy
+    summary["task_s"] = time.perf_counter() - started
+    return summary
+
+
+def scan_partition(batches: Iterable[pa.RecordBatch], spec: LoadSpec, pid: int) -> dict[str, Any]:
+    """The counting pass of a dedup queue: rows, payload bytes, and each valid row's digest."""
+    rows = nbytes = 0
+    valid: list[int] = []
+    digests: list[bytes] = []
+    for batch in batches:
+        p = parse(batch, spec)
+        assert p.digests is not None
+        for i, (reason, dg) in enumerate(zip(p.reasons, p.digests, strict=True)):
+            if reason is None:
+                assert dg is not None
+                valid.append(rows + i)
+                digests.append(dg)
+                nbytes += fmt.FRAME_SIZE + int(p.offsets[i + 1] - p.offsets[i])
+        rows += batch.num_rows
+    return {"pid": pid, "rows": rows, "bytes": nbytes, "valid": valid,
+            "digests": b"".join(digests)}

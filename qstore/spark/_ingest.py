@@ -1,0 +1,292 @@
+"""Driver side of the backfill: reserve ids in the store, publish a staged job atomically.
+
+The store must be open read-write in this process (its lock is held for the
+whole job). The steps, in order, and what a crash (SIGKILL, power loss) at
+each point leaves (docs/backfill.md):
+
+1. :func:`clean_staging`: staging directories of earlier jobs are deleted
+   (they belong to jobs that crashed; nothing refers to them).
+2. :func:`reserve_ids`: ``M id_hwm`` is advanced past the job's ids and
+   synced, so no later push can take one of them even after a crash. Segment
+   file ids are reserved in memory (:func:`reserve_file_ids`): nothing can take
+   them while the lock is held, and a job that never committed needs none.
+3. The Spark passes write ``<store>/staging/<job>/`` (segments, SSTs, rejects);
+   the driver then writes ``job.json`` (step ``staged``).
+4. :func:`commit_job`: rejects are published (``rejects_published``), segments
+   are renamed into ``payload/`` (``moving``, ``moved``): unreferenced files,
+   which the store opens and its compactor deletes as dead segments. Then ONE
+   ``ingest_external_file`` call adds every SST of the job plus a small SST
+   holding the queue's new counters, the new segments' records and the id
+   high-water mark (``ingested``). RocksDB commits an ingestion with one
+   MANIFEST edit, so the messages, their indexes and the counters appear
+   together or not at all; ingested keys shadow older keys of the same name,
+   which is how the counters are replaced.
+5. The staging directory is removed (``cleaned``).
+
+Steps are also crash points for tests: with ``QSTORE_BACKFILL_CRASH_AT=<step>``
+in the environment the process SIGKILLs itself right after that step, and
+``step_hook`` (None in normal use) is called with each step's name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
+
+from .._errors import InvalidArgument, StorageError
+from .._snapshot import write_json_durably
+from .._txn import apply_counts
+from ..meta import keys, new_batch, records
+from ..payload import _format as fmt
+from ..payload._writer import fsync_dir
+
+if TYPE_CHECKING:
+    from .._store import Store
+
+STAGING_DIR = "staging"
+JOB_FILE = "job.json"
+JOB_FORMAT = 1  # never change the meaning of 1
+SUCCESS_FILE = "_SUCCESS"
+CRASH_ENV = "QSTORE_BACKFILL_CRASH_AT"
+STEPS = ("reserved", "staged", "rejects_published", "moving", "moved", "ingested", "cleaned")
+# Test hook: called with the name of each step as it completes. None in normal use.
+step_hook: Callable[[str], None] | None = None
+
+
+def step(name: str) -> None:
+    """A named point of the job; the test harness can kill the process here."""
+    assert name in STEPS, name
+    if step_hook is not None:
+        step_hook(name)
+    if os.environ.get(CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def staging_root(store: Store) -> str:
+    return os.path.join(os.path.abspath(store.path), STAGING_DIR)
+
+
+def clean_staging(store: Store) -> list[str]:
+    """Delete what crashed jobs left in ``<store>/staging``; returns the job names removed."""
+    root = staging_root(store)
+    if not os.path.isdir(root):
+        return []
+    removed = sorted(os.listdir(root))
+    for name in removed:
+        path = os.path.join(root, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    if removed:
+        fsync_dir(root)
+    return removed
+
+
+def new_job_dir(store: Store, job_id: str) -> str:
+    path = os.path.join(staging_root(store), job_id)
+    for sub in ("seg", "sst", "rejects", "plan"):
+        os.makedirs(os.path.join(path, sub))
+    fsync_dir(staging_root(store))
+    return path
+
+
+def reserve_ids(store: Store, n: int) -> int:
+    """Reserve ``n`` consecutive message ids; durable before this returns. Returns the first."""
+    with store._lock:
+        store._check_writable()
+        first = store._next_id
+        end = first + n
+        hwm = max(store._id_hwm, end)
+        batch = new_batch()
+        batch.put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, hwm]))
+        store.meta.write(batch, sync=True)
+        store._next_id = end
+        store._id_hwm = hwm
+    return first
+
+
+def reserve_file_ids(store: Store, n: int) -> list[int]:
+    """``n`` segment file ids above every segment of the store (held in memory only)."""
+    with store._lock:
+        store._check_writable()
+        return [store.payload.reserve_file_id() for _ in range(n)]
+
+
+@dataclass
+class StagedJob:
+    """Everything the commit needs, saved as ``job.json`` in the job's staging directory."""
+
+    job_id: str
+    queue: str
+    qid: int
+    first_id: int
+    end_id: int
+    partitions: list[dict[str, Any]]  # task summaries (see _bulk.PartitionLoader.finish)
+    rejects_dest: str | None  # where the rejects go; relative: inside the store directory
+    format: int = JOB_FORMAT
+
+    def save(self, staging: str) -> None:
+        write_json_durably(os.path.join(staging, JOB_FILE), asdict(self))
+
+    @classmethod
+    def load(cls, staging: str) -> StagedJob:
+        with open(os.path.join(staging, JOB_FILE), encoding="utf-8") as f:
+            raw = json.load(f)
+        if raw.get("format") != JOB_FORMAT:
+            raise StorageError(f"{staging}/{JOB_FILE} is not a backfill job of format "
+                               f"{JOB_FORMAT}")
+        return cls(**raw)
+
+    def segments(self) -> list[dict[str, int]]:
+        return [seg for part in self.partitions for seg in part["segments"]]
+
+    def total(self, field: str) -> int:
+        return sum(int(part[field]) for part in self.partitions)
+
+
+def _check_staged(store: Store, job: StagedJob, staging: str) -> None:
+    """Refuse to publish anything that could overwrite or be overwritten."""
+    q = store.queue_states.get(job.queue)
+    if q is None or q.qid != job.qid:
+        raise StorageError(f"queue {job.queue!r} was deleted or recreated during backfill "
+                           f"job {job.job_id}; nothing was loaded")
+    if store._id_hwm < job.end_id:
+        raise StorageError(f"backfill job {job.job_id}: ids up to {job.end_id} are not "
+                           "reserved in the store; nothing was loaded")
+    for seg in job.segments():
+        fid = seg["file_id"]
+        name = fmt.segment_name(fid)
+        if fid in store.seg_live or os.path.exists(store.payload.path_of(fid)):
+            raise StorageError(f"segment {name} of backfill job {job.job_id} already exists "
+                               "in the store; nothing was loaded")
+        size = os.path.getsize(os.path.join(staging, "seg", name))
+        if size != seg["end"]:
+            raise StorageError(f"staged segment {name} is {size} bytes, not {seg['end']}")
+    for part in job.partitions:
+        for sst in part["ssts"]:
+            if not os.path.isfile(os.path.join(staging, "sst", sst)):
+                raise StorageError(f"staged file {sst} of backfill job {job.job_id} is missing")
+
+
+def rejects_dir(store: Store, job: StagedJob) -> str | None:
+    if job.rejects_dest is None:
+        return None
+    return os.path.join(os.path.abspath(store.path), job.rejects_dest)  # absolute stays so
+
+
+def publish_rejects(store: Store, staging: str, job: StagedJob) -> list[str]:
+    """Move the rejects files to their destination (before the data, see docs)."""
+    src = os.path.join(staging, "rejects")
+    names = sorted(n for n in os.listdir(src) if n.endswith(".parquet"))
+    dest_dir = rejects_dir(store, job)
+    if dest_dir is None or not names:
+        return []
+    os.makedirs(dest_dir, exist_ok=True)
+    out = []
+    for name in names:
+        dest = os.path.join(dest_dir, "part-" + name.removeprefix("rejects-"))
+        shutil.move(os.path.join(src, name), dest)  # a rename when on the same filesystem
+        out.append(dest)
+    fsync_dir(dest_dir)
+    return out
+
+
+def _write_sst(path: str, entries: list[tuple[bytes, bytes]]) -> None:
+    writer = SstFileWriter(Options(raw_mode=True))
+    writer.open(path)
+    for key, value in sorted(entries):
+        writer[key] = value
+    writer.finish()
+
+
+def commit_job(store: Store, staging: str) -> StagedJob:
+    """Publish the staged job in ``staging`` into ``store``: all of it or, on a crash, none."""
+    job = StagedJob.load(staging)
+    with store._lock:
+        store._check_writable()
+        _check_staged(store, job, staging)
+        published = publish_rejects(store, staging, job)
+        step("rejects_published")
+        try:
+            payload_dir = os.path.join(store.path, "payload")
+            for i, seg in enumerate(job.segments()):
+                name = fmt.segment_name(seg["file_id"])
+                os.rename(os.path.join(staging, "seg", name), os.path.join(payload_dir, name))
+                if i == 0:
+                    step("moving")
+            fsync_dir(payload_dir)
+            step("moved")
+            _ingest_locked(store, job, staging)
+        except BaseException:
+            # Not loaded: withdraw the rejects. Moved segments stay: nothing refers to
+            # them and the compactor deletes them (removing one now could race a
+            # half-known ingestion outcome for no gain).
+            for path in published:
+                os.unlink(path)
+            raise
+        step("ingested")
+    dest_dir = rejects_dir(store, job)
+    if dest_dir is not None and os.path.isdir(dest_dir):
+        with open(os.path.join(dest_dir, SUCCESS_FILE), "wb"):
+            pass
+        fsync_dir(dest_dir)
+    shutil.rmtree(staging)
+    fsync_dir(os.path.dirname(staging))
+    step("cleaned")
+    return job
+
+
+def _ingest_locked(store: Store, job: StagedJob, staging: str) -> None:
+    q = store.queue_states[job.queue]
+    counts = apply_counts(q.counts, [job.total("ready"), job.total("delayed"), 0, 0,
+                                     job.total("bytes")])
+    hwm = max(store._id_hwm, job.end_id)
+    entries = [
+        (keys.counts_key(q.qid), records.encode_counts(counts)),
+        (keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, hwm])),
+    ]
+    segments = job.segments()
+    for seg in segments:
+        entries.append((keys.segment_key(seg["file_id"]), records.encode_segment(
+            seg["live_bytes"], seg["live_count"], seg["end"])))
+    meta_sst = os.path.join(staging, "sst", "meta.sst")
+    _write_sst(meta_sst, entries)
+    paths = [os.path.join(staging, "sst", sst) for part in job.partitions for sst in part["ssts"]]
+    # The files overlap each other's key ranges (every partition writes d, k, m and r
+    # keys of the same queue) but never share a key; RocksDB 9.8 accepts overlapping
+    # files in one call and gives each its own sequence number. The counters in the
+    # meta SST overwrite the live ones because ingested files get a global seqno
+    # newer than everything in the database.
+    opts = IngestExternalFileOptions()
+    opts.set_move_files(True)  # hard links: staging is on the store's filesystem
+    try:
+        store.meta.raw.ingest_external_file(paths + [meta_sst], opts)
+    except Exception as exc:
+        raise StorageError(f"ingesting backfill job {job.job_id} failed: {exc}") from None
+    # The database now holds the job; bring the in-memory state of the open store
+    # in line (the caller closes and reopens it, this keeps the sweeper honest).
+    q.counts = counts
+    for seg in segments:
+        store.seg_live[seg["file_id"]] = [seg["live_bytes"], seg["live_count"], seg["end"]]
+    store._id_hwm = hwm
+    store._next_id = max(store._next_id, job.end_id)
+    q.cursor = keys.prefix(keys.READY, q.qid)  # loaded keys may sort before the old cursor
+    dues = [p["min_due_us"] for p in job.partitions if p["min_due_us"] is not None]
+    if dues:
+        q.next_event_us = min(q.next_event_us, *dues)
+    if job.total("ready"):
+        store._ready.notify_all()
+
+
+def check_rejects_dest(path: str) -> None:
+    """An explicit rejects directory must be new or empty (its files are one job's rejects)."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise InvalidArgument(f"rejects directory {path!r} exists and is not empty")

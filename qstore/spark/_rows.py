@@ -1,0 +1,227 @@
+"""Source rows of a backfill: validated and converted to what ``push`` takes, a batch at a time.
+
+The rules are push's (qstore/_queue.py): a payload is bytes (a string column
+is stored as UTF-8) of at most ``max_payload_bytes``; an ``int`` queue's
+priority is a signed 64-bit integer (integral floats, decimals and numeric
+strings are accepted, as a CSV or JSON source may produce them), a ``str``
+queue's at most 1024 UTF-8 bytes; a delay is finite seconds >= 0; nulls mean
+push's defaults, except a null payload. A row that breaks a rule is not an
+error: it gets a reason (the first problem found) and goes to the rejects
+table. Work is done on whole Arrow columns where it can be, because a
+backfill converts millions of rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from decimal import Decimal
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..meta import keys
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What every task of one backfill job needs to know (the same for all partitions)."""
+
+    qid: int
+    order: str
+    priority_type: str
+    dedup: bool
+    now: float
+    max_payload_bytes: int
+    segment_max_bytes: int
+    payload_col: str
+    priority_col: str | None = None
+    delay_col: str | None = None
+    dedup_col: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> LoadSpec:
+        return cls(**json.loads(text))
+
+    def columns(self) -> list[str]:
+        """The source columns a task reads, each once, in a fixed order."""
+        cols = [self.payload_col, self.priority_col, self.delay_col, self.dedup_col]
+        return list(dict.fromkeys(c for c in cols if c is not None))
+
+
+@dataclass
+class Rows:
+    """One Arrow batch, converted. Row ``i`` is loadable when ``reasons[i]`` is None."""
+
+    n: int
+    data: memoryview  # the payload column's data buffer
+    offsets: np.ndarray  # int64, n + 1: payload i is data[offsets[i]:offsets[i + 1]]
+    reasons: list[str | None]
+    priorities: Any  # int queue: int64 ndarray; str queue: list of str
+    delays: np.ndarray  # float64 seconds
+    digests: list[bytes | None] | None  # dedup queues only
+
+    def body(self, i: int) -> memoryview:
+        return self.data[int(self.offsets[i]): int(self.offsets[i + 1])]
+
+    @property
+    def all_valid(self) -> bool:
+        return all(r is None for r in self.reasons)
+
+
+def _reject(reasons: list[str | None], i: int, reason: str) -> None:
+    if reasons[i] is None:  # the first problem found is the one reported
+        reasons[i] = reason
+
+
+def _is_null_array(arr: pa.Array | None) -> bool:
+    return arr is None or pa.types.is_null(arr.type)
+
+
+def _null_rows(arr: pa.Array) -> np.ndarray:
+    return np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False)) if arr.null_count \
+        else np.empty(0, np.int64)
+
+
+def _payloads(arr: pa.Array, max_bytes: int, reasons: list[str | None]
+              ) -> tuple[memoryview, np.ndarray]:
+    if pa.types.is_string(arr.type):
+        arr = arr.cast(pa.binary())  # same layout: a view, not a copy
+    elif pa.types.is_large_string(arr.type):
+        arr = arr.cast(pa.large_binary())
+    width = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
+    _, offsets_buf, data_buf = arr.buffers()
+    n = len(arr)
+    offsets = np.frombuffer(offsets_buf, width)[arr.offset: arr.offset + n + 1].astype(np.int64)
+    data = memoryview(data_buf) if data_buf is not None else memoryview(b"")
+    for i in _null_rows(arr).tolist():
+        _reject(reasons, i, "payload: null")
+    lengths = np.diff(offsets)
+    for i in np.flatnonzero(lengths > max_bytes).tolist():
+        _reject(reasons, i, f"payload: {int(lengths[i])} bytes, over max_payload_bytes "
+                            f"{max_bytes}")
+    return data, offsets
+
+
+def _int_priority(v: Any) -> int | str:
+    """An int priority from one cell, or the reason it is not one (a str)."""
+    if isinstance(v, int):
+        n = v
+    elif isinstance(v, str):
+        try:
+            n = int(v.strip())
+        except ValueError:
+            return f"priority: {v!r:.40} is not an integer"
+    elif isinstance(v, (float, Decimal)):
+        if not (math.isfinite(v) if isinstance(v, float) else v.is_finite()) or v != int(v):
+            return f"priority: {v} is not an integer"
+        n = int(v)
+    else:
+        return f"priority: {type(v).__name__} is not an integer"
+    if not keys.INT_MIN <= n <= keys.INT_MAX:
+        return f"priority: {n} is outside signed 64-bit range"
+    return n
+
+
+def _int_priorities(arr: pa.Array | None, n: int, reasons: list[str | None]) -> np.ndarray:
+    if _is_null_array(arr):
+        return np.zeros(n, np.int64)
+    assert arr is not None
+    if pa.types.is_signed_integer(arr.type):
+        filled = pc.fill_null(arr, 0) if arr.null_count else arr
+        return np.asarray(filled.cast(pa.int64()).to_numpy(), np.int64)
+    out = np.zeros(n, np.int64)
+    for i, v in enumerate(arr.to_pylist()):
+        if v is not None:
+            p = _int_priority(v)
+            if isinstance(p, str):
+                _reject(reasons, i, p)
+            else:
+                out[i] = p
+    return out
+
+
+def _str_priorities(arr: pa.Array | None, n: int, reasons: list[str | None]) -> list[str]:
+    if _is_null_array(arr):
+        return [""] * n
+    assert arr is not None
+    values: list[Any] = arr.to_pylist()
+    for i, v in enumerate(values):
+        if v is None:
+            values[i] = ""
+        elif len(v.encode("utf-8")) > keys.MAX_STR_PRIORITY_BYTES:
+            _reject(reasons, i, f"priority: over {keys.MAX_STR_PRIORITY_BYTES} UTF-8 bytes")
+    return values
+
+
+def _delays(arr: pa.Array | None, n: int, reasons: list[str | None]) -> np.ndarray:
+    if _is_null_array(arr):
+        return np.zeros(n, np.float64)
+    assert arr is not None
+    if pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type):
+        filled = pc.fill_null(arr, 0) if arr.null_count else arr
+        out = np.array(filled.cast(pa.float64()).to_numpy(), np.float64)
+    else:  # strings, decimals: one at a time
+        out = np.zeros(n, np.float64)
+        for i, v in enumerate(arr.to_pylist()):
+            if v is None:
+                continue
+            try:
+                out[i] = float(v.strip() if isinstance(v, str) else v)
+            except (TypeError, ValueError):
+                _reject(reasons, i, f"delay: {v!r:.40} is not a number of seconds")
+    bad = ~np.isfinite(out)
+    for i in np.flatnonzero(bad).tolist():
+        _reject(reasons, i, f"delay: {float(out[i])!r} is not finite")
+    out[bad] = 0.0
+    for i in np.flatnonzero(out < 0).tolist():
+        _reject(reasons, i, f"delay: {float(out[i])!r} is negative")
+    return out
+
+
+def digest(body: bytes, dedup_key: bytes | None, dedup: bool) -> bytes | None:
+    """The dedup digest push() records (must match ``Queue._digest`` byte for byte)."""
+    if dedup_key is None:
+        return hashlib.blake2b(body, digest_size=16).digest() if dedup else None
+    return hashlib.blake2b(b"k" + dedup_key, digest_size=16).digest()
+
+
+def _digests(rows: Rows, arr: pa.Array | None) -> list[bytes | None]:
+    dkeys: list[Any] = [None] * rows.n if arr is None else arr.to_pylist()
+    out: list[bytes | None] = []
+    for i, k in enumerate(dkeys):
+        if rows.reasons[i] is not None:
+            out.append(None)
+            continue
+        if isinstance(k, str):
+            k = k.encode("utf-8")
+        elif isinstance(k, int):
+            k = str(k).encode("ascii")
+        out.append(digest(bytes(rows.body(i)), k, True))
+    return out
+
+
+def parse(batch: pa.RecordBatch, spec: LoadSpec) -> Rows:
+    """Validate and convert every row of ``batch``; a bad row gets a reason, never an error."""
+    n = batch.num_rows
+    reasons: list[str | None] = [None] * n
+
+    def col(name: str | None) -> pa.Array | None:
+        return None if name is None else batch.column(name)
+
+    data, offsets = _payloads(batch.column(spec.payload_col), spec.max_payload_bytes, reasons)
+    prios: Any = (_int_priorities(col(spec.priority_col), n, reasons)
+                  if spec.priority_type == "int"
+                  else _str_priorities(col(spec.priority_col), n, reasons))
+    delays = _delays(col(spec.delay_col), n, reasons)
+    rows = Rows(n, data, offsets, reasons, prios, delays, None)
+    if spec.dedup:
+        rows.digests = _digests(rows, col(spec.dedup_col))
+    return rows

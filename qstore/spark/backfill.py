@@ -1,0 +1,564 @@
+"""The backfill job: bulk-load messages from any Spark-readable source into a store.
+
+Python::
+
+    from qstore.spark.backfill import run_backfill
+    result = run_backfill("events.parquet", into="data/", queue="emails",
+                          payload_col="body", priority_col="prio")
+    result = run_backfill(df, into="data/", queue="emails")     # a DataFrame
+
+Command line (``qstore backfill``, or ``spark-submit spark/backfill.py``)::
+
+    qstore backfill SOURCE --format parquet|json|csv --queue NAME --payload-col C
+        [--priority-col P] [--delay-col D] [--dedup-col K] --into STORE
+        [--master URL] [--rejects DIR]
+
+How it works (docs/backfill.md has the whole story): the driver opens the
+store read-write and keeps its lock for the whole job, counts the rows of
+every partition, reserves their message ids (durably) and segment file ids;
+the executors write payload segments and sorted SST files into
+``<store>/staging/<job>/``; the driver then ingests everything in one atomic
+RocksDB ingestion. Loaded messages are exactly what ``push_many`` would have
+written. Among equal priorities, pop order is partition order, then row order
+within a partition. Rows that cannot be loaded go to a Parquet rejects table
+with a reason, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .._errors import InvalidArgument, QStoreError, QueueNotFound, StoreLocked
+from .._store import Store
+from .._store import open_store as _open_store
+from ..meta import keys
+from ..payload import _format as fmt
+from . import _ingest
+from ._bulk import PARTITION_COL, REASON_COL, ROW_COL, PartitionPlan
+from ._rows import LoadSpec
+
+log = logging.getLogger("qstore.backfill")
+
+FORMATS = ("parquet", "json", "csv")
+QUEUE_OPTIONS = ("order", "priority_type", "max_attempts", "dedup")
+LOOKUP_CHUNK = 10_000  # dedup keys fetched from the store per multi-get
+# Segment file ids reserved per partition when its payload size is unknown (the
+# count reads no payload): segments roll at segment_max_bytes while they last.
+SEGMENT_IDS_PER_PARTITION = 4
+
+
+@dataclass(frozen=True)
+class BackfillResult:
+    """What one backfill did. Ids ``first_id <= id < end_id`` were reserved for it."""
+
+    job_id: str
+    store: str
+    queue: str
+    partitions: int
+    rows: int  # rows read from the source
+    loaded: int
+    rejected: int  # bad rows plus duplicates, all in the rejects table
+    duplicates: int
+    ready: int
+    delayed: int
+    bytes: int  # payload bytes loaded
+    first_id: int
+    end_id: int
+    segments: tuple[int, ...]  # file ids of the new payload segments
+    rejects_path: str | None  # the rejects table (a Parquet directory), if written
+    seconds: float
+    phases: tuple[tuple[str, float], ...]  # (phase, seconds): count, write, commit
+
+    @property
+    def rate(self) -> float:
+        """Messages loaded per second, end to end."""
+        return self.loaded / self.seconds if self.seconds > 0 else 0.0
+
+
+def run_backfill(
+    source: Any,
+    *,
+    into: str | os.PathLike[str],
+    queue: str,
+    fmt: str = "parquet",
+    payload_col: str = "payload",
+    priority_col: str | None = None,
+    delay_col: str | None = None,
+    dedup_col: str | None = None,
+    master: str | None = None,
+    spark: Any = None,
+    create_queue_options: dict[str, Any] | None = None,
+    rejects: str | os.PathLike[str] | None = None,
+) -> BackfillResult:
+    """Load every row of ``source`` into queue ``queue`` of the store at ``into``.
+
+    ``source`` is a path (or list of paths) read with ``spark.read.format(fmt)``
+    (CSV with a header row and inferred types), or a DataFrame. The payload
+    column is binary or string (stored as UTF-8). ``priority_col`` holds ints
+    (or integral numbers or numeric strings) for an ``int`` queue, strings for a
+    ``str`` queue; ``delay_col`` seconds from now; ``dedup_col`` the dedup key
+    (a dedup queue only; without it the payload's hash is the key, as in push).
+    Nulls mean the push defaults (priority 0 or "", no delay, payload hash).
+
+    The queue is created if missing, with ``create_queue_options`` (``order``,
+    ``priority_type``, ``max_attempts``, ``dedup``; ``dedup`` defaults to True
+    when ``dedup_col`` is given). Bad rows and duplicates are written to the
+    Parquet directory ``rejects`` (default ``<into>/rejects/<job id>/``, only
+    when there are any), which must be new or empty.
+
+    ``spark`` is the session to use; otherwise one is built (or the active one
+    reused) for ``master``, default ``local[2]``. Raises ``StoreLocked`` if
+    another process has the store open read-write: the store stays locked by
+    this call until it returns.
+    """
+    started = time.perf_counter()
+    into = os.fspath(into)
+    options = _check_args(queue, fmt, payload_col, priority_col, delay_col, dedup_col,
+                          master, spark, create_queue_options)
+    rejects_dest = None if rejects is None else os.path.abspath(os.fspath(rejects))
+    if rejects_dest is not None:
+        _ingest.check_rejects_dest(rejects_dest)
+    store = _open_store(into, compactor=False)  # StoreLocked: someone else writes it
+    try:
+        if spark is None:
+            spark = backfill_session(master)
+        job = _Job(store, spark, source, fmt, queue, options, rejects_dest,
+                   (payload_col, priority_col, delay_col, dedup_col),
+                   dict(create_queue_options or {}))
+        result = job.run(started)
+    finally:
+        store.close()
+    log.info("backfill %s: %d rows loaded into %r, %d rejected, in %.1fs", result.job_id,
+             result.loaded, queue, result.rejected, result.seconds)
+    return result
+
+
+def backfill_session(master: str | None) -> Any:
+    """The session to run on: the active one, spark-submit's, or a new local one."""
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None and master is None:
+        return active
+    if master is None and "PYSPARK_GATEWAY_PORT" in os.environ:
+        # Launched by spark-submit: keep its --master and configuration.
+        return SparkSession.builder.appName("qstore-backfill").getOrCreate()
+    from ._session import get_session
+
+    return get_session(master, "qstore-backfill")
+
+
+def _check_args(queue: object, fmt: object, payload_col: object, priority_col: object,
+                delay_col: object, dedup_col: object, master: object, spark: object,
+                create_queue_options: object) -> dict[str, Any]:
+    if not isinstance(queue, str) or not queue:
+        raise InvalidArgument(f"queue must be a non-empty str, not {queue!r}")
+    if not isinstance(fmt, str) or not fmt:
+        raise InvalidArgument(f"fmt must be a Spark source format such as {FORMATS}, not {fmt!r}")
+    if not isinstance(payload_col, str) or not payload_col:
+        raise InvalidArgument(f"payload_col must be a column name, not {payload_col!r}")
+    for what, col in (("priority_col", priority_col), ("delay_col", delay_col),
+                      ("dedup_col", dedup_col)):
+        if col is not None and (not isinstance(col, str) or not col):
+            raise InvalidArgument(f"{what} must be a column name or None, not {col!r}")
+    if master is not None and spark is not None:
+        raise InvalidArgument("pass either spark (a session) or master, not both")
+    if create_queue_options is not None and not isinstance(create_queue_options, dict):
+        raise InvalidArgument("create_queue_options must be a dict or None")
+    options: dict[str, Any] = dict(create_queue_options or {})
+    unknown = sorted(set(options) - set(QUEUE_OPTIONS))
+    if unknown:
+        raise InvalidArgument(f"unknown create_queue_options {unknown}; "
+                              f"known: {list(QUEUE_OPTIONS)}")
+    if dedup_col is not None:
+        options.setdefault("dedup", True)
+    return options
+
+
+def _quoted(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+class _Job:
+    """One backfill run (the store is open and locked by the caller)."""
+
+    def __init__(self, store: Store, spark: Any, source: Any, fmt: str, queue: str,
+                 options: dict[str, Any], rejects_dest: str | None,
+                 columns: tuple[str, str | None, str | None, str | None],
+                 explicit_options: dict[str, Any]) -> None:
+        self.store = store
+        self.spark = spark
+        self.queue = queue
+        self.job_id = time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(4)
+        # The default is relative: inside the store directory, wherever it is moved.
+        self.rejects_dest = rejects_dest or os.path.join("rejects", self.job_id)
+        self.explicit_rejects = rejects_dest is not None
+        self.payload_col, self.priority_col, self.delay_col, self.dedup_col = columns
+        self.df = _read(spark, source, fmt)
+        self.options = options
+        self.explicit_options = explicit_options
+        self.phases: list[tuple[str, float]] = []
+        self.first_id = self.end_id = 0
+
+    def run(self, started: float) -> BackfillResult:
+        from ._bulk_source import BackfillLoadSource, BackfillScanSource
+
+        self.spark.dataSource.register(BackfillScanSource)
+        self.spark.dataSource.register(BackfillLoadSource)
+        store = self.store
+        ptype, dedup = self._queue_kind()
+        self._check_schema(ptype, dedup)
+        q = self._target_queue()
+        for leftover in _ingest.clean_staging(store):
+            log.warning("removed staging/%s, left by a backfill that did not finish", leftover)
+        staging = _ingest.new_job_dir(store, self.job_id)
+        try:
+            spec = LoadSpec(
+                qid=store.queue_states[self.queue].qid, order=q.order,
+                priority_type=q.priority_type, dedup=q.dedup, now=store.clock(),
+                max_payload_bytes=store.config.max_payload_bytes,
+                segment_max_bytes=store.config.segment_max_bytes,
+                payload_col=self.payload_col, priority_col=self.priority_col,
+                delay_col=self.delay_col, dedup_col=self.dedup_col)
+            selected = self.df.select(*[_quoted(c) for c in spec.columns()])
+            with _static_partitions(self.spark):
+                t = time.perf_counter()
+                plans = self._plan(selected, spec, staging)
+                self.phases.append(("count", time.perf_counter() - t))
+                t = time.perf_counter()
+                job = self._write(selected, spec, staging, plans)
+                self.phases.append(("write", time.perf_counter() - t))
+            t = time.perf_counter()
+            _ingest.commit_job(store, staging)
+            self.phases.append(("commit", time.perf_counter() - t))
+        except BaseException:
+            if os.path.isdir(staging):
+                _ingest.clean_staging(store)
+            raise
+        parts = job.partitions
+        rejected = job.total("rejected")
+        return BackfillResult(
+            job_id=self.job_id, store=store.path, queue=self.queue, partitions=len(parts),
+            rows=job.total("rows"), loaded=job.total("loaded"), rejected=rejected,
+            duplicates=job.total("duplicates"), ready=job.total("ready"),
+            delayed=job.total("delayed"), bytes=job.total("bytes"), first_id=job.first_id,
+            end_id=job.end_id, segments=tuple(s["file_id"] for s in job.segments()),
+            rejects_path=_ingest.rejects_dir(store, job) if rejected or self.explicit_rejects
+            else None,
+            seconds=time.perf_counter() - started, phases=tuple(self.phases))
+
+    # -- checks ---------------------------------------------------------------
+
+    def _target_queue(self) -> Any:
+        """The queue, created with the options if missing; given options must match it."""
+        state = self.store.queue_states.get(self.queue)
+        if state is None:
+            return self.store.create_queue(self.queue, **self.options)
+        rec = state.rec
+        have = {"order": rec.order, "priority_type": rec.priority_type,
+                "max_attempts": rec.max_attempts, "dedup": rec.dedup}
+        differ = {k: v for k, v in self.explicit_options.items() if have[k] != v}
+        if differ:
+            raise InvalidArgument(f"queue {self.queue!r} exists with {have}, which differs "
+                                  f"from create_queue_options {differ}")
+        return self.store.queue(self.queue)
+
+    def _queue_kind(self) -> tuple[str, bool]:
+        state = self.store.queue_states.get(self.queue)
+        if state is not None:
+            return state.rec.priority_type, state.rec.dedup
+        ptype = self.options.get("priority_type", "int")
+        if ptype not in ("int", "str"):
+            raise InvalidArgument(f"priority_type must be 'int' or 'str', not {ptype!r}")
+        return ptype, bool(self.options.get("dedup", False))
+
+    def _check_schema(self, ptype: str, dedup: bool) -> None:
+        from pyspark.sql import types as T
+
+        fields = {f.name: f.dataType for f in self.df.schema.fields}
+
+        def need(col: str | None, what: str, allowed: tuple[type, ...], hint: str) -> None:
+            if col is None:
+                return
+            if col not in fields:
+                raise InvalidArgument(f"{what} column {col!r} is not in the source; its "
+                                      f"columns are {sorted(fields)}")
+            if not isinstance(fields[col], allowed):
+                raise InvalidArgument(f"{what} column {col!r} has type "
+                                      f"{fields[col].simpleString()}; it must be {hint}")
+
+        need(self.payload_col, "payload", (T.BinaryType, T.StringType), "binary or string")
+        numeric = (T.IntegralType, T.FloatType, T.DoubleType, T.DecimalType)
+        if ptype == "int":
+            need(self.priority_col, "priority", (*numeric, T.StringType, T.NullType),
+                 f"integral (queue {self.queue!r} has int priorities)")
+        else:
+            need(self.priority_col, "priority", (T.StringType, T.NullType),
+                 f"string (queue {self.queue!r} has str priorities)")
+        need(self.delay_col, "delay", (*numeric, T.StringType, T.NullType), "seconds (numeric)")
+        need(self.dedup_col, "dedup", (T.StringType, T.BinaryType, T.IntegralType, T.NullType),
+             "string, binary or integral")
+        if self.dedup_col is not None and not dedup:
+            raise InvalidArgument(f"queue {self.queue!r} was not created with dedup=True, so "
+                                  "it takes no dedup column")
+
+    # -- pass 1: count, reserve -------------------------------------------------
+
+    def _plan(self, selected: Any, spec: LoadSpec, staging: str) -> dict[int, PartitionPlan]:
+        """Count each partition, pick duplicates, reserve ids and file ids; write the plans."""
+        if spec.dedup:
+            counts, dups = self._scan_dedup(selected, spec, staging)
+        else:
+            counts, dups = self._count(selected), {}
+        store = self.store
+        first = _ingest.reserve_ids(store, sum(rows for rows, _ in counts.values()))
+        capacity = spec.segment_max_bytes - fmt.HEADER_SIZE
+        plans: dict[int, PartitionPlan] = {}
+        next_id = first
+        from ._bulk_source import write_plan
+
+        for pid in sorted(counts):
+            rows, nbytes = counts[pid]
+            if nbytes is None:
+                nseg = SEGMENT_IDS_PER_PARTITION if rows else 0
+            else:  # enough for greedy filling: two neighbours hold more than `capacity`
+                nseg = 0 if nbytes == 0 else 1 if nbytes <= capacity else 2 * nbytes // capacity + 2
+            plans[pid] = PartitionPlan(pid, rows, next_id, _ingest.reserve_file_ids(store, nseg),
+                                       dups.get(pid, {}))
+            next_id += rows
+            write_plan(staging, plans[pid])
+        self.first_id, self.end_id = first, next_id
+        _ingest.step("reserved")
+        return plans
+
+    def _count(self, selected: Any) -> dict[int, tuple[int, int | None]]:
+        """Rows per partition, counted in the JVM without reading any column's data.
+
+        The partitions are those of ``selected``, which the writing pass writes
+        (same plan, so same partitioning; the tasks check the counts anyway).
+        """
+        from pyspark.sql import functions as F
+
+        rows = selected.select(F.spark_partition_id().alias("p")).groupBy("p").count().collect()
+        return {int(r["p"]): (int(r["count"]), None) for r in rows}
+
+    def _scan_dedup(self, selected: Any, spec: LoadSpec, staging: str
+                    ) -> tuple[dict[int, tuple[int, int | None]], dict[int, dict[int, str]]]:
+        """Counting pass of a dedup queue, then the dedup rule (docs/backfill.md).
+
+        The first row (partition order, then row order) with a given dedup
+        digest is loaded unless a message of the queue already has it; every
+        other row with that digest is rejected as a duplicate.
+        """
+        from ._bulk_source import SCAN, SCAN_RESULT
+
+        (selected.write.format(SCAN).mode("append").option("staging", staging)
+         .option("spec", spec.to_json()).save())
+        with open(os.path.join(staging, SCAN_RESULT), "rb") as f:
+            scans = msgpack.unpackb(f.read(), raw=False)
+        counts: dict[int, tuple[int, int | None]] = {s["pid"]: (s["rows"], s["bytes"])
+                                                     for s in scans}
+        first: dict[bytes, tuple[int, int]] = {}
+        later: list[tuple[int, int, bytes]] = []
+        for s in sorted(scans, key=lambda s: s["pid"]):
+            d = s["digests"]
+            for i, row in enumerate(s["valid"]):
+                dg = d[16 * i: 16 * i + 16]
+                if dg in first:
+                    later.append((s["pid"], row, dg))
+                else:
+                    first[dg] = (s["pid"], row)
+        live = self._live_digests(spec.qid, list(first))
+        dups: dict[int, dict[int, str]] = {}
+        for dg, mid in live.items():
+            pid, row = first[dg]
+            dups.setdefault(pid, {})[row] = f"duplicate: message {mid} of the queue has this key"
+        for pid, row, dg in later:
+            if dg in live:
+                reason = f"duplicate: message {live[dg]} of the queue has this key"
+            else:
+                p0, r0 = first[dg]
+                reason = f"duplicate: row {r0} of partition {p0} has this key"
+            dups.setdefault(pid, {})[row] = reason
+        return counts, dups
+
+    def _live_digests(self, qid: int, digests: list[bytes]) -> dict[bytes, int]:
+        """The digests that live messages of the queue already hold, with their ids."""
+        found = {}
+        with self.store._lock:
+            for i in range(0, len(digests), LOOKUP_CHUNK):
+                chunk = digests[i: i + LOOKUP_CHUNK]
+                raws = self.store.meta.multi_get([keys.dedup_key(qid, d) for d in chunk])
+                for dg, raw in zip(chunk, raws, strict=True):
+                    if raw is not None:
+                        found[dg] = keys.U64.unpack(raw)[0]
+        return found
+
+    # -- pass 2: write ----------------------------------------------------------
+
+    def _write(self, selected: Any, spec: LoadSpec, staging: str,
+               plans: dict[int, PartitionPlan]) -> _ingest.StagedJob:
+        import json
+
+        from ._bulk_source import LOAD, TASKS_RESULT
+
+        (selected.write.format(LOAD).mode("append").option("staging", staging)
+         .option("spec", spec.to_json()).save())
+        with open(os.path.join(staging, TASKS_RESULT), encoding="utf-8") as f:
+            tasks = sorted(json.load(f), key=lambda s: s["pid"])
+        seen = {t["pid"]: t for t in tasks}
+        for pid, plan in plans.items():
+            got = seen.get(pid)
+            if plan.rows and (got is None or got["rows"] != plan.rows):
+                raise QStoreError(f"backfill: partition {pid} was counted with {plan.rows} "
+                                  f"rows but written with {got and got['rows']}; nothing "
+                                  "was loaded (is the source deterministic?)")
+        job = _ingest.StagedJob(self.job_id, self.queue, spec.qid, self.first_id, self.end_id,
+                                tasks, self.rejects_dest)
+        if self.explicit_rejects and not job.total("rejected"):
+            self._empty_rejects(selected, staging)
+        job.save(staging)
+        _ingest.step("staged")
+        return job
+
+    def _empty_rejects(self, selected: Any, staging: str) -> None:
+        """An explicit rejects directory always gets a table, even an empty one."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        schema = to_arrow_schema(selected.schema)
+        for name, typ in ((REASON_COL, pa.string()), (PARTITION_COL, pa.int32()),
+                          (ROW_COL, pa.int64())):
+            schema = schema.append(pa.field(name, typ))
+        pq.write_table(schema.empty_table(),
+                       os.path.join(staging, "rejects", "rejects-empty.parquet"))
+
+
+@contextmanager
+def _static_partitions(spark: Any) -> Iterator[None]:
+    """Adaptive execution off while the job runs, restored after.
+
+    The counting pass must see the writing pass's partitions. AQE sizes shuffle
+    partitions from the bytes they carry, and the count carries no payload, so
+    with AQE a source that shuffles (``df.orderBy(...)``) could be cut one way
+    for the count and another for the write. Without it, partitioning follows
+    from the plan alone.
+    """
+    key = "spark.sql.adaptive.enabled"
+    old = spark.conf.get(key, None)
+    spark.conf.set(key, "false")
+    try:
+        yield
+    finally:
+        if old is None:
+            spark.conf.unset(key)
+        else:
+            spark.conf.set(key, old)
+
+
+def _read(spark: Any, source: Any, fmt: str) -> Any:
+    if isinstance(source, (str, os.PathLike)) or (
+            isinstance(source, (list, tuple)) and source
+            and all(isinstance(s, (str, os.PathLike)) for s in source)):
+        paths = os.fspath(source) if isinstance(source, (str, os.PathLike)) else [
+            os.fspath(s) for s in source]
+        reader = spark.read.format(fmt)
+        if fmt == "csv":
+            reader = reader.option("header", "true").option("inferSchema", "true")
+        try:
+            return reader.load(paths)
+        except Exception as exc:  # AnalysisException: missing path, unknown format, ...
+            raise InvalidArgument(f"cannot read {paths!r} as {fmt}: {exc}") from None
+    if hasattr(source, "schema") and hasattr(source, "write") and hasattr(source, "select"):
+        return source
+    raise InvalidArgument(f"source must be a path, a list of paths or a DataFrame, "
+                          f"not {type(source).__name__}")
+
+
+# -- command line ---------------------------------------------------------------
+
+# The project's exit codes (README): 1 "found something" is rows rejected here.
+EXIT_OK, EXIT_REJECTS, EXIT_USAGE, EXIT_LOCKED, EXIT_NOT_FOUND, EXIT_FAILED = 0, 1, 2, 3, 4, 5
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="qstore backfill",
+        description="Bulk-load messages from a Parquet, JSON or CSV source into a qstore store.",
+        epilog="Exit codes: 0 every row loaded; 1 loaded, some rows rejected (see the rejects "
+               "table); 2 bad usage; 3 the store is locked by another writer; 5 the job "
+               "failed. Nothing is loaded unless the code is 0 or 1.")
+    p.add_argument("source", nargs="+", help="file or directory to read (several allowed)")
+    p.add_argument("--format", default="parquet", choices=FORMATS, dest="fmt")
+    p.add_argument("--queue", required=True, help="target queue (created if missing)")
+    p.add_argument("--payload-col", default="payload", help="binary or string column")
+    p.add_argument("--priority-col", help="priority column (default: priority 0 / '')")
+    p.add_argument("--delay-col", help="delay column, seconds from now")
+    p.add_argument("--dedup-col", help="dedup key column (dedup queues)")
+    p.add_argument("--into", required=True, help="the store directory")
+    p.add_argument("--master", help="Spark master URL (default local[2], or spark-submit's)")
+    p.add_argument("--rejects", help="new or empty directory for the rejects table")
+    new = p.add_argument_group("when the queue is created")
+    new.add_argument("--order", choices=("max", "min", "fifo"))
+    new.add_argument("--priority-type", choices=("int", "str"))
+    new.add_argument("--max-attempts", type=int)
+    new.add_argument("--dedup", action="store_true", default=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``qstore backfill`` / ``spark-submit spark/backfill.py``; returns the exit code."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    options = {k: getattr(args, k) for k in QUEUE_OPTIONS if getattr(args, k) is not None}
+    from pyspark.sql import SparkSession
+
+    had_session = SparkSession.getActiveSession() is not None
+    try:
+        result = run_backfill(
+            args.source if len(args.source) > 1 else args.source[0], into=args.into,
+            queue=args.queue, fmt=args.fmt, payload_col=args.payload_col,
+            priority_col=args.priority_col, delay_col=args.delay_col,
+            dedup_col=args.dedup_col, master=args.master,
+            create_queue_options=options or None, rejects=args.rejects)
+    except InvalidArgument as exc:
+        print(f"qstore backfill: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except StoreLocked as exc:
+        print(f"qstore backfill: {exc}", file=sys.stderr)
+        return EXIT_LOCKED
+    except QueueNotFound as exc:
+        print(f"qstore backfill: {exc}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    except QStoreError as exc:
+        print(f"qstore backfill: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except Exception as exc:  # a Spark job failure: report it, the store is unchanged
+        log.exception("backfill failed; nothing was loaded")
+        print(f"qstore backfill: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        active = SparkSession.getActiveSession()
+        if active is not None and not had_session:
+            active.stop()
+    print(f"loaded {result.loaded} of {result.rows} rows into queue {result.queue!r} of "
+          f"{result.store} in {result.seconds:.1f}s ({result.rate:,.0f} msg/s); "
+          f"{result.rejected} rejected ({result.duplicates} duplicates)")
+    if result.rejects_path:
+        print(f"rejects table: {result.rejects_path}")
+    return EXIT_REJECTS if result.rejected else EXIT_OK
+
+
+__all__ = ["BackfillResult", "main", "run_backfill"]

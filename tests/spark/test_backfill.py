@@ -1,0 +1,512 @@
+"""The backfill job: bulk loads from Parquet, JSON, CSV and DataFrames (docs/backfill.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from rocksdict import IngestExternalFileOptions, Options, Rdict
+
+import qstore
+from qstore._txn import STATE_COUNTER
+from qstore.meta import keys, records
+from qstore.payload import PayloadRef
+from qstore.payload import _format as fmt
+from qstore.spark import _ingest
+from qstore.spark._bulk import PartitionLoader, PartitionPlan
+from qstore.spark._rows import LoadSpec
+from qstore.spark.backfill import main, run_backfill
+
+pytestmark = pytest.mark.spark
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = Path(__file__).with_name("_backfill_child.py")
+
+
+# -- helpers ------------------------------------------------------------------
+
+
+def check_consistent(path: Any) -> dict[str, list[int]]:
+    """Assert counters, indexes and segment records equal a recount; every payload reads.
+
+    Returns each queue's counters [ready, delayed, in_flight, dead, bytes].
+    """
+    out = {}
+    with qstore.open(path, readonly=True) as s:
+        meta = s.meta
+        live: dict[int, list[int]] = {}
+        hwm = records.unpack(meta.get(keys.ID_HWM_KEY), "id")[1]
+        for name in s.queues():
+            q = s.queue_states[name]
+            counts = [0, 0, 0, 0, 0]
+            digests = 0
+            lo = keys.prefix(keys.MESSAGE, q.qid)
+            for key, value in meta.scan(lo, keys.prefix_end(lo)):
+                rec = records.MessageRecord.decode(value)
+                assert keys.trailing_id(key) < hwm
+                counts[STATE_COUNTER[rec.state]] += 1
+                counts[4] += rec.length
+                digests += rec.digest is not None
+                seg = live.setdefault(rec.file_id, [0, 0])
+                seg[0] += fmt.FRAME_SIZE + rec.length
+                seg[1] += 1
+                s.payload.read(PayloadRef(rec.file_id, rec.offset, rec.length))  # CRC check
+            assert q.counts == counts, name
+            for kind, n in ((keys.READY, counts[0]), (keys.DELAYED, counts[1]),
+                            (keys.INFLIGHT, counts[2]), (keys.DEAD, counts[3]),
+                            (keys.DEDUP, digests)):
+                p = keys.prefix(kind, q.qid)
+                assert len(meta.scan_keys(p, keys.prefix_end(p))) == n, (name, kind)
+            out[name] = counts
+        for fid, (nbytes, count, end) in s.seg_live.items():
+            assert live.get(fid, [0, 0]) == [nbytes, count], fid
+            assert end <= os.path.getsize(s.payload.path_of(fid))
+        assert set(live) <= set(s.seg_live)
+    return out
+
+
+def drain(path: Any, queue: str) -> list[tuple[int, Any, bytes]]:
+    """(id, priority, payload) of every ready message, in pop order (leases them)."""
+    with qstore.open(path, compactor=False) as s:
+        return [(m.id, m.priority, m.payload) for m in s.queue(queue).pop_many(100_000)]
+
+
+def write_parquet(path: Path, **columns: list[Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+# -- loading ------------------------------------------------------------------
+
+
+def test_parquet_rows_pop_by_priority_then_source_order(spark: Any, tmp_path: Path) -> None:
+    n = 40
+    bodies = [bytes([i, 0xFF, 0x00]) + b"x" * i for i in range(n)]  # binary, not UTF-8
+    prios = [(i * 7) % 5 for i in range(n)]
+    src = write_parquet(tmp_path / "src" / "part.parquet", body=bodies, prio=prios)
+    store = tmp_path / "store"
+    result = run_backfill(str(src), into=store, queue="jobs", payload_col="body",
+                          priority_col="prio", spark=spark)
+    assert (result.rows, result.loaded, result.rejected) == (n, n, 0)
+    assert result.rejects_path is None
+    assert result.end_id - result.first_id == n
+    assert check_consistent(store)["jobs"] == [n, 0, 0, 0, sum(map(len, bodies))]
+    expected = sorted(range(n), key=lambda i: (-prios[i], i))
+    got = drain(store, "jobs")
+    assert [(p, b) for _, p, b in got] == [(prios[i], bodies[i]) for i in expected]
+    # Ids follow source row order.
+    assert [mid for mid, _, _ in got] == [result.first_id + i for i in expected]
+    assert not os.listdir(store / "staging")
+
+
+def test_json_string_payloads_delays_and_new_str_queue(spark: Any, tmp_path: Path) -> None:
+    rows = [{"body": f"héllo {i}", "p": "ab"[i % 2], "wait": 3600.0 if i % 3 == 0 else 0}
+            for i in range(12)]
+    src = tmp_path / "src.json"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    store = tmp_path / "store"
+    before = time.time()
+    result = run_backfill(str(src), into=store, queue="mail", fmt="json", payload_col="body",
+                          priority_col="p", delay_col="wait", spark=spark,
+                          create_queue_options={"order": "min", "priority_type": "str"})
+    assert (result.ready, result.delayed) == (8, 4)
+    counts = check_consistent(store)["mail"]
+    assert counts[:2] == [8, 4]
+    assert counts[4] == sum(len(r["body"].encode("utf-8")) for r in rows)
+    with qstore.open(store, compactor=False) as s:
+        q = s.queue("mail")
+        assert (q.order, q.priority_type) == ("min", "str")
+        first = q.pop_many(100, lease=10_000)
+    ready = [i for i in range(12) if i % 3]
+    expect_ready = sorted(ready, key=lambda i: (rows[i]["p"], i))
+    assert [m.payload.decode() for m in first] == [rows[i]["body"] for i in expect_ready]
+    assert all(m.enqueued_at >= before - 1 for m in first)
+    # The delayed ones become ready an hour after the load, not before.
+    with qstore.open(store, compactor=False, clock=lambda: before + 3500) as s:
+        assert s.queue("mail").stats().delayed == 4
+    with qstore.open(store, compactor=False, clock=lambda: time.time() + 3601) as s:
+        late = s.queue("mail").pop_many(100)
+    delayed = [i for i in range(12) if i % 3 == 0]
+    assert [m.payload.decode() for m in late] == [
+        rows[i]["body"] for i in sorted(delayed, key=lambda i: (rows[i]["p"], i))]
+
+
+def test_csv_bad_rows_go_to_the_rejects_table_with_reasons(spark: Any, tmp_path: Path) -> None:
+    src = tmp_path / "src.csv"
+    src.write_text(
+        "payload,priority,delay\n"
+        "a,1,0\n"
+        "b,high,0\n"
+        "c,2,-5\n"
+        ",3,0\n"
+        "d,99999999999999999999,0\n"
+        "e,4,3600.5\n", encoding="utf-8")
+    store = tmp_path / "store"
+    rejects = tmp_path / "rejects"
+    code = main([str(src), "--format", "csv", "--queue", "q", "--priority-col", "priority",
+                 "--delay-col", "delay", "--into", str(store), "--rejects", str(rejects)])
+    assert code == 1  # loaded, with rejects
+    assert check_consistent(store)["q"] == [1, 1, 0, 0, 2]
+    assert (rejects / "_SUCCESS").exists()
+    table = spark.read.parquet(str(rejects)).orderBy("source_row").collect()
+    reasons = {r["source_row"]: r["reject_reason"] for r in table}
+    assert sorted(reasons) == [1, 2, 3, 4]
+    assert reasons[1] == "priority: 'high' is not an integer"
+    assert reasons[2] == "delay: -5.0 is negative"
+    assert reasons[3] == "payload: null"
+    assert reasons[4].startswith("priority: 99999999999999999999 is outside")
+    assert [r["payload"] for r in table] == ["b", "c", None, "d"]  # the source's own values
+    assert [b for _, _, b in drain(store, "q")] == [b"a"]
+
+
+def test_dedup_rejects_rows_matching_live_messages_or_earlier_rows(spark: Any,
+                                                                    tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with qstore.open(store, compactor=False) as s:
+        q = s.create_queue("d", dedup=True)
+        seen_id = q.push(b"seen")
+        k1_id = q.push(b"other", dedup_key="k1")
+    src = write_parquet(tmp_path / "src.parquet",
+                        payload=[b"x", b"seen", b"x", b"y", b"z", b"w"],
+                        key=[None, None, None, "k1", "k2", "k2"])
+    result = run_backfill(str(src), into=store, queue="d", dedup_col="key", spark=spark)
+    assert (result.loaded, result.rejected, result.duplicates) == (2, 4, 4)
+    reasons = {r["source_row"]: r["reject_reason"]
+               for r in spark.read.parquet(result.rejects_path).collect()}
+    assert reasons == {
+        1: f"duplicate: message {seen_id} of the queue has this key",
+        2: "duplicate: row 0 of partition 0 has this key",
+        3: f"duplicate: message {k1_id} of the queue has this key",
+        5: "duplicate: row 4 of partition 0 has this key",
+    }
+    check_consistent(store)
+    # Loaded messages take part in dedup exactly like pushed ones.
+    with qstore.open(store, compactor=False) as s:
+        q = s.queue("d")
+        assert q.push(b"x") == result.first_id
+        assert q.push(b"anything", dedup_key="k2") == result.first_id + 4
+        assert q.stats().ready == 4
+
+
+def test_loading_into_a_store_with_messages_keeps_them_intact(spark: Any,
+                                                             tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with qstore.open(store, compactor=False) as s:
+        q = s.create_queue("q", max_attempts=1)
+        old = q.push_many([(b"r1", 9), (b"r2", 0), (b"fly", 5), (b"dead", 5)])
+        old.append(q.push(b"later", priority=1, delay=3600))
+        q.pop(lease=3600)  # r1 (priority 9) in flight
+        q.nack(q.pop())  # fly: max_attempts 1, so it is dead
+    src = write_parquet(tmp_path / "src.parquet", payload=[b"n%d" % i for i in range(20)],
+                        priority=[5] * 20)
+    result = run_backfill(str(src), into=store, queue="q", priority_col="priority",
+                          spark=spark)
+    assert result.first_id > max(old)
+    assert check_consistent(store)["q"][:4] == [22, 1, 1, 1]
+    with qstore.open(store, compactor=False) as s:
+        q = s.queue("q")
+        assert [q.get(i).payload for i in old] == [b"r1", b"r2", b"fly", b"dead", b"later"]
+        assert [m.payload for m in q.dead_letters()] == [b"fly"]
+        popped = q.pop_many(100)
+        assert [m.payload for m in popped] == [b"dead"] + [b"n%d" % i for i in range(20)] + [
+            b"r2"]
+        # New pushes get ids above the loaded ones.
+        assert q.push(b"new") >= result.end_id
+
+
+def test_dataframe_partitions_load_in_partition_then_row_order(spark: Any,
+                                                               tmp_path: Path) -> None:
+    df = spark.range(0, 400, 1, 4).selectExpr("cast(id as string) as payload")
+    store = tmp_path / "store"
+    result = run_backfill(df, into=store, queue="fifo", spark=spark,
+                          create_queue_options={"order": "fifo"})
+    assert (result.partitions, result.loaded, len(result.segments)) == (4, 400, 4)
+    assert [b for _, _, b in drain(store, "fifo")] == [str(i).encode() for i in range(400)]
+    with qstore.open(store, compactor=False) as s:
+        segs = {seg.file_id: seg for seg in s.stats().segments}
+        assert all(segs[fid].live_count == 100 for fid in result.segments)
+        assert segs[max(result.segments)].active  # the newest segment takes new pushes
+    check_consistent(store)
+    # A sorted DataFrame loads in its sort order (range partitions, in order).
+    desc = spark.range(0, 300, 1, 3).selectExpr("cast(id as string) as payload", "id")
+    result = run_backfill(desc.orderBy(desc.id.desc()), into=store, queue="sorted",
+                          spark=spark, create_queue_options={"order": "fifo"})
+    assert result.partitions > 1
+    assert [b for _, _, b in drain(store, "sorted")] == [str(i).encode()
+                                                          for i in range(299, -1, -1)]
+    assert spark.conf.get("spark.sql.adaptive.enabled") == "true"  # restored
+
+
+def test_backfilled_store_audits_clean(spark: Any, tmp_path: Path) -> None:
+    audit = pytest.importorskip("qstore.spark.audit")
+    store = tmp_path / "store"
+    with qstore.open(store, compactor=False) as s:
+        s.create_queue("q").push_many([b"old1", b"old2"])
+    src = write_parquet(tmp_path / "src.parquet", payload=[b"p%d" % i for i in range(50)],
+                        d=[float(i % 2) * 30 for i in range(50)])
+    run_backfill(str(src), into=store, queue="q", delay_col="d", spark=spark)
+    with qstore.open(store, compactor=False) as s:
+        snap = s.snapshot(str(tmp_path / "snap"))
+    report = audit.run_audit(snap, spark=spark)
+    assert (report.exit_code, report.findings) == (0, 0)
+
+
+# -- refusals -------------------------------------------------------------------
+
+
+def test_store_locked_by_another_process(spark: Any, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import qstore, sys, time; s = qstore.open(sys.argv[1]); "
+         "print('open', flush=True); time.sleep(120)", str(store)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        src = write_parquet(tmp_path / "src.parquet", payload=[b"a"])
+        with pytest.raises(qstore.StoreLocked, match="locked by another writer"):
+            run_backfill(str(src), into=store, queue="q", spark=spark)
+        assert main([str(src), "--queue", "q", "--into", str(store)]) == 3
+    finally:
+        holder.kill()
+        holder.wait()
+        assert holder.stdout is not None
+        holder.stdout.close()
+    with qstore.open(store, compactor=False) as s:
+        assert s.queues() == []
+
+
+def test_bad_arguments_change_nothing(spark: Any, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    src = write_parquet(tmp_path / "src.parquet", payload=[b"a"], n=[1], flag=[True])
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"priority_col": "n", "create_queue_options": {"priority_type": "str"}},
+         "has type bigint; it must be string"),
+        ({"priority_col": "flag"}, "has type boolean"),
+        ({"payload_col": "nope"}, "'nope' is not in the source"),
+        ({"dedup_col": "n", "create_queue_options": {"dedup": False}}, "not created with dedup"),
+        ({"create_queue_options": {"colour": "red"}}, "unknown create_queue_options"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(qstore.InvalidArgument, match=message):
+            run_backfill(str(src), into=store, queue="q", spark=spark, **kwargs)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(qstore.InvalidArgument, match="not empty"):
+        run_backfill(str(src), into=store, queue="q", spark=spark, rejects=tmp_path / "full")
+    assert main([str(tmp_path / "missing.parquet"), "--queue", "q", "--into", str(store)]) == 2
+    with qstore.open(store, compactor=False) as s:
+        assert s.queues() == []
+
+
+# -- crash safety -------------------------------------------------------------------
+
+
+def _commit_in_child(store: Path, staging: Path, crash_at: str | None) -> int:
+    env = dict(os.environ)
+    env.pop(_ingest.CRASH_ENV, None)
+    if crash_at is not None:
+        env[_ingest.CRASH_ENV] = crash_at
+    return subprocess.run([sys.executable, str(CHILD), str(store), str(staging)], env=env,
+                          timeout=60).returncode
+
+
+def test_kill_at_every_step_leaves_none_or_all_of_the_rows(spark: Any, tmp_path: Path,
+                                                           monkeypatch: Any) -> None:
+    """A crash after each step leaves a store that opens with none or all of the rows.
+
+    The Spark part runs once, here; the directory copied at ``reserved`` and at
+    ``staged`` is exactly what a SIGKILL at that point leaves (nothing is being
+    written then). The driver's commit steps are then run in child processes
+    that SIGKILL themselves after each step.
+    """
+    src = tmp_path / "src"
+    write_parquet(src / "a.parquet", payload=[b"a%d" % i for i in range(30)],
+                  p=list(range(30)))
+    write_parquet(src / "b.parquet", payload=[b"b%d" % i for i in range(30)] + [None],
+                  p=list(range(31)))
+    store = tmp_path / "store"
+    with qstore.open(store, compactor=False) as s:
+        s.create_queue("q").push_many([(b"old%d" % i, 100) for i in range(3)])
+    old = {b"old0", b"old1", b"old2"}
+    loaded = {b"a%d" % i for i in range(30)} | {b"b%d" % i for i in range(30)}
+
+    def image(step: str) -> None:
+        if step in ("reserved", "staged"):
+            shutil.copytree(store, tmp_path / f"image-{step}")
+
+    monkeypatch.setattr(_ingest, "step_hook", image)
+    result = run_backfill(str(src), into=store, queue="q", priority_col="p", spark=spark)
+    monkeypatch.setattr(_ingest, "step_hook", None)
+    assert (result.partitions, len(result.segments), result.rejected) == (2, 2, 1)
+    assert {b for _, _, b in drain(store, "q")} == old | loaded
+    for step in ("reserved", "staged"):
+        assert check_consistent(tmp_path / f"image-{step}")["q"] == [3, 0, 0, 0, 12]
+    (staging,) = (tmp_path / "image-staged" / "staging").iterdir()
+
+    for crash_at, outcome in [("rejects_published", old), ("moving", old), ("moved", old),
+                              ("ingested", old | loaded), ("cleaned", old | loaded),
+                              (None, old | loaded)]:
+        work = tmp_path / f"after-{crash_at}"
+        shutil.copytree(tmp_path / "image-staged", work)
+        code = _commit_in_child(work, work / "staging" / staging.name, crash_at)
+        assert code == (0 if crash_at is None else -signal.SIGKILL), crash_at
+        assert check_consistent(work)["q"][0] == len(outcome), crash_at
+        # A compaction pass deletes the segments of a job that never committed.
+        with qstore.open(work, compactor=False) as s:
+            s.compact(threshold=0.5)
+            for seg in s.stats().segments:
+                assert seg.active or seg.live_count > 0, (crash_at, seg)
+        check_consistent(work)
+        assert {b for _, _, b in drain(work, "q")} == outcome, crash_at
+
+    # The next backfill after a crash cleans the old staging directory and loads
+    # everything once (here: segments moved but never ingested, then compacted).
+    work = tmp_path / "after-moved"
+    with qstore.open(work, compactor=False) as s:
+        s.queue("q").purge()
+    assert (work / "staging" / staging.name).exists()
+    result = run_backfill(str(src), into=work, queue="q", priority_col="p", spark=spark)
+    assert result.loaded == 60
+    assert os.listdir(work / "staging") == []
+    assert {b for _, _, b in drain(work, "q")} == loaded
+    check_consistent(work)
+
+
+def test_spark_submit_script_runs_main() -> None:
+    run = subprocess.run([sys.executable, str(ROOT / "spark" / "backfill.py"), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0
+    assert "--payload-col" in run.stdout and "Exit codes" in run.stdout
+
+
+# -- the partition writer on its own ------------------------------------------------
+
+
+def _ingest_into_fresh_db(staging: Path, ssts: list[str], path: Path) -> dict[bytes, bytes]:
+    db = Rdict(str(path), Options(raw_mode=True))
+    try:
+        db.ingest_external_file([str(staging / "sst" / n) for n in ssts],
+                                IngestExternalFileOptions())
+        return dict(db.items())
+    finally:
+        db.close()
+
+
+def test_staged_files_are_byte_identical_to_what_push_many_writes(tmp_path: Path,
+                                                                   clock: Any) -> None:
+    items = [(b"body%d" % i, (i * 3) % 4, 0.0 if i % 4 else 10.0, None if i % 5 else f"k{i}")
+             for i in range(25)]
+    pushed = tmp_path / "pushed"
+    with qstore.open(pushed, compactor=False, clock=clock) as s:
+        q = s.create_queue("q", order="min", dedup=True)
+        ids = q.push_many(items)
+        qid = s.queue_states["q"].qid
+    assert ids == list(range(1, 26))
+    spec = LoadSpec(qid=qid, order="min", priority_type="int", dedup=True, now=clock(),
+                    max_payload_bytes=1 << 20, segment_max_bytes=1 << 20, payload_col="b",
+                    priority_col="p", delay_col="d", dedup_col="k")
+    staging = tmp_path / "staging"
+    for sub in ("seg", "sst", "rejects"):
+        (staging / sub).mkdir(parents=True)
+    loader = PartitionLoader(spec, PartitionPlan(0, 25, 1, [1]), str(staging), "t")
+    cols = list(zip(*items, strict=True))
+    loader.add(pa.RecordBatch.from_pydict(
+        {"b": list(cols[0]), "p": list(cols[1]), "d": list(cols[2]), "k": list(cols[3])}))
+    summary = loader.finish()
+    assert summary["segments"] == [{"file_id": 1, "live_bytes": sum(8 + len(b) for b in cols[0]),
+                                    "live_count": 25, "end": os.path.getsize(
+                                        staging / "seg" / fmt.segment_name(1))}]
+    staged = _ingest_into_fresh_db(staging, summary["ssts"], tmp_path / "db")
+    with qstore.open(pushed, readonly=True) as s:
+        per_queue = {k: v for k, v in s.meta.scan(b"d", b"s")}
+    assert staged == per_queue
+    seg = fmt.segment_name(1)
+    assert (staging / "seg" / seg).read_bytes() == (pushed / "payload" / seg).read_bytes()
+
+
+def test_partition_writer_rolls_segments_while_ids_last_and_checks_row_counts(
+        tmp_path: Path) -> None:
+    spec = LoadSpec(qid=1, order="max", priority_type="int", dedup=False, now=1.0,
+                    max_payload_bytes=1000, segment_max_bytes=fmt.HEADER_SIZE + 3 * 108,
+                    payload_col="b")
+    staging = tmp_path / "staging"
+    for sub in ("seg", "sst", "rejects"):
+        (staging / sub).mkdir(parents=True)
+    batch = pa.RecordBatch.from_pydict({"b": [b"x" * 100] * 7})
+    loader = PartitionLoader(spec, PartitionPlan(0, 7, 10, [5, 6, 7]), str(staging), "t")
+    loader.add(batch)
+    summary = loader.finish()
+    assert [(s["file_id"], s["live_count"]) for s in summary["segments"]] == [
+        (5, 3), (6, 3), (7, 1)]
+    # Out of reserved ids, the last segment takes the rest instead of failing.
+    short = PartitionLoader(spec, PartitionPlan(1, 7, 20, [8, 9]), str(staging), "w")
+    short.add(batch)
+    assert [(s["file_id"], s["live_count"], s["end"]) for s in short.finish()["segments"]] == [
+        (8, 3, fmt.HEADER_SIZE + 3 * 108), (9, 4, fmt.HEADER_SIZE + 4 * 108)]
+    too_few = PartitionLoader(spec, PartitionPlan(0, 8, 10, [5, 6, 7]), str(staging), "u")
+    too_few.add(batch)
+    with pytest.raises(RuntimeError, match="not deterministic"):
+        too_few.finish()  # closes what it opened, publishes nothing
+    too_many = PartitionLoader(spec, PartitionPlan(0, 6, 10, [5, 6, 7]), str(staging), "v")
+    with pytest.raises(RuntimeError, match="not deterministic"):
+        too_many.add(batch)
+
+
+def test_row_rules_are_push_rules(tmp_path: Path) -> None:
+    """What parse() accepts, push accepts with the same values; what it rejects, push refuses."""
+    from decimal import Decimal
+
+    from qstore.spark._rows import parse
+
+    spec = LoadSpec(qid=1, order="max", priority_type="int", dedup=False, now=0.0,
+                    max_payload_bytes=8, segment_max_bytes=1 << 20, payload_col="b",
+                    priority_col="p", delay_col="d")
+    cases: list[tuple[Any, Any, Any, str | None]] = [  # payload, priority, delay, reason
+        (b"ok", 3, 1.5, None),
+        (b"ok", None, None, None),
+        (b"123456789", 1, 0.0, "payload: 9 bytes, over max_payload_bytes 8"),
+        (None, 1, 0.0, "payload: null"),
+        (b"ok", 1, -0.5, "delay: -0.5 is negative"),
+        (b"ok", 1, float("nan"), "delay: nan is not finite"),
+        (b"ok", 1, float("inf"), "delay: inf is not finite"),
+    ]
+    batch = pa.RecordBatch.from_pydict({"b": [c[0] for c in cases], "p": [c[1] for c in cases],
+                                        "d": [c[2] for c in cases]})
+    assert parse(batch, spec).reasons == [c[3] for c in cases]
+    as_text = pa.RecordBatch.from_pydict({"b": ["é", "x", "y", "z", "w"],
+                                          "p": [" 7 ", "2.5", "high", str(2**63), "-9"],
+                                          "d": ["0", "1e3", "soon", "0", "-1"]})
+    rows = parse(as_text, spec)
+    assert rows.reasons == [None, "priority: '2.5' is not an integer",
+                            "priority: 'high' is not an integer",
+                            f"priority: {2**63} is outside signed 64-bit range",
+                            "delay: -1.0 is negative"]
+    assert bytes(rows.body(0)) == "é".encode()
+    assert rows.priorities[0] == 7 and rows.delays[1] == 1000.0
+    numeric = pa.RecordBatch.from_pydict({"b": [b"a", b"b", b"c"],
+                                          "p": [Decimal("4"), Decimal("4.5"), None],
+                                          "d": [Decimal("2.5"), None, Decimal("1")]})
+    rows = parse(numeric, spec)
+    assert rows.reasons == [None, "priority: 4.5 is not an integer", None]
+    assert rows.priorities.tolist() == [4, 0, 0] and rows.delays.tolist() == [2.5, 0.0, 1.0]
+    # The same values through push: accepted ones load, rejected ones raise.
+    with qstore.open(tmp_path / "s", compactor=False, max_payload_bytes=8) as s:
+        q = s.create_queue("q")
+        for body, prio, delay, reason in cases:
+            args = (body, prio, 0.0 if delay is None else delay)
+            if reason is None:
+                q.push(*args)
+            else:
+                with pytest.raises(qstore.InvalidArgument):
+                    q.push(*args)
