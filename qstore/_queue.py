@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import (
@@ -44,23 +45,43 @@ def _payload(body: object) -> bytes:
     raise InvalidArgument(f"payload must be bytes, not {type(body).__name__}")
 
 
+# Longest delay, lease or wait accepted: a century. Beyond it, due times overflow
+# their microsecond keys and waits the platform's timeout limit.
+MAX_SECONDS = 100 * 366 * 86400
+
+
 def _seconds(value: object, what: str, *, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise InvalidArgument(f"{what} must be a finite number of seconds, not {value!r}")
     if value < 0 or (positive and value == 0):
         raise InvalidArgument(f"{what} must be {'> 0' if positive else '>= 0'}, not {value!r}")
+    if value > MAX_SECONDS:
+        raise InvalidArgument(f"{what} must be at most {MAX_SECONDS} seconds, not {value!r}")
     return float(value)
+
+
+# qid (u32), message id (u64), delivery count, in the lowercase hex make_receipt writes.
+_RECEIPT = re.compile(r"([0-9a-f]{1,8})-([0-9a-f]{1,16})-([0-9a-f]{1,16})")
 
 
 def _receipt_parts(item: object) -> tuple[int, int, int]:
     receipt = item.receipt if isinstance(item, Message) else item
     if not isinstance(receipt, str):
         raise InvalidArgument(f"expected a Message from pop() or its receipt, not {item!r:.60}")
-    try:
-        qid, mid, delivery = (int(p, 16) for p in receipt.split("-"))
-    except ValueError:
-        raise InvalidArgument(f"malformed receipt {receipt!r}") from None
+    # Strict: int(x, 16) alone would take "0x1", " 1", "+1" or "1_0", and an id
+    # over 64 bits would reach the key encoder and fail there.
+    match = _RECEIPT.fullmatch(receipt)
+    if match is None:
+        raise InvalidArgument(f"malformed receipt {receipt!r:.80}")
+    qid, mid, delivery = (int(p, 16) for p in match.groups())
     return qid, mid, delivery
+
+
+def _iterate(items: object, what: str) -> Iterator[Any]:
+    try:
+        return iter(items)  # type: ignore[call-overload, no-any-return]
+    except TypeError:
+        raise InvalidArgument(f"{what} takes an iterable, not {type(items).__name__}") from None
 
 
 def make_receipt(qid: int, mid: int, deliveries: int) -> str:
@@ -158,7 +179,7 @@ class Queue:
         """
         defaults = (None, None, delay, None)
         rows = []
-        for item in items:
+        for item in _iterate(items, "push_many"):
             if isinstance(item, (bytes, bytearray, memoryview)):
                 rows.append((item, None, delay, None))
             elif isinstance(item, (tuple, list)) and 1 <= len(item) <= 4:
@@ -263,6 +284,8 @@ class Queue:
                 q = self._q
                 until_event = (q.next_event_us / 1e6) - store.clock()
                 store._ready.wait(max(0.001, min(remaining, until_event)))
+                if store._closed:  # close() woke us; the database may be gone already
+                    return []
 
     def _pop_locked(self, n: int, lease: float) -> list[Message]:
         store = self._store
@@ -330,7 +353,7 @@ class Queue:
 
     def ack_many(self, items: Iterable[Receipted]) -> int:
         """Ack every item in one batch; if any lease is not live, nothing is acked."""
-        items = list(items)
+        items = list(_iterate(items, "ack_many"))
         store = self._store
         with store.writing():
             now_us = keys.to_us(store.clock())
@@ -390,6 +413,7 @@ class Queue:
 
     def _maybe_promote(self) -> QueueState:
         store = self._store
+        store._check_open()  # reads of a closed store must not reach rocksdict
         q = self._state()
         if not store.readonly:
             now_us = keys.to_us(store.clock())
@@ -427,8 +451,9 @@ class Queue:
 
     def get(self, message_id: int) -> Message:
         """One message by id, in any state (MessageNotFound once acked or purged)."""
-        if isinstance(message_id, bool) or not isinstance(message_id, int) or message_id < 0:
-            raise InvalidArgument(f"message id must be an int >= 0, not {message_id!r}")
+        if (isinstance(message_id, bool) or not isinstance(message_id, int)
+                or not 0 <= message_id < 2**64):
+            raise InvalidArgument(f"message id must be an int in [0, 2**64), not {message_id!r}")
         with self._store._lock:
             q = self._maybe_promote()
             raw = self._store.meta.get(keys.message_key(q.qid, message_id))
@@ -452,6 +477,11 @@ class Queue:
         store = self._store
         with store.writing():
             q = self._state()
+            now = store.clock()
+            now_us = keys.to_us(now)
+            if q.next_event_us <= now_us:
+                # A lease that ran out on its last attempt is dead already.
+                promote(store, q, now_us)
             lo = keys.prefix(keys.DEAD, q.qid)
             dead = store.meta.scan_keys(lo, keys.prefix_end(lo), n)
             if not dead:
@@ -459,7 +489,6 @@ class Queue:
             mids = [keys.trailing_id(k) for k in dead]
             raws = store.meta.multi_get([keys.message_key(q.qid, m) for m in mids])
             txn = Txn()
-            now = store.clock()
             for dkey, mid, raw in zip(dead, mids, raws, strict=True):
                 if raw is None:
                     raise _missing_record(q, mid)

@@ -24,6 +24,7 @@ from ._errors import (
     ReadOnlyStore,
     StorageError,
     StoreClosed,
+    StoreLocked,
 )
 from ._message import SegmentStats, StoreStats
 from ._txn import Txn, apply_counts
@@ -38,6 +39,28 @@ log = logging.getLogger("qstore")
 
 ID_BLOCK = 4096  # ids reserved per M"id_hwm" write; a restart skips the unused rest
 MAX_QUEUE_NAME_BYTES = 255
+
+# Store directories open read-write in this process, by (st_dev, st_ino). RocksDB's
+# LOCK file stops other processes, but within one process it only compares path
+# strings: a symlink, "./" or a relative spelling would open a second writer.
+_writers: set[tuple[int, int]] = set()
+_writers_lock = threading.Lock()
+
+
+def _claim_writer(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    key = (st.st_dev, st.st_ino)
+    with _writers_lock:
+        if key in _writers:
+            raise StoreLocked(path)
+        _writers.add(key)
+    return key
+
+
+def _release_writer(key: tuple[int, int] | None) -> None:
+    if key is not None:
+        with _writers_lock:
+            _writers.discard(key)
 
 
 class QueueState:
@@ -70,15 +93,23 @@ class Store:
         self._lock = threading.RLock()
         self._ready = threading.Condition(self._lock)
         self._closed = False
+        self._writer_key: tuple[int, int] | None = None
         if not config.readonly:
             os.makedirs(path, exist_ok=True)
+            self._writer_key = _claim_writer(path)
         elif not os.path.isdir(os.path.join(path, "meta")):
             raise StorageError(f"{path!r} is not a qstore directory (no meta/)")
-        self.meta = MetaDB(os.path.join(path, "meta"), readonly=config.readonly, store_path=path)
+        try:
+            self.meta = MetaDB(os.path.join(path, "meta"), readonly=config.readonly,
+                               store_path=path)
+        except BaseException:
+            _release_writer(self._writer_key)
+            raise
         try:
             self._load()
         except BaseException:
             self.meta.close()
+            _release_writer(self._writer_key)
             raise
         self.syncer = Syncer(self)
         self.compactor: Compactor | None = None
@@ -366,6 +397,7 @@ class Store:
             if not self.readonly:
                 self.meta.sync_wal()
             self.meta.close()
+            _release_writer(self._writer_key)
 
     def __enter__(self) -> Store:
         return self

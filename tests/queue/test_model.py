@@ -1,0 +1,528 @@
+"""The real store against a plain in-memory model of the queue semantics (CONTRACT section 2).
+
+A hypothesis state machine drives one store with two queues, ``a`` and
+``ab`` (prefix neighbours), through random pushes, pops, acks, nacks,
+extends, clock moves, redrives, purges and reopens, and compares every
+result, every error and every counter with the model after each step. An
+invariant also recounts each queue straight from its RocksDB indexes.
+
+Times are whole or half seconds, so that ``clock() + lease`` and its
+microsecond key round-trip exactly and the model can compare deadlines with
+``==``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+import qstore
+
+from ._support import Counts, ManualClock, assert_consistent
+
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+NAMES = ("a", "ab")
+
+int_priorities = st.one_of(
+    st.none(),
+    st.integers(-2, 2),
+    st.sampled_from([INT_MIN, INT_MIN + 1, INT_MAX - 1, INT_MAX]),
+    st.integers(INT_MIN, INT_MAX),
+)
+str_priorities = st.one_of(
+    st.none(),
+    st.sampled_from(["", "\x00", "\x00\x00", "\x01", "a", "a\x00", "a\x00b", "ab", "b",
+                     "\x7f", "é", "\uffff", "\U0001d11e"]),
+    st.text(max_size=4),
+)
+payloads = st.one_of(
+    st.sampled_from([b"", b"dup", b"\x00"]),
+    st.binary(max_size=400),
+    # Over segment_max_bytes: such a record gets a segment of its own.
+    st.integers(4097, 5000).map(lambda n: bytes([n % 251]) * n),
+)
+delays = st.sampled_from([0, 0, 0.0, 1, 2.5, 7])
+leases = st.sampled_from([1, 2, 5, 10, 20.5, 100])
+dedup_keys = st.sampled_from([None, None, None, "k1", b"k1", "k2"])
+advances = st.sampled_from([0.5, 1, 2, 5, 10, 20, 30])
+# A clock move at the start of an operation, before any stats() call promotes what
+# became due: the operation itself must see expired leases and due delays.
+ticks = st.sampled_from([None] * 7 + ["event", "before", 1])
+
+
+@dataclass
+class Rec:
+    """The model of one message."""
+
+    id: int
+    priority: int | str
+    payload: bytes
+    enqueued_at: float
+    digest: tuple[str, bytes] | None
+    state: str = "ready"
+    when: float = 0.0  # due time (delayed) or lease deadline (in_flight)
+    attempts: int = 0
+    receipt: str | None = None  # the live delivery, while in_flight
+
+
+class ModelQueue:
+    def __init__(self, name: str, order: str, ptype: str, max_attempts: int, dedup: bool) -> None:
+        self.name = name
+        self.order = order
+        self.ptype = ptype
+        self.max_attempts = max_attempts
+        self.dedup = dedup
+        self.msgs: dict[int, Rec] = {}
+
+    def priority(self, given: int | str | None) -> int | str:
+        if given is None:
+            return 0 if self.ptype == "int" else ""
+        return given
+
+    def digest(self, payload: bytes, key: str | bytes | None) -> tuple[str, bytes] | None:
+        if not self.dedup:
+            return None
+        if key is None:
+            return ("payload", payload)
+        return ("key", key.encode("utf-8") if isinstance(key, str) else key)
+
+    def live_with(self, digest: tuple[str, bytes] | None) -> Rec | None:
+        if digest is None:
+            return None
+        return next((m for m in self.msgs.values() if m.digest == digest), None)
+
+    def ready(self) -> list[Rec]:
+        """Ready messages in pop order: priority (per order), then id."""
+        by_id = sorted((m for m in self.msgs.values() if m.state == "ready"), key=lambda m: m.id)
+        if self.order == "fifo":
+            return by_id
+
+        def prio(m: Rec) -> Any:
+            return m.priority.encode("utf-8") if isinstance(m.priority, str) else m.priority
+
+        # sorted() is stable, also with reverse=True: equal priorities keep id order.
+        return sorted(by_id, key=prio, reverse=self.order == "max")
+
+    def dead(self) -> list[Rec]:
+        return sorted((m for m in self.msgs.values() if m.state == "dead"), key=lambda m: m.id)
+
+    def give_back(self, m: Rec, now: float, delay: float) -> None:
+        """A lease ends without an ack (nack or expiry)."""
+        m.receipt = None
+        if m.attempts >= self.max_attempts:
+            m.state, m.when = "dead", 0.0
+        elif delay > 0:
+            m.state, m.when = "delayed", now + delay
+        else:
+            m.state, m.when = "ready", 0.0
+
+    def settle(self, now: float) -> None:
+        """Expire leases and release delays whose time has come (clock() >= when)."""
+        for m in self.msgs.values():
+            if m.state == "in_flight" and now >= m.when:
+                self.give_back(m, now, 0.0)
+            elif m.state == "delayed" and now >= m.when:
+                m.state, m.when = "ready", 0.0
+
+    def events(self) -> list[float]:
+        return [m.when for m in self.msgs.values() if m.state in ("in_flight", "delayed")]
+
+    def counts(self) -> Counts:
+        n = {s: 0 for s in ("ready", "delayed", "in_flight", "dead")}
+        for m in self.msgs.values():
+            n[m.state] += 1
+        return Counts(n["ready"], n["delayed"], n["in_flight"], n["dead"],
+                      sum(len(m.payload) for m in self.msgs.values()))
+
+
+def outcome(fn: Callable[[], Any]) -> tuple[Any, type[Exception] | None]:
+    try:
+        return fn(), None
+    except qstore.QStoreError as exc:
+        return None, type(exc)
+
+
+class QueueMachine(RuleBasedStateMachine):
+    ORDER = "max"  # of queue "a"; "ab" draws its own
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = tempfile.mkdtemp(prefix="qstore-model-")
+        self.path = os.path.join(self.tmp, "store")
+        self.clock = ManualClock()
+        self.options: dict[str, Any] = {}
+        self.store: qstore.Store | None = None
+        self.model: dict[str, ModelQueue] = {}
+        self.handles: dict[str, qstore.Queue] = {}
+        self.delivered: list[qstore.Message] = []  # every Message pop or extend returned
+        self.receipts: set[str] = set()
+        self.ids: list[int] = []
+        self.last_id = 0
+
+    # -- set-up ---------------------------------------------------------------
+
+    @initialize(
+        durability=st.sampled_from(["none", "none", "none", "interval", "always"]),
+        a_type=st.sampled_from(["int", "str"]),
+        a_attempts=st.sampled_from([1, 2, 3, 3]),
+        a_dedup=st.booleans(),
+        b_order=st.sampled_from(["max", "min", "fifo"]),
+        b_type=st.sampled_from(["int", "str"]),
+        b_attempts=st.sampled_from([1, 2, 3, 3]),
+        b_dedup=st.booleans(),
+    )
+    def open_store(self, durability: str, a_type: str, a_attempts: int, a_dedup: bool,
+                   b_order: str, b_type: str, b_attempts: int, b_dedup: bool) -> None:
+        self.options = {"clock": self.clock, "compactor": False, "segment_max_bytes": 4096,
+                        "sweep_interval": 3600.0, "durability": durability}
+        self.store = qstore.open(self.path, **self.options)
+        configs = {"a": (self.ORDER, a_type, a_attempts, a_dedup),
+                   "ab": (b_order, b_type, b_attempts, b_dedup)}
+        for name, (order, ptype, attempts, dedup) in configs.items():
+            self.handles[name] = self.store.create_queue(
+                name, order=order, priority_type=ptype, max_attempts=attempts, dedup=dedup)
+            self.model[name] = ModelQueue(name, order, ptype, attempts, dedup)
+
+    def teardown(self) -> None:
+        if self.store is not None:
+            self.store.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # -- helpers --------------------------------------------------------------
+
+    @property
+    def now(self) -> float:
+        return self.clock.now
+
+    def _record_push(self, mq: ModelQueue, rows: list[tuple[bytes, Any, float, Any]],
+                     ids: list[int]) -> None:
+        assert len(ids) == len(rows)
+        for (payload, prio, delay, key), mid in zip(rows, ids, strict=True):
+            digest = mq.digest(payload, key)
+            existing = mq.live_with(digest)
+            if existing is not None:
+                assert mid == existing.id, "a dedup hit must return the live message's id"
+                continue
+            assert mid > self.last_id, "message ids must grow with every push"
+            self.last_id = mid
+            self.ids.append(mid)
+            rec = Rec(mid, mq.priority(prio), payload, self.now, digest)
+            if delay > 0:
+                rec.state, rec.when = "delayed", self.now + delay
+            mq.msgs[mid] = rec
+
+    def _check_delivery(self, mq: ModelQueue, msg: qstore.Message, rec: Rec,
+                        lease: float) -> None:
+        rec.attempts += 1
+        rec.state, rec.when, rec.receipt = "in_flight", self.now + lease, msg.receipt
+        assert (msg.id, msg.queue, msg.payload) == (rec.id, mq.name, rec.payload)
+        assert msg.priority == rec.priority and type(msg.priority) is type(rec.priority)
+        assert msg.attempts == rec.attempts
+        assert msg.enqueued_at == rec.enqueued_at
+        assert msg.lease_deadline == rec.when
+        assert msg.state == "in_flight"
+        assert isinstance(msg.receipt, str) and msg.receipt not in self.receipts
+        self.receipts.add(msg.receipt)
+        self.delivered.append(msg)
+
+    def _check_seen(self, msg: qstore.Message, rec: Rec, name: str) -> None:
+        """A Message from peek, get or dead_letters matches the model and holds no lease."""
+        assert (msg.id, msg.queue, msg.payload) == (rec.id, name, rec.payload)
+        assert msg.priority == rec.priority and type(msg.priority) is type(rec.priority)
+        assert (msg.state, msg.attempts, msg.enqueued_at) == (rec.state, rec.attempts,
+                                                             rec.enqueued_at)
+        assert msg.receipt is None
+        assert msg.lease_deadline == (rec.when if rec.state == "in_flight" else None)
+
+    def _pick(self, data: st.DataObject, *, edge_ok: bool = True) -> qstore.Message:
+        """A delivery: mostly one whose lease is live, else any (likely stale) one.
+
+        Then, now and then, the clock lands exactly on its deadline (too late) or
+        half a second before it (just in time), with nothing promoted in between.
+        """
+        live = [m for m in self.delivered if self._lease_error(m.queue, m) is None]
+        if live and data.draw(st.integers(0, 2)):
+            msg = data.draw(st.sampled_from(live))
+        else:
+            msg = data.draw(st.sampled_from(self.delivered))
+        edge = data.draw(st.sampled_from([None] * 6 + [0.0, 0.5])) if edge_ok else None
+        rec = self.model[msg.queue].msgs.get(msg.id)
+        if (edge is not None and rec is not None and rec.state == "in_flight"
+                and rec.when - edge > self.now):
+            self.clock.now = rec.when - edge
+            self._settle()
+        return msg
+
+    def _lease_error(self, name: str, msg: qstore.Message) -> type[Exception] | None:
+        """The error ack/nack/extend of ``msg`` through queue ``name`` must raise, if any."""
+        if msg.queue != name:
+            return qstore.InvalidArgument
+        rec = self.model[name].msgs.get(msg.id)
+        if rec is None:
+            return qstore.MessageNotFound
+        if rec.state != "in_flight" or rec.receipt != msg.receipt:
+            return qstore.LeaseExpired
+        return None
+
+    def _via(self, msg: qstore.Message, other: int) -> str:
+        """Usually the message's own queue; sometimes the other one (a foreign receipt)."""
+        if other == 0:
+            return "ab" if msg.queue == "a" else "a"
+        return msg.queue
+
+    # -- pushing --------------------------------------------------------------
+
+    @rule(name=st.sampled_from(NAMES), payload=payloads, pi=int_priorities, ps=str_priorities,
+          delay=delays, key=dedup_keys, tick=ticks)
+    def push(self, name: str, payload: bytes, pi: int | None, ps: str | None, delay: float,
+             key: str | bytes | None, tick: Any) -> None:
+        self._tick(tick)
+        mq = self.model[name]
+        prio = pi if mq.ptype == "int" else ps
+        key = key if mq.dedup else None
+        mid = self.handles[name].push(payload, priority=prio, delay=delay, dedup_key=key)
+        self._record_push(mq, [(payload, prio, delay, key)], [mid])
+
+    @rule(name=st.sampled_from(NAMES), batch_delay=delays,
+          items=st.lists(st.tuples(payloads, int_priorities, str_priorities, delays, dedup_keys,
+                                   st.sampled_from(["bytes", 1, 2, 3, 4])), max_size=5))
+    def push_many(self, name: str, batch_delay: float,
+                  items: list[tuple[bytes, Any, Any, float, Any, Any]]) -> None:
+        mq = self.model[name]
+        args: list[Any] = []
+        rows = []
+        for payload, pi, ps, delay, key, shape in items:
+            prio = pi if mq.ptype == "int" else ps
+            key = key if mq.dedup else None
+            if shape == "bytes":
+                args.append(payload)
+                rows.append((payload, None, batch_delay, None))
+            else:
+                full = (payload, prio, delay, key)
+                args.append(full[:shape])
+                rows.append(full[:shape] + (None, None, batch_delay, None)[shape:])
+        ids = self.handles[name].push_many(args, delay=batch_delay)
+        self._record_push(mq, rows, ids)
+
+    # -- leasing --------------------------------------------------------------
+
+    @rule(name=st.sampled_from(NAMES), lease=leases, tick=ticks)
+    def pop(self, name: str, lease: float, tick: Any) -> None:
+        self._tick(tick)
+        mq = self.model[name]
+        head = mq.ready()[:1]
+        got = self.handles[name].pop(lease=lease)
+        if not head:
+            assert got is None
+            return
+        assert got is not None, f"pop returned nothing; the model has {head[0].id} ready"
+        self._check_delivery(mq, got, head[0], lease)
+
+    @rule(name=st.sampled_from(NAMES), n=st.integers(1, 5), lease=leases, tick=ticks)
+    def pop_many(self, name: str, n: int, lease: float, tick: Any) -> None:
+        self._tick(tick)
+        mq = self.model[name]
+        head = mq.ready()[:n]
+        got = self.handles[name].pop_many(n, lease=lease)
+        assert [m.id for m in got] == [r.id for r in head]
+        for msg, rec in zip(got, head, strict=True):
+            self._check_delivery(mq, msg, rec, lease)
+
+    @precondition(lambda self: self.delivered)
+    @rule(data=st.data(), by_message=st.booleans(), other=st.integers(0, 7), tick=ticks)
+    def ack(self, data: st.DataObject, by_message: bool, other: int, tick: Any) -> None:
+        self._tick(tick)
+        msg = self._pick(data)
+        name = self._via(msg, other)
+        expected = self._lease_error(name, msg)
+        _, err = outcome(lambda: self.handles[name].ack(msg if by_message else msg.receipt))
+        assert err is expected
+        if expected is None:
+            del self.model[name].msgs[msg.id]
+
+    @precondition(lambda self: self.delivered)
+    @rule(data=st.data(), k=st.integers(0, 3), other=st.integers(0, 7), tick=ticks)
+    def ack_many(self, data: st.DataObject, k: int, other: int, tick: Any) -> None:
+        self._tick(tick)
+        picked = [self._pick(data, edge_ok=i == 0) for i in range(k)]
+        name = self._via(picked[0], other) if picked else data.draw(st.sampled_from(NAMES))
+        items = [m if i % 2 else m.receipt for i, m in enumerate(picked)]
+        expected: type[Exception] | None = None
+        seen: set[int] = set()
+        for msg in picked:
+            expected = self._lease_error(name, msg)
+            if expected is None and msg.id in seen:
+                expected = qstore.InvalidArgument
+            if expected is not None:
+                break
+            seen.add(msg.id)
+        n, err = outcome(lambda: self.handles[name].ack_many(items))
+        assert err is expected, "ack_many acks all or raises the first item's error"
+        if expected is None:
+            assert n == k
+            for mid in seen:
+                del self.model[name].msgs[mid]
+
+    @precondition(lambda self: self.delivered)
+    @rule(data=st.data(), delay=delays, by_message=st.booleans(), other=st.integers(0, 7),
+          tick=ticks)
+    def nack(self, data: st.DataObject, delay: float, by_message: bool, other: int,
+             tick: Any) -> None:
+        self._tick(tick)
+        msg = self._pick(data)
+        name = self._via(msg, other)
+        expected = self._lease_error(name, msg)
+        _, err = outcome(lambda: self.handles[name].nack(msg if by_message else msg.receipt,
+                                                         delay=delay))
+        assert err is expected
+        if expected is None:
+            mq = self.model[name]
+            mq.give_back(mq.msgs[msg.id], self.now, delay)
+
+    @precondition(lambda self: self.delivered)
+    @rule(data=st.data(), lease=leases, other=st.integers(0, 7), tick=ticks)
+    def extend(self, data: st.DataObject, lease: float, other: int, tick: Any) -> None:
+        self._tick(tick)
+        msg = self._pick(data)
+        name = self._via(msg, other)
+        expected = self._lease_error(name, msg)
+        got, err = outcome(lambda: self.handles[name].extend(msg, lease=lease))
+        assert err is expected
+        if expected is None:
+            rec = self.model[name].msgs[msg.id]
+            rec.when = self.now + lease
+            assert got.receipt == msg.receipt, "extend keeps the receipt"
+            assert (got.id, got.payload, got.attempts) == (rec.id, rec.payload, rec.attempts)
+            assert got.lease_deadline == rec.when
+            self.delivered.append(got)
+
+    # -- time -----------------------------------------------------------------
+
+    def _settle(self) -> None:
+        for mq in self.model.values():
+            mq.settle(self.now)
+
+    @rule(seconds=advances)
+    def advance(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        self._settle()
+
+    def _tick(self, tick: Any) -> None:
+        """Move the clock: to the next deadline or due time exactly ("event"), half a
+        second before it ("before"), or by ``tick`` seconds."""
+        if tick is None:
+            return
+        if tick in ("event", "before"):
+            events = [w for mq in self.model.values() for w in mq.events()]
+            if not events:
+                return
+            target = min(events) - (0.5 if tick == "before" else 0.0)
+            if target > self.now:
+                self.clock.now = target
+        else:
+            self.clock.advance(tick)
+        self._settle()
+
+    @rule(tick=st.sampled_from(["event", "before"]))
+    def advance_to_next_event(self, tick: str) -> None:
+        self._tick(tick)
+
+    # -- inspection -----------------------------------------------------------
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data(), name=st.sampled_from(NAMES), tick=ticks)
+    def get(self, data: st.DataObject, name: str, tick: Any) -> None:
+        self._tick(tick)
+        mid = data.draw(st.sampled_from(self.ids))
+        rec = self.model[name].msgs.get(mid)
+        got, err = outcome(lambda: self.handles[name].get(mid))
+        if rec is None:
+            assert err is qstore.MessageNotFound
+        else:
+            assert err is None
+            self._check_seen(got, rec, name)
+
+    @rule(name=st.sampled_from(NAMES), n=st.integers(1, 3),
+          tick=st.sampled_from([None, "event", "event", 1]))
+    def redrive(self, name: str, n: int, tick: Any) -> None:
+        self._tick(tick)
+        want = self.model[name].dead()[:n]
+        assert self.handles[name].redrive(n) == len(want)
+        for rec in want:
+            rec.state, rec.attempts = "ready", 0
+
+    @rule(name=st.sampled_from(NAMES), go=st.integers(0, 3))
+    def purge(self, name: str, go: int) -> None:
+        if go:  # purge only now and then, or queues would rarely grow
+            return
+        mq = self.model[name]
+        assert self.handles[name].purge() == len(mq.msgs)
+        mq.msgs.clear()
+
+    @rule(go=st.integers(0, 3))
+    def reopen(self, go: int) -> None:
+        if go:  # reopening costs tens of ms: now and then is enough
+            return
+        assert self.store is not None
+        self.store.close()
+        self.store = qstore.open(self.path, **self.options)
+        assert self.store.queues() == list(NAMES)
+        for name, mq in self.model.items():
+            q = self.handles[name] = self.store.queue(name)
+            assert (q.order, q.priority_type, q.max_attempts, q.dedup) == (
+                mq.order, mq.ptype, mq.max_attempts, mq.dedup)
+
+    # -- invariants -----------------------------------------------------------
+
+    @invariant()
+    def counters_equal_model_and_recount(self) -> None:
+        if self.store is None:
+            return
+        for name, mq in self.model.items():
+            assert assert_consistent(self.store, self.handles[name]) == mq.counts()
+
+    @invariant()
+    def peek_and_dead_letters_equal_model(self) -> None:
+        """peek(n) is the ready set in pop order; dead_letters(n) the dead set by id."""
+        if self.store is None:
+            return
+        for name, mq in self.model.items():
+            q = self.handles[name]
+            for got, want in ((q.peek(len(mq.msgs) + 1), mq.ready()),
+                              (q.dead_letters(len(mq.msgs) + 1), mq.dead())):
+                assert [m.id for m in got] == [r.id for r in want]
+                for msg, rec in zip(got, want, strict=True):
+                    self._check_seen(msg, rec, name)
+            ready = mq.ready()
+            if len(ready) > 1:  # a short peek is the head of the long one
+                assert [m.id for m in q.peek(2)] == [r.id for r in ready[:2]]
+
+
+MODEL_SETTINGS = settings(
+    max_examples=int(os.environ.get("QSTORE_MODEL_EXAMPLES", "30")),
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+@pytest.mark.parametrize("order", ["max", "min", "fifo"])
+def test_store_behaves_like_the_model(order: str) -> None:
+    machine = type(f"QueueMachine_{order}", (QueueMachine,), {"ORDER": order})
+    run_state_machine_as_test(machine, settings=MODEL_SETTINGS)
