@@ -22,6 +22,7 @@ from ._errors import (
     MessageNotFound,
     QueueNotFound,
 )
+from ._heads import ReadyHeads
 from ._message import Message, QueueStats
 from ._txn import BYTES, DEAD, DELAYED, INFLIGHT, READY, STATE_COUNTER, Txn
 from .meta import keys, records
@@ -295,8 +296,8 @@ class Queue:
         if q.next_event_us <= now_us:
             promote(store, q, now_us)
         qid = q.qid
-        ready_keys = store.meta.scan_keys(q.cursor, keys.prefix_end(keys.prefix(keys.READY, qid)),
-                                          n)
+        plan = q.heads.plan(store.meta, n)
+        ready_keys = plan.keys
         if not ready_keys:
             return []
         mids = [keys.trailing_id(k) for k in ready_keys]
@@ -325,7 +326,7 @@ class Queue:
         txn.count(q, INFLIGHT, len(out))
         txn.add_event(q, when)
         txn.commit(store)
-        q.cursor = ready_keys[-1]
+        q.heads.taken(plan)
         return out
 
     # -- ack / nack / extend --------------------------------------------------
@@ -444,10 +445,7 @@ class Queue:
             raise InvalidArgument(f"n must be an int >= 1, not {n!r}")
         with self._store._lock:
             q = self._maybe_promote()
-            lo = q.cursor if not self._store.readonly else keys.prefix(keys.READY, q.qid)
-            found = self._store.meta.scan_keys(lo, keys.prefix_end(keys.prefix(keys.READY, q.qid)),
-                                               n)
-            return self._messages(q, found)
+            return self._messages(q, q.heads.plan(self._store.meta, n).keys)
 
     def get(self, message_id: int) -> Message:
         """One message by id, in any state (MessageNotFound once acked or purged)."""
@@ -508,7 +506,7 @@ class Queue:
             txn = Txn()
             n = store.release_all(q, txn)
             txn.commit(store)
-            q.cursor = keys.prefix(keys.READY, q.qid)
+            q.heads = ReadyHeads(q.qid)
             q.next_event_us = _INF_US
             return n
 

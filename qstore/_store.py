@@ -26,6 +26,7 @@ from ._errors import (
     StoreClosed,
     StoreLocked,
 )
+from ._heads import ReadyHeads
 from ._message import SegmentStats, StoreStats
 from ._txn import Txn, apply_counts
 from .meta import MetaDB, keys, records
@@ -66,17 +67,16 @@ def _release_writer(key: tuple[int, int] | None) -> None:
 class QueueState:
     """What the store keeps in memory per queue (shared by all its handles)."""
 
-    __slots__ = ("name", "rec", "qid", "counts", "cursor", "next_event_us", "deleted")
+    __slots__ = ("name", "rec", "qid", "counts", "heads", "next_event_us", "deleted")
 
     def __init__(self, name: str, rec: records.QueueRecord, counts: list[int]) -> None:
         self.name = name
         self.rec = rec
         self.qid = rec.qid
         self.counts = counts
-        # A lower bound of every live ready key: pops seek here, not at the
-        # queue's prefix, so they never wade through the tombstones that acked
-        # messages leave at the head of the index.
-        self.cursor = keys.prefix(keys.READY, rec.qid)
+        # Where each priority level's ready messages start (see _heads.py):
+        # pops never wade through the tombstones acked messages leave behind.
+        self.heads = ReadyHeads(rec.qid)
         # Earliest lease deadline or due time that may need promotion (us).
         self.next_event_us = 0
         self.deleted = False
@@ -187,8 +187,9 @@ class Store:
     def alloc_id(self, txn: Txn) -> int:
         mid = self._next_id
         self._next_id += 1
-        if self._next_id > self._id_hwm:
-            hwm = max(self._id_hwm, mid) + ID_BLOCK
+        reserved = self._id_hwm if txn.id_hwm is None else txn.id_hwm
+        if self._next_id > reserved:
+            hwm = max(reserved, mid) + ID_BLOCK
             txn.put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, hwm]))
             txn.id_hwm = hwm
         return mid
@@ -214,9 +215,8 @@ class Store:
             self.seg_live[fid] = seg
         if txn.id_hwm is not None:
             self._id_hwm = txn.id_hwm
-        for q, key in txn.ready_keys.items():
-            if key < q.cursor:
-                q.cursor = key
+        for q, added in txn.ready_keys.items():
+            q.heads.added(added)
         for q, when in txn.events.items():
             if when < q.next_event_us:
                 q.next_event_us = when

@@ -28,7 +28,7 @@ class Txn:
         self.queues: dict[int, tuple[QueueState, list[int]]] = {}
         self.segments: dict[int, list[int]] = {}  # file_id -> [live bytes, live count]
         self.seg_ends: dict[int, int] = {}
-        self.ready_keys: dict[QueueState, bytes] = {}  # smallest ready key written per queue
+        self.ready_keys: dict[QueueState, list[bytes]] = {}  # ready keys written per queue
         self.events: dict[QueueState, int] = {}  # earliest due time / deadline written (us)
         self.id_hwm: int | None = None
 
@@ -46,9 +46,11 @@ class Txn:
 
     def add_ready(self, q: QueueState, key: bytes) -> None:
         self.batch.put(key, b"")
-        low = self.ready_keys.get(q)
-        if low is None or key < low:
-            self.ready_keys[q] = key
+        added = self.ready_keys.get(q)
+        if added is None:
+            self.ready_keys[q] = [key]
+        else:
+            added.append(key)
 
     def add_event(self, q: QueueState, when_us: int) -> None:
         low = self.events.get(q)

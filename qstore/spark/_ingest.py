@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
 
 from .._errors import InvalidArgument, StorageError
+from .._heads import ReadyHeads
 from .._snapshot import write_json_durably
 from .._txn import apply_counts
 from ..meta import keys, new_batch, records
@@ -278,7 +279,7 @@ def _ingest_locked(store: Store, job: StagedJob, staging: str) -> None:
         store.seg_live[seg["file_id"]] = [seg["live_bytes"], seg["live_count"], seg["end"]]
     store._id_hwm = hwm
     store._next_id = max(store._next_id, job.end_id)
-    q.cursor = keys.prefix(keys.READY, q.qid)  # loaded keys may sort before the old cursor
+    q.heads = ReadyHeads(q.qid)  # loaded keys may sort anywhere: learn the levels again
     dues = [p["min_due_us"] for p in job.partitions if p["min_due_us"] is not None]
     if dues:
         q.next_event_us = min(q.next_event_us, *dues)

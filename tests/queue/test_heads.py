@@ -1,0 +1,144 @@
+"""Pops never wade through the tombstones of acked messages (qstore/_heads.py).
+
+Instead of timing pops, these tests record every range the queue reads from
+the ready index and check that no range crosses the key of a message that was
+already acked: each such key is a RocksDB tombstone a seek would step over.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import qstore
+from qstore import _heads
+from qstore.meta import keys
+from tests.conftest import FakeClock
+
+
+class SeekLog:
+    """Wraps MetaDB reads of the ready index and counts dead keys each one crossed."""
+
+    def __init__(self, store: qstore.Store, qid: int) -> None:
+        self.dead: list[bytes] = []  # sorted ready keys of acked messages
+        self.crossed: list[int] = []
+        self.base = keys.prefix(keys.READY, qid)
+        meta = store.meta
+        scan_keys, first_key = meta.scan_keys, meta.first_key
+
+        def logged_scan(lo: bytes, hi: bytes, limit: int | None = None) -> list[bytes]:
+            found = scan_keys(lo, hi, limit)
+            self._record(lo, found[0] if found else hi)
+            return found
+
+        def logged_first(lo: bytes, hi: bytes) -> bytes | None:
+            found = first_key(lo, hi)
+            self._record(lo, found if found is not None else hi)
+            return found
+
+        meta.scan_keys = logged_scan  # type: ignore[method-assign]
+        meta.first_key = logged_first  # type: ignore[method-assign]
+
+    def _record(self, lo: bytes, stop: bytes) -> None:
+        if lo.startswith(self.base):
+            self.crossed.append(bisect.bisect_left(self.dead, stop)
+                                - bisect.bisect_left(self.dead, lo))
+
+    def acked(self, key: bytes) -> None:
+        bisect.insort(self.dead, key)
+
+
+def ready_key(q: qstore.Queue, m: qstore.Message) -> bytes:
+    pkey = keys.priority_key(q.order, q.priority_type, m.priority)
+    return keys.ready_key(q._q.qid, pkey, m.id)
+
+
+@pytest.fixture
+def churn_store(store_path: str, clock: FakeClock) -> Iterator[qstore.Store]:
+    s = qstore.open(store_path, clock=clock, compactor=False, sweep_interval=3600)
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("order", ["max", "min", "fifo"])
+def test_push_pop_ack_churn_never_crosses_an_acked_key(churn_store: qstore.Store,
+                                                       order: str) -> None:
+    q = churn_store.create_queue("q", order=order)
+    log = SeekLog(churn_store, q._q.qid)
+    rng = random.Random(7)
+    backlog = 3
+    for _ in range(backlog):
+        q.push(b"x", priority=rng.randrange(10))
+    for _ in range(3000):
+        q.push(b"x", priority=rng.randrange(10))
+        m = q.pop()
+        assert m is not None
+        q.ack(m)
+        log.acked(ready_key(q, m))
+    assert len(log.dead) == 3000
+    assert max(log.crossed) == 0, "a pop read across acked messages' tombstones"
+    assert q.stats().ready == backlog
+
+
+def test_returned_messages_are_served_without_crossing_acked_keys(churn_store: qstore.Store,
+                                                                  clock: FakeClock) -> None:
+    q = churn_store.create_queue("q", max_attempts=1000)
+    log = SeekLog(churn_store, q._q.qid)
+    rng = random.Random(3)
+    for _ in range(2000):
+        q.push(b"x", priority=rng.randrange(5))
+        q.push(b"y", priority=rng.randrange(5))
+        a, b = q.pop(), q.pop()
+        assert a is not None and b is not None
+        q.ack(a)
+        log.acked(ready_key(q, a))
+        if rng.random() < 0.5:
+            q.nack(b)  # back to its own place, behind the level's frontier
+        else:
+            clock.advance(31.0)  # the lease expires: also back to its own place
+    assert max(log.crossed) == 0
+
+
+def test_order_is_exact_with_tiny_caps(churn_store: qstore.Store, clock: FakeClock,
+                                       monkeypatch: Any) -> None:
+    """Past the caps the heads fall back to seeking; the order never changes."""
+    monkeypatch.setattr(_heads, "RETURNS_CAP", 2)
+    monkeypatch.setattr(_heads, "LEVEL_CAP", 3)
+    q = churn_store.create_queue("q", max_attempts=1000)
+    rng = random.Random(11)
+    model: dict[int, int] = {}  # id -> priority of ready messages
+    for _ in range(300):
+        action = rng.random()
+        if action < 0.5 or not model:
+            prio = rng.randrange(-20, 20)
+            model[q.push(b"p", priority=prio)] = prio
+        else:
+            got = q.pop_many(rng.randrange(1, 4))
+            expected = sorted(model, key=lambda i: (-model[i], i))[: len(got)]
+            assert [m.id for m in got] == expected
+            for m in got:
+                if rng.random() < 0.5:
+                    q.nack(m)
+                else:
+                    q.ack(m)
+                    del model[m.id]
+        peeked = [m.id for m in q.peek(5)]
+        assert peeked == sorted(model, key=lambda i: (-model[i], i))[:5]
+
+
+def test_reopened_store_learns_levels_and_keeps_order(store_path: str, clock: FakeClock) -> None:
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        q = s.create_queue("q", order="min", priority_type="str")
+        ids = {q.push(b"x", priority=p): p for p in ["b", "a", "", "c\x00", "c", "a"]}
+        m = q.pop()
+        assert m is not None and m.priority == ""
+        q.ack(m)
+        del ids[m.id]
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        q = s.queue("q")
+        got = q.pop_many(10)
+        assert [m.id for m in got] == sorted(ids, key=lambda i: (ids[i].encode(), i))
