@@ -31,6 +31,7 @@ from ._message import SegmentStats, StoreStats
 from ._txn import Txn, apply_counts
 from .meta import MetaDB, keys, records
 from .payload import PayloadRef, SegmentSet
+from .payload._format import FRAME_SIZE
 
 if TYPE_CHECKING:
     from ._compact import CompactionResult, Compactor
@@ -105,13 +106,13 @@ class Store:
         except BaseException:
             _release_writer(self._writer_key)
             raise
+        self.syncer = Syncer(self)
         try:
             self._load()
         except BaseException:
             self.meta.close()
             _release_writer(self._writer_key)
             raise
-        self.syncer = Syncer(self)
         self.compactor: Compactor | None = None
         if not self.readonly:
             from ._compact import Compactor
@@ -152,6 +153,15 @@ class Store:
         self.seg_live: dict[int, list[int]] = {}  # file_id -> [live bytes, live count, end]
         for key, value in self.meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT)):
             self.seg_live[keys.segment_id(key)] = list(records.decode_segment(value))
+        hints = {fid: v[2] for fid, v in self.seg_live.items()}
+        synced = self.meta.get(keys.SYNCED_KEY)
+        if synced is not None:
+            # Recovery scans the segment that was active from the last offset known
+            # to be durable, not from the end the metadata refers to: after a power
+            # loss the metadata may refer to bytes that never reached the disk.
+            _, sfid, soff = records.unpack(synced, "synced")
+            hints[sfid] = min(soff, hints.get(sfid, soff))
+        self._synced_mark: tuple[int, int] | None = None
         compaction = self.meta.get(keys.COMPACTION_KEY)
         discard: list[int] = []
         if compaction is not None and compaction_unfinished(compaction):
@@ -161,10 +171,70 @@ class Store:
             segment_max_bytes=self.config.segment_max_bytes,
             max_payload_bytes=self.config.max_payload_bytes,
             readonly=self.readonly,
-            tail_hints={fid: v[2] for fid, v in self.seg_live.items()},
+            tail_hints=hints,
             discard=discard,
             next_file_id_floor=max(self.seg_live, default=0) + 1,
         )
+        if not self.readonly:
+            self._drop_lost_tails()
+
+    def _drop_lost_tails(self) -> None:
+        """Forget messages whose payload bytes did not survive a power loss.
+
+        Only possible for bytes past the last durable offset, which belong to
+        operations that had not returned in ``durability="always"`` (an
+        operation returns only after the sync that covers its bytes); in the
+        other modes a power loss may also take operations that had returned.
+        Without this, those messages would fail every read with Corruption.
+        """
+        files = set(self.payload.file_ids())
+        for fid, (_, _, end) in list(self.seg_live.items()):
+            if fid not in files:
+                continue  # a missing segment is damage: reads raise, the audit reports it
+            valid = self.payload.segment_size(fid)
+            if valid >= end:
+                continue
+            txn = Txn()
+            lost = 0
+            for key, value in self.meta.scan(keys.MESSAGE, keys.prefix_end(keys.MESSAGE)):
+                rec = records.MessageRecord.decode(value)
+                if rec.file_id != fid or rec.offset + FRAME_SIZE + rec.length <= valid:
+                    continue
+                q = self._state_for_key(key)
+                self._forget_message(txn, q, keys.trailing_id(key), rec)
+                lost += 1
+            self.seg_live[fid][2] = valid
+            txn.seg_ends[fid] = valid
+            self._commit(txn)
+            self.syncer.sync_now()
+            log.error("segment %s ends at %d but the metadata referred up to %d (a power loss "
+                      "before those bytes were synced): %d message(s) dropped", fid, valid,
+                      end, lost)
+
+    def _state_for_key(self, key: bytes) -> QueueState:
+        qid = keys.U32.unpack_from(key, 1)[0]
+        return next(q for q in self.queue_states.values() if q.qid == qid)
+
+    def _forget_message(self, txn: Txn, q: QueueState, mid: int,
+                        rec: records.MessageRecord) -> None:
+        """Add the removal of one message and its index keys to ``txn``."""
+        from ._txn import BYTES, STATE_COUNTER
+
+        if rec.state == records.READY:
+            pkey = keys.priority_key(q.rec.order, q.rec.priority_type, rec.priority)
+            txn.delete(keys.ready_key(q.qid, pkey, mid))
+        elif rec.state == records.DELAYED:
+            txn.delete(keys.timed_key(keys.DELAYED, q.qid, rec.when_us, mid))
+        elif rec.state == records.INFLIGHT:
+            txn.delete(keys.timed_key(keys.INFLIGHT, q.qid, rec.when_us, mid))
+        else:
+            txn.delete(keys.dead_key(q.qid, mid))
+        if rec.digest is not None:
+            txn.delete(keys.dedup_key(q.qid, rec.digest))
+        txn.delete(keys.message_key(q.qid, mid))
+        txn.count(q, STATE_COUNTER[rec.state], -1)
+        txn.count(q, BYTES, -rec.length)
+        txn.live(PayloadRef(rec.file_id, rec.offset, rec.length), -1)
 
     def _refresh_next_event(self, q: QueueState) -> None:
         """Recompute the earliest due time or lease deadline from the indexes."""
@@ -208,7 +278,11 @@ class Store:
             seg = [old[0] + d[0], old[1] + d[1], max(old[2], txn.seg_ends.get(fid, 0))]
             txn.put(keys.segment_key(fid), records.encode_segment(*seg))
             new_segs.append((fid, seg))
+        synced = self.payload.synced_position()
+        if synced != self._synced_mark:
+            txn.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *synced]))
         self.meta.write(txn.batch)
+        self._synced_mark = synced
         for q, counts in new_counts:
             q.counts = counts
         for fid, seg in new_segs:

@@ -18,6 +18,9 @@ FORMAT_KEY = META + b"format"
 ID_HWM_KEY = META + b"id_hwm"  # message ids below this may have been handed out
 QID_NEXT_KEY = META + b"qid_next"
 COMPACTION_KEY = META + b"compaction"
+# [file_id, offset]: the active segment's bytes below offset were on stable
+# storage when the batch holding this value was written (power-loss recovery).
+SYNCED_KEY = META + b"synced"
 # Queues by name and their counters.
 QUEUE = b"Q"  # Q name(utf-8)                       -> QueueRecord
 COUNTS = b"C"  # C qid:u32                           -> counters

@@ -134,6 +134,9 @@ class SegmentSet:
         end = self._recover_tail(reader, max(scan_from, fmt.HEADER_SIZE))
         self._readers[file_id] = reader
         self._writer = SegmentWriter(path, file_id, end, self.segment_max_bytes)
+        # What survived the last run may sit only in the page cache: make it durable
+        # before anything is recorded as synced.
+        os.fdatasync(self._writer._fd)
 
     def _recover_tail(self, reader: SegmentReader, start: int) -> int:
         """The end of the intact records; a torn tail is cut, other damage raised."""
@@ -238,6 +241,7 @@ class SegmentSet:
                 if writer is None or not writer.unsynced:
                     return
                 writer.unsynced = False
+                end = writer.end
                 fd = os.dup(writer._fd)
             try:
                 os.fdatasync(fd)
@@ -246,6 +250,12 @@ class SegmentSet:
                 raise
             finally:
                 os.close(fd)
+            writer.synced_end = max(writer.synced_end, end)
+
+    def synced_position(self) -> tuple[int, int]:
+        """(active file id, offset): the active segment's bytes below it are durable."""
+        writer = self._active_writer()
+        return writer.file_id, writer.synced_end
 
     @property
     def unsynced(self) -> bool:
