@@ -456,7 +456,7 @@ class Compactor:
                 txn = Txn()
                 if start == 0:
                     txn.put(keys.COMPACTION_KEY, _record(REPOINTING, output, sources))
-                    txn.seg_ends[output] = output_end
+                    txn.set_end(output, output_end)
                 chunk = live[start:stop]
                 raws = store.meta.multi_get([key for _, key, _ in chunk])
                 put = txn.batch.put
@@ -484,9 +484,9 @@ class Compactor:
                     nbytes += frame
                     n += 1
                 # The counters Txn.live would keep, summed per segment.
-                for fid, delta in released.items():
-                    txn.segments[fid] = delta
-                txn.segments[output] = [nbytes, n]
+                for fid, (db, dn) in released.items():
+                    txn.segment_delta(fid, db, dn)
+                txn.segment_delta(output, nbytes, n)
                 store._commit(txn)
             moved += n
             _step("repointed_chunk")

@@ -104,6 +104,9 @@ class ReadyHeads:
     def added(self, new_keys: Iterable[bytes]) -> None:
         """Ready keys that were just committed (push, nack, promotion, redrive)."""
         for key in new_keys:
+            lv = self.levels.get(key[:-_ID_BYTES])
+            if lv is not None and lv.maybe and key >= lv.frontier:
+                continue  # already active, nothing to learn: the common push
             lv = self._level(key[:-_ID_BYTES])
             if key < lv.frontier:
                 insort(lv.returns, key)

@@ -52,6 +52,8 @@ MAX_SECONDS = 100 * 366 * 86400
 
 
 def _seconds(value: object, what: str, *, positive: bool = False) -> float:
+    if type(value) is float and (0.0 < value <= MAX_SECONDS or value == 0.0 and not positive):
+        return value  # the common case, cheaply
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise InvalidArgument(f"{what} must be a finite number of seconds, not {value!r}")
     if value < 0 or (positive and value == 0):
@@ -170,7 +172,20 @@ class Queue:
     def push(self, payload: bytes, priority: int | str | None = None, delay: float = 0.0,
              dedup_key: str | bytes | None = None) -> int:
         """Enqueue one message; returns its id (the existing id for a dedup hit)."""
-        return self._push([(payload, priority, delay, dedup_key)])[0]
+        if (dedup_key is not None or self._q.rec.dedup or type(payload) is not bytes
+                or delay != 0 or type(delay) not in (int, float)):
+            return self._push([(payload, priority, delay, dedup_key)])[0]
+        # The common case, without the batch machinery: same checks, same keys.
+        prio = self._priority(priority)
+        store = self._store
+        store.payload.check_size(payload)
+        with store.writing():
+            q = self._state()
+            ref = store.payload.append_one(payload)
+            txn = Txn()
+            mid = _enqueue(store, txn, q, ref, prio, 0.0, None, store.clock())
+            store._commit(txn)
+        return mid
 
     def push_many(self, items: Iterable[bytes | Sequence[Any]], *, delay: float = 0.0) -> list[int]:
         """Enqueue many messages in one atomic batch; returns their ids in order.
@@ -203,7 +218,6 @@ class Queue:
         ids = [0] * len(rows)
         with store.writing():
             q = self._state()
-            rec_q = q.rec
             qid = q.qid
             txn = Txn()
             fresh: list[int] = []  # rows really enqueued
@@ -223,35 +237,9 @@ class Queue:
             if fresh:
                 refs = store.payload.append_many([bodies[i] for i in fresh])
                 now = store.clock()
-                order, ptype = rec_q.order, rec_q.priority_type
-                nbytes = 0
-                n_ready = n_delayed = 0
                 for i, ref in zip(fresh, refs, strict=True):
                     prio, delay, digest = prepared[i]
-                    mid = store.alloc_id(txn)
-                    ids[i] = mid
-                    if digest is not None:
-                        txn.put(keys.dedup_key(qid, digest), keys.U64.pack(mid))
-                    if delay > 0:
-                        when = keys.to_us(now + delay)
-                        state = _ST.DELAYED
-                        txn.put(keys.timed_key(keys.DELAYED, qid, when, mid), b"")
-                        txn.add_event(q, when)
-                        n_delayed += 1
-                    else:
-                        when = 0
-                        state = _ST.READY
-                        txn.add_ready(q, keys.ready_key(qid, keys.priority_key(order, ptype, prio),
-                                                        mid))
-                        n_ready += 1
-                    txn.put(keys.message_key(qid, mid), records.MessageRecord(
-                        state, prio, ref.file_id, ref.offset, ref.length, 0, 0, now, when, digest,
-                    ).encode())
-                    txn.written(ref)
-                    nbytes += ref.length
-                txn.count(q, READY, n_ready)
-                txn.count(q, DELAYED, n_delayed)
-                txn.count(q, BYTES, nbytes)
+                    ids[i] = _enqueue(store, txn, q, ref, prio, delay, digest, now)
                 txn.commit(store)
             for i, j in dup_of.items():
                 ids[i] = ids[j]
@@ -275,10 +263,12 @@ class Queue:
         lease = _seconds(lease, "lease", positive=True)
         wait = _seconds(wait, "wait")
         store = self._store
-        deadline = time.monotonic() + wait
         with store.writing():
+            got = self._pop_locked(n, lease)
+            if got or not wait:
+                return got
+            deadline = time.monotonic() + wait
             while True:
-                got = self._pop_locked(n, lease)
                 remaining = deadline - time.monotonic()
                 if got or remaining <= 0 or store._closed:
                     return got
@@ -287,6 +277,7 @@ class Queue:
                 store._ready.wait(max(0.001, min(remaining, until_event)))
                 if store._closed:  # close() woke us; the database may be gone already
                     return []
+                got = self._pop_locked(n, lease)
 
     def _pop_locked(self, n: int, lease: float) -> list[Message]:
         store = self._store
@@ -301,7 +292,8 @@ class Queue:
         if not ready_keys:
             return []
         mids = [keys.trailing_id(k) for k in ready_keys]
-        raws = store.meta.multi_get([keys.message_key(qid, mid) for mid in mids])
+        raws = (store.meta.multi_get([keys.message_key(qid, mid) for mid in mids])
+                if len(mids) > 1 else [store.meta.get(keys.message_key(qid, mids[0]))])
         deadline = now + lease
         when = keys.to_us(deadline)
         txn = Txn()
@@ -350,11 +342,13 @@ class Queue:
 
     def ack(self, item: Receipted) -> None:
         """Delete a leased message for good."""
-        self.ack_many([item])
+        self._ack((item,))
 
     def ack_many(self, items: Iterable[Receipted]) -> int:
         """Ack every item in one batch; if any lease is not live, nothing is acked."""
-        items = list(_iterate(items, "ack_many"))
+        return self._ack(list(_iterate(items, "ack_many")))
+
+    def _ack(self, items: Sequence[Receipted]) -> int:
         store = self._store
         with store.writing():
             now_us = keys.to_us(store.clock())
@@ -519,6 +513,37 @@ class Queue:
 
     def __len__(self) -> int:
         return self.stats().total
+
+
+def _enqueue(store: Store, txn: Txn, q: QueueState, ref: PayloadRef, prio: int | str,
+             delay: float, digest: bytes | None, now: float) -> int:
+    """Add one new message (payload already written at ``ref``) to ``txn``; returns its id."""
+    mid = store.alloc_id(txn)
+    qid = q.qid
+    if digest is not None:
+        txn.put(keys.dedup_key(qid, digest), keys.U64.pack(mid))
+    if delay > 0:
+        when = keys.to_us(now + delay)
+        state = _ST.DELAYED
+        txn.put(keys.timed_key(keys.DELAYED, qid, when, mid), b"")
+        txn.add_event(q, when)
+        txn.count(q, DELAYED, 1)
+    else:
+        when = 0
+        state = _ST.READY
+        pkey = q.pkeys.get(prio)
+        if pkey is None:
+            if len(q.pkeys) >= 1024:
+                q.pkeys.clear()
+            pkey = q.pkeys[prio] = keys.priority_key(q.rec.order, q.rec.priority_type, prio)
+        txn.add_ready(q, keys.ready_key(qid, pkey, mid))
+        txn.count(q, READY, 1)
+    txn.put(keys.message_key(qid, mid), records.MessageRecord(
+        state, prio, ref.file_id, ref.offset, ref.length, 0, 0, now, when, digest,
+    ).encode())
+    txn.count(q, BYTES, ref.length)
+    txn.written(ref)
+    return mid
 
 
 def _requeue(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord, now: float,

@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ._config import Config
@@ -65,10 +63,34 @@ def _release_writer(key: tuple[int, int] | None) -> None:
             _writers.discard(key)
 
 
+class _Writing:
+    """The writer-lock context of one store (a class: cheaper than a generator per call)."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def __enter__(self) -> None:
+        store = self._store
+        store._lock.acquire()
+        if store._closed or store.readonly:
+            store._lock.release()
+            store._check_writable()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        store = self._store
+        ticket = store.syncer.ticket()
+        store._lock.release()
+        if ticket is not None and exc_type is None:
+            store.syncer.wait(ticket)
+
+
 class QueueState:
     """What the store keeps in memory per queue (shared by all its handles)."""
 
-    __slots__ = ("name", "rec", "qid", "counts", "heads", "next_event_us", "deleted")
+    __slots__ = ("name", "rec", "qid", "counts", "counts_key", "heads", "next_event_us",
+                 "deleted", "pkeys")
 
     def __init__(self, name: str, rec: records.QueueRecord, counts: list[int]) -> None:
         self.name = name
@@ -78,6 +100,8 @@ class QueueState:
         # Where each priority level's ready messages start (see _heads.py):
         # pops never wade through the tombstones acked messages leave behind.
         self.heads = ReadyHeads(rec.qid)
+        self.counts_key = keys.counts_key(rec.qid)
+        self.pkeys: dict[int | str, bytes] = {}  # priority -> priority key, a small cache
         # Earliest lease deadline or due time that may need promotion (us).
         self.next_event_us = 0
         self.deleted = False
@@ -93,6 +117,7 @@ class Store:
         self.readonly = config.readonly
         self._lock = threading.RLock()
         self._ready = threading.Condition(self._lock)
+        self._writing = _Writing(self)
         self._closed = False
         self._writer_key: tuple[int, int] | None = None
         if not config.readonly:
@@ -204,7 +229,7 @@ class Store:
                 self._forget_message(txn, q, keys.trailing_id(key), rec)
                 lost += 1
             self.seg_live[fid][2] = valid
-            txn.seg_ends[fid] = valid
+            txn.set_end(fid, valid)
             self._commit(txn)
             self.syncer.sync_now()
             log.error("segment %s ends at %d but the metadata referred up to %d (a power loss "
@@ -265,47 +290,49 @@ class Store:
         return mid
 
     def _commit(self, txn: Txn) -> None:
-        """Write ``txn`` as one batch, then apply its counters in memory (lock held)."""
+        """Write ``txn`` as one batch, then apply its counters in memory (lock held).
+
+        The one place counters reach the database: each batch carries the new
+        counts of every queue and segment it changes.
+        """
+        batch = txn.batch
         new_counts = []
-        for q, delta in txn.queues.values():
+        for q, delta in txn.queues.items():
             counts = apply_counts(q.counts, delta)
-            txn.put(keys.counts_key(q.qid), records.encode_counts(counts))
+            batch.put(q.counts_key, records.encode_counts(counts))
             new_counts.append((q, counts))
         new_segs = []
-        for fid in txn.segments.keys() | txn.seg_ends.keys():
-            old = self.seg_live.get(fid, [0, 0, 0])
-            d = txn.segments.get(fid, (0, 0))
-            seg = [old[0] + d[0], old[1] + d[1], max(old[2], txn.seg_ends.get(fid, 0))]
-            txn.put(keys.segment_key(fid), records.encode_segment(*seg))
+        seg_live = self.seg_live
+        for fid, (dbytes, dcount, end) in txn.segments.items():
+            old = seg_live.get(fid)
+            seg = ([dbytes, dcount, end] if old is None
+                   else [old[0] + dbytes, old[1] + dcount, max(old[2], end)])
+            batch.put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
             new_segs.append((fid, seg))
         synced = self.payload.synced_position()
         if synced != self._synced_mark:
-            txn.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *synced]))
-        self.meta.write(txn.batch)
+            batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *synced]))
+        self.meta.write(batch)
         self._synced_mark = synced
         for q, counts in new_counts:
             q.counts = counts
         for fid, seg in new_segs:
-            self.seg_live[fid] = seg
+            seg_live[fid] = seg
         if txn.id_hwm is not None:
             self._id_hwm = txn.id_hwm
-        for q, added in txn.ready_keys.items():
-            q.heads.added(added)
-        for q, when in txn.events.items():
-            if when < q.next_event_us:
-                q.next_event_us = when
-        if txn.ready_keys:
+        if txn.ready_keys is not None:
+            for q, added in txn.ready_keys.items():
+                q.heads.added(added)
             self._ready.notify_all()
+        if txn.events is not None:
+            for q, when in txn.events.items():
+                if when < q.next_event_us:
+                    q.next_event_us = when
         self.syncer.wrote()
 
-    @contextmanager
-    def writing(self) -> Iterator[None]:
+    def writing(self) -> _Writing:
         """Hold the writer lock for a change; in "always" mode wait for it to be durable."""
-        with self._lock:
-            self._check_writable()
-            yield
-            ticket = self.syncer.ticket()
-        self.syncer.wait(ticket)
+        return self._writing
 
     # -- queues ---------------------------------------------------------------
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .meta import keys, new_batch, records
+from rocksdict import WriteBatch
+
+from .meta import records
 from .payload import PayloadRef
+from .payload._format import FRAME_SIZE
 
 if TYPE_CHECKING:
     from ._store import QueueState, Store
@@ -21,15 +24,17 @@ STATE_COUNTER = {records.READY: READY, records.DELAYED: DELAYED,
 
 
 class Txn:
-    __slots__ = ("batch", "queues", "segments", "seg_ends", "ready_keys", "events", "id_hwm")
+    """Built and committed under the store's writer lock; never shared between threads."""
+
+    __slots__ = ("batch", "queues", "segments", "ready_keys", "events", "id_hwm")
 
     def __init__(self) -> None:
-        self.batch = new_batch()
-        self.queues: dict[int, tuple[QueueState, list[int]]] = {}
-        self.segments: dict[int, list[int]] = {}  # file_id -> [live bytes, live count]
-        self.seg_ends: dict[int, int] = {}
-        self.ready_keys: dict[QueueState, list[bytes]] = {}  # ready keys written per queue
-        self.events: dict[QueueState, int] = {}  # earliest due time / deadline written (us)
+        self.batch = WriteBatch(raw_mode=True)
+        self.queues: dict[QueueState, list[int]] = {}  # counter deltas per queue
+        # file_id -> [live bytes delta, live count delta, highest record end written]
+        self.segments: dict[int, list[int]] = {}
+        self.ready_keys: dict[QueueState, list[bytes]] | None = None  # ready keys written
+        self.events: dict[QueueState, int] | None = None  # earliest due time/deadline (us)
         self.id_hwm: int | None = None
 
     def put(self, key: bytes, value: bytes) -> None:
@@ -39,45 +44,63 @@ class Txn:
         self.batch.delete(key)
 
     def count(self, q: QueueState, index: int, n: int) -> None:
-        entry = self.queues.get(q.qid)
-        if entry is None:
-            entry = self.queues[q.qid] = (q, [0, 0, 0, 0, 0])
-        entry[1][index] += n
+        delta = self.queues.get(q)
+        if delta is None:
+            delta = self.queues[q] = [0, 0, 0, 0, 0]
+        delta[index] += n
 
     def add_ready(self, q: QueueState, key: bytes) -> None:
         self.batch.put(key, b"")
-        added = self.ready_keys.get(q)
-        if added is None:
-            self.ready_keys[q] = [key]
+        if self.ready_keys is None:
+            self.ready_keys = {q: [key]}
+        elif q in self.ready_keys:
+            self.ready_keys[q].append(key)
         else:
-            added.append(key)
+            self.ready_keys[q] = [key]
 
     def add_event(self, q: QueueState, when_us: int) -> None:
-        low = self.events.get(q)
-        if low is None or when_us < low:
+        if self.events is None:
+            self.events = {q: when_us}
+        elif when_us < self.events.get(q, when_us + 1):
             self.events[q] = when_us
+
+    def _segment(self, file_id: int) -> list[int]:
+        entry = self.segments.get(file_id)
+        if entry is None:
+            entry = self.segments[file_id] = [0, 0, 0]
+        return entry
 
     def live(self, ref: PayloadRef, sign: int) -> None:
         """Count one record as referenced (+1) or released (-1) in its segment."""
-        entry = self.segments.get(ref.file_id)
-        if entry is None:
-            entry = self.segments[ref.file_id] = [0, 0]
-        entry[0] += sign * ref.frame_bytes
+        entry = self._segment(ref.file_id)
+        entry[0] += sign * (FRAME_SIZE + ref.length)
         entry[1] += sign
+
+    def segment_delta(self, file_id: int, nbytes: int, count: int) -> None:
+        """Many records at once (compaction): live bytes and count change by these."""
+        entry = self._segment(file_id)
+        entry[0] += nbytes
+        entry[1] += count
+
+    def set_end(self, file_id: int, end: int) -> None:
+        """Records up to ``end`` of the segment may now be referenced."""
+        entry = self._segment(file_id)
+        entry[2] = max(entry[2], end)
 
     def written(self, ref: PayloadRef) -> None:
         """A new record: counts it live and moves the segment's committed end."""
-        self.live(ref, 1)
-        end = ref.offset + ref.frame_bytes
-        if end > self.seg_ends.get(ref.file_id, 0):
-            self.seg_ends[ref.file_id] = end
+        entry = self._segment(ref.file_id)
+        frame = FRAME_SIZE + ref.length
+        entry[0] += frame
+        entry[1] += 1
+        end = ref.offset + frame
+        if end > entry[2]:
+            entry[2] = end
 
     def commit(self, store: Store) -> None:
         store._commit(self)
 
 
 def apply_counts(old: list[int], delta: list[int]) -> list[int]:
-    return [a + b for a, b in zip(old, delta, strict=True)]
-
-
-__all__ = ["Txn", "keys"]
+    return [old[0] + delta[0], old[1] + delta[1], old[2] + delta[2], old[3] + delta[3],
+            old[4] + delta[4]]

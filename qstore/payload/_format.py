@@ -96,4 +96,4 @@ def record_crc(length_bytes: bytes, body: bytes | memoryview) -> int:
 def encode_frame(body: bytes) -> bytes:
     """The 8-byte frame header for ``body`` (the body itself is written after it)."""
     length_bytes = LENGTH.pack(len(body))
-    return length_bytes + LENGTH.pack(record_crc(length_bytes, body))
+    return FRAME.pack(len(body), zlib.crc32(body, zlib.crc32(length_bytes)))

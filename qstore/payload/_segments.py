@@ -73,6 +73,7 @@ class SegmentSet:
         self._sync_lock = threading.Lock()  # one fdatasync at a time (see sync)
         self._readers: dict[int, SegmentReader] = {}
         self._writer: SegmentWriter | None = None
+        self._synced = (0, 0)
         if not readonly:
             os.makedirs(directory, exist_ok=True)
         ids = self._list_ids()
@@ -137,6 +138,7 @@ class SegmentSet:
         # What survived the last run may sit only in the page cache: make it durable
         # before anything is recorded as synced.
         os.fdatasync(self._writer._fd)
+        self._synced = (file_id, end)
 
     def _recover_tail(self, reader: SegmentReader, start: int) -> int:
         """The end of the intact records; a torn tail is cut, other damage raised."""
@@ -172,6 +174,7 @@ class SegmentSet:
         create_segment_file(path, fid)
         self._readers[fid] = SegmentReader(path, fid)
         self._writer = SegmentWriter(path, fid, fmt.HEADER_SIZE, self.segment_max_bytes)
+        self._synced = (fid, fmt.HEADER_SIZE)
 
     # -- writing --------------------------------------------------------------
 
@@ -181,6 +184,17 @@ class SegmentSet:
 
     def append(self, body: bytes) -> PayloadRef:
         return self.append_many([body])[0]
+
+    def append_one(self, body: bytes) -> PayloadRef:
+        """``append`` for a body already checked with :meth:`check_size` (the hot path)."""
+        nbytes = fmt.FRAME_SIZE + len(body)
+        with self._lock:
+            writer = self._active_writer()
+            if nbytes > writer.room() and not writer.empty:
+                writer = self._rotate_locked()
+            if writer.reserve(nbytes):
+                self._readers[writer.file_id].remap()
+            return writer.append_one(body)
 
     def append_many(self, bodies: Sequence[bytes]) -> list[PayloadRef]:
         """Append each body as a record; a batch that fits is one pwritev per 512 records.
@@ -251,11 +265,15 @@ class SegmentSet:
             finally:
                 os.close(fd)
             writer.synced_end = max(writer.synced_end, end)
+            if writer is self._writer:
+                self._synced = (writer.file_id, writer.synced_end)
 
     def synced_position(self) -> tuple[int, int]:
-        """(active file id, offset): the active segment's bytes below it are durable."""
-        writer = self._active_writer()
-        return writer.file_id, writer.synced_end
+        """(active file id, offset): the active segment's bytes below it are durable.
+
+        The same tuple object until it changes, so callers can compare cheaply.
+        """
+        return self._synced
 
     @property
     def unsynced(self) -> bool:

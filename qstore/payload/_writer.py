@@ -101,6 +101,21 @@ class SegmentWriter:
         self.unsynced = True
         return refs
 
+    def append_one(self, body: bytes) -> PayloadRef:
+        """One record in one pwritev call (space must be reserved)."""
+        pos = self.end
+        frame = fmt.encode_frame(body)
+        total = fmt.FRAME_SIZE + len(body)
+        written = os.pwritev(self._fd, (frame, body), pos)
+        if written < total:  # a short write (rare): finish it
+            rest = (frame + body)[written:]
+            while rest:
+                n = os.pwrite(self._fd, rest, pos + total - len(rest))
+                rest = rest[n:]
+        self.end = pos + total
+        self.unsynced = True
+        return PayloadRef(self.file_id, pos, len(body))
+
     def sync(self) -> None:
         if self.unsynced:
             self.unsynced = False
