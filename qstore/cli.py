@@ -280,23 +280,43 @@ def audit(snapshot_path: str, master: str | None, out_dir: str | None) -> None:
 @click.option("--into", "into", required=True, help="Target store directory.")
 @click.option("--master", default=None, help="Spark master URL (default local[2]).")
 @click.option("--rejects", default=None, help="Where to write rejected rows (Parquet).")
+@click.option("--order", type=click.Choice(["max", "min", "fifo"]), default="max",
+              show_default=True, help="For a queue that has to be created.")
+@click.option("--priority-type", type=click.Choice(["int", "str"]), default="int",
+              show_default=True, help="For a queue that has to be created.")
+@click.option("--max-attempts", type=click.IntRange(1), default=5, show_default=True,
+              help="For a queue that has to be created.")
+@click.option("--dedup", is_flag=True, help="Create the queue with dedup=True.")
 def backfill(source: str, fmt: str, queue: str, payload_col: str, priority_col: str | None,
              delay_col: str | None, dedup_col: str | None, into: str, master: str | None,
-             rejects: str | None) -> None:
-    """Bulk-load messages from a Parquet/JSON/CSV SOURCE into a store with Spark."""
+             rejects: str | None, order: str, priority_type: str, max_attempts: int,
+             dedup: bool) -> None:
+    """Bulk-load messages from a Parquet/JSON/CSV SOURCE into a store with Spark.
+
+    Exit 0 when every row loaded, 1 when some were rejected (see --rejects).
+    """
     from .spark.backfill import run_backfill
 
     try:
         result = run_backfill(source, into=into, queue=queue, fmt=fmt, payload_col=payload_col,
                               priority_col=priority_col, delay_col=delay_col,
-                              dedup_col=dedup_col, master=master, rejects=rejects)
+                              dedup_col=dedup_col, master=master, rejects=rejects,
+                              create_queue_options={"order": order,
+                                                    "priority_type": priority_type,
+                                                    "max_attempts": max_attempts,
+                                                    "dedup": dedup})
     except errors.StoreLocked as exc:
         err.print(f"[red]error:[/red] {exc}")
         sys.exit(EXIT_LOCKED)
     except errors.InvalidArgument as exc:
         err.print(f"[red]error:[/red] {exc}")
         sys.exit(EXIT_USAGE)
-    click.echo(str(result))
+    click.echo(f"loaded {result.loaded:,} of {result.rows:,} rows into {result.queue!r} "
+               f"({result.ready:,} ready, {result.delayed:,} delayed, {result.bytes:,} bytes) "
+               f"in {result.seconds:.1f}s; rejected {result.rejected:,}"
+               + (f" (see {result.rejects_path})" if result.rejects_path else ""))
+    if result.rejected:
+        sys.exit(EXIT_FOUND)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
