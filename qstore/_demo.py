@@ -145,14 +145,15 @@ def run_demo(directory: str, *, fresh: bool = False, messages: int = 20_000,
         # 1. A backlog from concurrent producers.
         store = open_store(store_dir, **opts)
         q = store.create_queue("jobs", order="max", max_attempts=3, exist_ok=True)
-        task = progress.add_task("pushing backlog", total=half)
-        producers = [threading.Thread(target=_produce, args=(q, ledger, half // PRODUCERS, i, 0.0))
+        per_producer = half // PRODUCERS
+        task = progress.add_task("pushing backlog", total=per_producer * PRODUCERS)
+        producers = [threading.Thread(target=_produce, args=(q, ledger, per_producer, i, 0.0))
                      for i in range(PRODUCERS)]
         for t in producers:
             t.start()
         for t in producers:
             t.join()
-        progress.update(task, completed=half)
+        progress.update(task, completed=per_producer * PRODUCERS)
         before = q.stats()
         # 2. A restart with the backlog in place.
         store.close()
@@ -169,14 +170,14 @@ def run_demo(directory: str, *, fresh: bool = False, messages: int = 20_000,
                               not ledger.order_breaks, f"{len(ledger.order_breaks)} breaks"))
         # 4. Live traffic: producers (some delayed messages) and consumers together.
         q = store.queue("jobs")
-        rest = messages - backlog
-        task = progress.add_task("live traffic", total=rest)
+        per_producer = (messages - backlog) // PRODUCERS
+        task = progress.add_task("live traffic", total=per_producer * PRODUCERS)
         producers = [threading.Thread(target=_produce,
-                                      args=(q, ledger, rest // PRODUCERS, 100 + i, 0.05))
+                                      args=(q, ledger, per_producer, 100 + i, 0.05))
                      for i in range(PRODUCERS)]
         for t in producers:
             t.start()
-        total = backlog + (rest // PRODUCERS) * PRODUCERS
+        total = backlog + per_producer * PRODUCERS
         _run_consumers(store, ledger, progress, task, check_order=False, until_total=total,
                        producers=producers)
     # 5. Checks.

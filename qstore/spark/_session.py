@@ -34,6 +34,10 @@ def get_session(master: str | None = None, app_name: str = "qstore", *,
     java_opts = f"-Dlog4j2.configurationFile=file:{log4j}"
     if fast_start:
         java_opts += " -XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+    # A local driver JVM starts before the builder's settings are read, so its own
+    # options (quiet logging) must reach spark-submit; a user's setting wins.
+    os.environ.setdefault("PYSPARK_SUBMIT_ARGS",
+                          f'--driver-java-options "{java_opts}" pyspark-shell')
     builder = (
         SparkSession.builder.appName(app_name)
         .config("spark.ui.enabled", "false")
