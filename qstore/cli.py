@@ -33,24 +33,29 @@ out = Console()
 err = Console(stderr=True)
 
 
+_EXIT_CODES: tuple[tuple[type[Exception] | tuple[type[Exception], ...], int], ...] = (
+    (errors.StoreLocked, EXIT_LOCKED),
+    ((errors.QueueNotFound, errors.MessageNotFound), EXIT_NOT_FOUND),
+    (errors.InvalidArgument, EXIT_USAGE),
+    (errors.QStoreError, EXIT_ERROR),
+)
+
+
+@contextmanager
+def _exit_codes() -> Iterator[None]:
+    """Turn a qstore error into its message on stderr and its documented exit code."""
+    try:
+        yield
+    except errors.QStoreError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        sys.exit(next(code for types, code in _EXIT_CODES if isinstance(exc, types)))
+
+
 @contextmanager
 def _store(path: str, *, readonly: bool = False) -> Iterator[Store]:
     """Open a store for one command, turning qstore errors into exit codes."""
-    try:
-        with open_store(path, readonly=readonly, compactor=False) as store:
-            yield store
-    except errors.StoreLocked as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        sys.exit(EXIT_LOCKED)
-    except (errors.QueueNotFound, errors.MessageNotFound) as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        sys.exit(EXIT_NOT_FOUND)
-    except errors.InvalidArgument as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        sys.exit(EXIT_USAGE)
-    except errors.QStoreError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        sys.exit(EXIT_ERROR)
+    with _exit_codes(), open_store(path, readonly=readonly, compactor=False) as store:
+        yield store
 
 
 def _show_payload(payload: bytes, limit: int = 80) -> str:
@@ -260,11 +265,8 @@ def audit(snapshot_path: str, master: str | None, out_dir: str | None) -> None:
     """Audit a snapshot with Spark. Exit 0 clean, 1 findings, 2 bad usage."""
     from .spark.audit import run_audit
 
-    try:
+    with _exit_codes():
         result = run_audit(snapshot_path, master=master, out=out_dir)
-    except errors.InvalidArgument as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        sys.exit(EXIT_USAGE)
     sys.exit(result.exit_code)
 
 
@@ -297,7 +299,7 @@ def backfill(source: str, fmt: str, queue: str, payload_col: str, priority_col: 
     """
     from .spark.backfill import run_backfill
 
-    try:
+    with _exit_codes():
         result = run_backfill(source, into=into, queue=queue, fmt=fmt, payload_col=payload_col,
                               priority_col=priority_col, delay_col=delay_col,
                               dedup_col=dedup_col, master=master, rejects=rejects,
@@ -305,12 +307,6 @@ def backfill(source: str, fmt: str, queue: str, payload_col: str, priority_col: 
                                                     "priority_type": priority_type,
                                                     "max_attempts": max_attempts,
                                                     "dedup": dedup})
-    except errors.StoreLocked as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        sys.exit(EXIT_LOCKED)
-    except errors.InvalidArgument as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        sys.exit(EXIT_USAGE)
     click.echo(f"loaded {result.loaded:,} of {result.rows:,} rows into {result.queue!r} "
                f"({result.ready:,} ready, {result.delayed:,} delayed, {result.bytes:,} bytes) "
                f"in {result.seconds:.1f}s; rejected {result.rejected:,}"
