@@ -16,22 +16,12 @@ from typing import Any
 import qstore
 from qstore.meta import keys, records
 from qstore.payload import PayloadRef
+from tests.conftest import FakeClock
 
 START = 1_700_000_000.0
 
 
-class ManualClock:
-    """A clock moved by hand (like conftest's FakeClock), usable outside fixtures."""
-
-    def __init__(self, start: float = START) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
+ManualClock = FakeClock  # one clock for every test package (tests/conftest.py)
 
 @dataclass(frozen=True)
 class Counts:

@@ -9,17 +9,12 @@ from typing import Any
 import pytest
 
 import qstore
+from tests.conftest import FakeClock
 
 START = 1_700_000_000.0
 
 
-class ManualClock:
-    def __init__(self, start: float = START) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
+ManualClock = FakeClock  # one clock for every test package (tests/conftest.py)
 
 @dataclass(frozen=True)
 class Snap:
