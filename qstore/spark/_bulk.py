@@ -22,19 +22,23 @@ name and renamed when complete, so a retried task attempt replaces, never
 mixes with, an earlier one. This module does not import pyspark or open the
 store: it runs in Spark's Python workers.
 
-Speed: a batch's payload records are framed with one ``numpy.insert`` and
-written with one call, and index keys are built and sorted as arrays; per row
-there remain only the CRC, the record's msgpack and the SST put.
+Speed: the task works on whole Arrow record batches (Spark hands them over
+as Arrow; no Python Row is ever built). A batch's payload records are framed
+as one array (a ``(rows, 8 + length)`` array when the payloads have one
+length, else one ``numpy.insert``) and written with one call; message keys,
+msgpack records (:func:`_records`) and index keys are built as arrays. Per
+row there remain the CRC call, a few slices and the SST puts.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 import time
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -113,8 +117,9 @@ class _Segments:
 
     def append_chunk(self, chunk: Any, count: int) -> tuple[int, int]:
         """Write ``count`` framed records at once (``fits`` said yes); returns the start."""
-        self._f.write(memoryview(chunk))
-        return self._count(len(chunk), count)
+        view = memoryview(chunk)
+        self._f.write(view)
+        return self._count(view.nbytes, count)
 
     def _count(self, nbytes: int, count: int) -> tuple[int, int]:
         at = self.end
@@ -163,6 +168,101 @@ def _fixed_keys(prefix: bytes, *columns: np.ndarray) -> tuple[bytes, int]:
     return buf.tobytes(), width
 
 
+# msgpack's encodings of an int, as its packer picks them (the smallest that fits):
+# class 0 is the one-byte fixint (-32..127); then uint 8/16/32/64, then int 8/16/32/64.
+_INT_TAGS = (0, 0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3)
+_INT_SIZES = (1, 1, 2, 4, 8, 1, 2, 4, 8)  # value bytes after the tag (class 0: no tag)
+_INT_WIDTHS = np.array([1, 2, 3, 5, 9, 2, 3, 5, 9], np.int64)
+_RECORD_HEAD = (0x9B, records.RECORD_VERSION)  # fixarray of 11, the version (a fixint)
+
+
+def _int_classes(x: np.ndarray) -> np.ndarray:
+    """The msgpack encoding class (an index into ``_INT_TAGS``) of each int64 in ``x``."""
+    c = np.zeros(len(x), np.int64)
+    for bound, cls in ((128, 1), (256, 2), (1 << 16, 3), (1 << 32, 4)):
+        c[x >= bound] = cls
+    for bound, cls in ((-32, 5), (-128, 6), (-(1 << 15), 7), (-(1 << 31), 8)):
+        c[x < bound] = cls
+    return c
+
+
+def _records(late: np.ndarray, prios: np.ndarray, fids: Any, ats: Any, lens: np.ndarray,
+             when: np.ndarray, digests: list[bytes | None], now: float) -> list[bytes]:
+    """``records.pack`` of each row's message record, built as arrays (the same bytes).
+
+    The record is the msgpack array ``[RECORD_VERSION, state, priority, file id,
+    offset, length, attempts 0, deliveries 0, now, when_us, digest]`` that
+    ``MessageRecord.encode()`` packs. Rows are grouped by the encodings their
+    ints need; each group is one 2-D byte array, filled a column at a time.
+    """
+    k = len(late)
+    states = np.where(late, records.DELAYED, records.READY)
+    if prios.dtype == object or not isinstance(now, float):  # str priorities: one at a time
+        fid_list = [fids] * k if isinstance(fids, int) else fids
+        at_list = ats.tolist() if isinstance(ats, np.ndarray) else ats
+        return [records.pack([records.RECORD_VERSION, st, p, f, a, n, 0, 0, now, w, dg])
+                for st, p, f, a, n, w, dg in zip(states.tolist(), prios.tolist(), fid_list,
+                                                 at_list, lens.tolist(), when.tolist(),
+                                                 digests, strict=True)]
+    ints = [np.asarray(prios, np.int64),
+            np.full(k, fids, np.int64) if isinstance(fids, int) else np.asarray(fids, np.int64),
+            np.asarray(ats, np.int64), np.asarray(lens, np.int64), np.asarray(when, np.int64)]
+    classes = [_int_classes(x) for x in ints]
+    has_dg = np.zeros(k, bool) if digests.count(None) == k else np.array(
+        [d is not None for d in digests], bool)
+    sig = has_dg.astype(np.int64)
+    for c in classes:
+        sig = sig * 9 + c
+    # Record lengths: head 2 + state 1 + the 5 ints + two zeros 2 + float 9 + digest 1 or 18.
+    sizes = 15 + sum(_INT_WIDTHS[c] for c in classes) + 17 * has_dg
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    groups, inverse = np.unique(sig, return_inverse=True)
+    flat = None if len(groups) == 1 else np.empty(int(ends[-1]), np.uint8)
+    now_bytes = np.frombuffer(b"\xcb" + struct.pack(">d", now), np.uint8)
+    for g in range(len(groups)):
+        rows = np.flatnonzero(inverse == g) if flat is not None else np.arange(k)
+        first = int(rows[0])
+        width = int(sizes[first])
+        out = np.empty((len(rows), width), np.uint8)
+        out[:, 0], out[:, 1] = _RECORD_HEAD
+        out[:, 2] = states[rows]
+        at = 3
+        for j, (x, c) in enumerate(zip(ints, classes, strict=True)):
+            if j == 4:  # attempts, deliveries and enqueued_at come before when_us
+                out[:, at: at + 2] = 0
+                out[:, at + 2: at + 11] = now_bytes
+                at += 11
+            cls = int(c[first])
+            vals = x[rows]
+            if cls == 0:
+                out[:, at] = (vals & 0xFF).astype(np.uint8)
+                at += 1
+                continue
+            size = _INT_SIZES[cls]
+            out[:, at] = _INT_TAGS[cls]
+            out[:, at + 1: at + 1 + size] = vals.astype(">i8").view(np.uint8).reshape(
+                len(rows), 8)[:, 8 - size:]
+            at += 1 + size
+        if has_dg[first]:
+            out[:, at], out[:, at + 1] = 0xC4, 16  # bin 8 of 16 bytes
+            out[:, at + 2: at + 18] = np.frombuffer(
+                b"".join([cast(bytes, digests[i]) for i in rows.tolist()]),
+                np.uint8).reshape(len(rows), 16)
+            at += 18
+        else:
+            out[:, at] = 0xC0  # nil
+            at += 1
+        assert at == width
+        if flat is None:
+            raw = out.tobytes()
+            return [raw[i: i + width] for i in range(0, len(raw), width)]
+        flat[starts[rows][:, None] + np.arange(width)] = out
+    assert flat is not None  # set before the loop whenever widths differ
+    raw = flat.tobytes()
+    return [raw[a: b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+
+
 class PartitionLoader:
     """Writes one partition's staged files; feed it Arrow batches, then :meth:`finish`."""
 
@@ -199,40 +299,66 @@ class PartitionLoader:
             if start <= row < self.rows and rows.reasons[row - start] is None:
                 rows.reasons[row - start] = why
                 self.duplicates += 1
-        valid = [i for i, r in enumerate(rows.reasons) if r is None]
+        reasons = rows.reasons
+        if reasons.count(None) == rows.n:  # the usual case: every row loads
+            if rows.n:
+                self._write(rows, np.arange(rows.n, dtype=np.int64), start)
+            return
+        valid = [i for i, r in enumerate(reasons) if r is None]
         if valid:
             self._write(rows, np.array(valid, np.int64), start)
-        if len(valid) < rows.n:
-            self._add_rejects(batch, [i for i, r in enumerate(rows.reasons) if r is not None],
-                              rows.reasons, start)
+        self._add_rejects(batch, [i for i, r in enumerate(reasons) if r is not None],
+                          reasons, start)
 
-    def _frame_records(self, rows: Rows, idx: np.ndarray) -> tuple[list[int], list[int]]:
-        """Append the payloads of rows ``idx`` to the segments; (file ids, offsets)."""
+    def _seed(self, n: int) -> int:
+        """CRC-32 of the 4 length bytes of an ``n``-byte body (the start of its record CRC)."""
+        seed = self._seeds.get(n)
+        if seed is None:
+            seed = self._seeds[n] = zlib.crc32(fmt.LENGTH.pack(n))
+        return seed
+
+    def _frame_records(self, rows: Rows, idx: np.ndarray) -> tuple[Any, Any]:
+        """Append the payloads of rows ``idx`` to the segments; (file ids, offsets).
+
+        Returns a file id and an offset array when the batch went into one
+        segment as one chunk, else two lists.
+        """
         offsets = rows.offsets
         starts = offsets[idx]
         lens = offsets[idx + 1] - starts
-        data, seeds, crc32, length = rows.data, self._seeds, zlib.crc32, fmt.LENGTH.pack
-        crcs = []
-        for o, n in zip(starts.tolist(), lens.tolist(), strict=True):
-            seed = seeds.get(n)
-            if seed is None:
-                seed = seeds[n] = crc32(length(n))
-            crcs.append(crc32(data[o: o + n], seed))  # = fmt.record_crc(length, body)
+        data, crc32 = rows.data, zlib.crc32
         k = len(idx)
+        size = int(lens[0]) if k and lens.min() == lens.max() else -1  # one length for all?
+        # One CRC call per payload (= fmt.record_crc(length, body)), the loop kept tight.
+        if size >= 0:
+            seed = self._seed(size)
+            crcs = [crc32(data[o: o + size], seed) for o in starts.tolist()]
+        else:
+            seeds = {n: self._seed(n) for n in np.unique(lens).tolist()}
+            crcs = [crc32(data[o: o + n], seeds[n])
+                    for o, n in zip(starts.tolist(), lens.tolist(), strict=True)]
         total = int(lens.sum()) + fmt.FRAME_SIZE * k
         segs = self._segs
         if k == rows.n and segs.fits(total):
-            # The whole batch, contiguous in the Arrow buffer: insert the 8-byte frame
+            # The whole batch, contiguous in the Arrow buffer: put the 8-byte frame
             # headers before each body and write it as one chunk.
             head = np.empty((k, 2), "<u4")
             head[:, 0] = lens
             head[:, 1] = crcs
             rel = offsets[:-1] - offsets[0]
             body = np.frombuffer(data, np.uint8)[offsets[0]: offsets[-1]]
-            chunk = np.insert(body, np.repeat(rel, fmt.FRAME_SIZE), head.view(np.uint8).ravel())
+            if size >= 0:  # equal lengths: a (k, 8 + size) array, filled column-wise
+                table = np.empty((k, fmt.FRAME_SIZE + size), np.uint8)
+                table[:, : fmt.FRAME_SIZE] = head.view(np.uint8).reshape(k, fmt.FRAME_SIZE)
+                table[:, fmt.FRAME_SIZE:] = body.reshape(k, size)
+                chunk = table.reshape(-1)
+            else:
+                chunk = np.insert(body, np.repeat(rel, fmt.FRAME_SIZE),
+                                  head.view(np.uint8).ravel())
             fid, at = segs.append_chunk(chunk, k)
-            return [fid] * k, (at + rel + fmt.FRAME_SIZE * np.arange(k)).tolist()
+            return fid, at + rel + fmt.FRAME_SIZE * np.arange(k)
         fids, ats = [], []
+        length = fmt.LENGTH.pack
         for i, n, c in zip(idx.tolist(), lens.tolist(), crcs, strict=True):
             fid, at = segs.append(length(n) + length(c), rows.body(i))
             fids.append(fid)
@@ -243,7 +369,8 @@ class PartitionLoader:
         spec = self.spec
         qid, now = spec.qid, spec.now
         fids, ats = self._frame_records(rows, idx)
-        lens = (rows.offsets[idx + 1] - rows.offsets[idx]).tolist()
+        k = len(idx)
+        lens_arr = rows.offsets[idx + 1] - rows.offsets[idx]
         mids = np.int64(self.plan.first_id + start) + idx
         delays = rows.delays[idx]
         late = delays > 0
@@ -251,22 +378,19 @@ class PartitionLoader:
         when = np.where(late, np.maximum(0, ((now + delays) * 1_000_000).astype(np.int64)), 0)
         prio_arr = rows.priorities[idx] if spec.priority_type == "int" else np.asarray(
             [rows.priorities[i] for i in idx.tolist()], object)
-        prios = prio_arr.tolist()
-        digests = [None] * len(idx) if rows.digests is None else [
+        digests = [None] * k if rows.digests is None else [
             rows.digests[i] for i in idx.tolist()]
         if self._m is None:
             self._m = _sst_writer(self._m_path + self._tmp)
-        m, pack, u64 = self._m, records.pack, keys.U64.pack
-        m_prefix = keys.prefix(keys.MESSAGE, qid)
-        states = np.where(late, records.DELAYED, records.READY).tolist()
-        for mid, st, prio, fid, at, n, w, dg in zip(mids.tolist(), states, prios, fids, ats, lens,
-                                                    when.tolist(), digests, strict=True):
-            # The layout of records.MessageRecord.encode(), without building the object.
-            m[m_prefix + u64(mid)] = pack([records.RECORD_VERSION, st, prio, fid, at, n, 0, 0,
-                                           now, w, dg])
+        m = self._m
+        raw, width = _fixed_keys(keys.prefix(keys.MESSAGE, qid), mids)  # m qid id, in bulk
+        mkeys = [raw[i: i + width] for i in range(0, len(raw), width)]
+        values = _records(late, prio_arr, fids, ats, lens_arr, when, digests, now)
+        for key, value in zip(mkeys, values, strict=True):
+            m[key] = value
         self._index(mids, late, when, prio_arr, digests)
-        self.nbytes += sum(lens)
-        self.loaded += len(idx)
+        self.nbytes += int(lens_arr.sum())
+        self.loaded += k
 
     def _index(self, mids: np.ndarray, late: np.ndarray, when: np.ndarray, prios: np.ndarray,
                digests: list[bytes | None]) -> None:
@@ -295,16 +419,19 @@ class PartitionLoader:
                                for dg, mid in zip(digests, mids.tolist(), strict=True)
                                if dg is not None)
 
-    def _index_entries(self) -> Iterable[tuple[bytes, bytes]]:
+    def _write_index(self, writer: SstFileWriter) -> None:
         """Every index key of the partition, in key order: d, then k, then r."""
         qid = self.spec.qid
+        empty = b""
         if self._delayed:
             due = np.concatenate([w for w, _ in self._delayed])
             mid = np.concatenate([m for _, m in self._delayed])
             order = np.lexsort((mid, due))
             raw, width = _fixed_keys(keys.prefix(keys.DELAYED, qid), due[order], mid[order])
-            yield from ((raw[i: i + width], b"") for i in range(0, len(raw), width))
-        yield from sorted(self._dedup)
+            for i in range(0, len(raw), width):
+                writer[raw[i: i + width]] = empty
+        for k, v in sorted(self._dedup):
+            writer[k] = v
         if self._ready:
             pk = np.concatenate([p for p, _ in self._ready])
             mid = np.concatenate([m for _, m in self._ready])
@@ -314,8 +441,10 @@ class PartitionLoader:
                 raw, width = _fixed_keys(prefix, pk[order], mid[order])
             else:  # fifo: the id alone
                 raw, width = _fixed_keys(prefix, np.sort(mid))
-            yield from ((raw[i: i + width], b"") for i in range(0, len(raw), width))
-        yield from ((k, b"") for k in sorted(self._ready_keys))
+            for i in range(0, len(raw), width):
+                writer[raw[i: i + width]] = empty
+        for k in sorted(self._ready_keys):
+            writer[k] = empty
 
     def abort(self) -> None:
         """Give up: close open files, publish nothing (a failed task)."""
@@ -352,8 +481,7 @@ class PartitionLoader:
         if self.loaded:
             x_path = os.path.join(self.staging, "sst", f"p{plan.pid:05d}-x.sst")
             writer = _sst_writer(x_path + self._tmp)
-            for k, v in self._index_entries():
-                writer[k] = v
+            self._write_index(writer)
             writer.finish()
             os.replace(x_path + self._tmp, x_path)
             ssts.append(os.path.basename(x_path))
