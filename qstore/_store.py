@@ -27,7 +27,7 @@ from ._errors import (
 from ._heads import ReadyHeads
 from ._message import SegmentStats, StoreStats
 from ._txn import Txn, apply_counts
-from .meta import MetaDB, keys, records
+from .meta import MetaDB, keys, new_batch, records
 from .payload import PayloadRef, SegmentSet
 from .payload._format import FRAME_SIZE
 
@@ -494,8 +494,16 @@ class Store:
             self._sweeper.join()
             self.syncer.stop()
         with self._lock:
-            self.payload.close()
-            if not self.readonly:
+            if self.readonly:
+                self.payload.close()
+            else:
+                active = (self.payload.active_id, self.payload.active_end)
+                self.payload.close()  # cuts the preallocated tail and fsyncs the segment
+                # Record that all of it is durable, so the next open scans nothing
+                # (in durability="none" nothing else ever records it).
+                batch = new_batch()
+                batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *active]))
+                self.meta.write(batch)
                 # Flushing the memtable now means the next open replays no WAL:
                 # it opens faster and without that memory.
                 self.meta.flush()

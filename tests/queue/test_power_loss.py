@@ -89,3 +89,14 @@ def test_every_batch_records_how_far_the_active_segment_is_durable(store_path: s
         # The second push's batch was written after the first push's sync.
         _, rec_fid, rec_off = records.unpack(raw, "synced")
         assert rec_fid == fid and 24 + 58 <= rec_off <= off
+
+
+def test_clean_close_records_the_whole_active_segment_as_durable(store_path: str) -> None:
+    """Else the next open scans the whole active segment (durability="none" never syncs)."""
+    with qstore.open(store_path, durability="none", compactor=False) as store:
+        store.create_queue("q").push_many([b"z" * 100] * 50)
+        active, end = store.payload.active_id, store.payload.active_end
+    with qstore.open(store_path, readonly=True) as view:
+        raw = view.meta.get(keys.SYNCED_KEY)
+        assert raw is not None
+        assert records.unpack(raw, "synced")[1:] == [active, end]
