@@ -572,8 +572,11 @@ def promote(store: Store, q: QueueState, now_us: int) -> int:
     """
     moved = 0
     for kind in (keys.INFLIGHT, keys.DELAYED):
-        lo = keys.prefix(kind, q.qid)
-        hi = lo + keys.U64.pack(now_us + 1)
+        base = keys.prefix(kind, q.qid)
+        # Start at the time floor, not at the prefix: everything before it was
+        # promoted, acked or extended away, and its tombstones are not read again.
+        lo = base + keys.U64.pack(q.time_floor_us)
+        hi = base + keys.U64.pack(now_us + 1)
         while True:
             due = store.meta.scan_keys(lo, hi, PROMOTE_BATCH)
             if not due:
@@ -592,6 +595,10 @@ def promote(store: Store, q: QueueState, now_us: int) -> int:
             moved += len(due)
             if len(due) < PROMOTE_BATCH:
                 break
+            lo = due[-1] + b"\x00"
+    # Nothing due at or before now is left in either index; a later write of an
+    # earlier time (a clock that went back) lowers the floor in Store._commit.
+    q.time_floor_us = max(q.time_floor_us, now_us + 1)
     store._refresh_next_event(q)
     return moved
 

@@ -90,7 +90,7 @@ class QueueState:
     """What the store keeps in memory per queue (shared by all its handles)."""
 
     __slots__ = ("name", "rec", "qid", "counts", "counts_key", "heads", "next_event_us",
-                 "deleted", "pkeys")
+                 "time_floor_us", "deleted", "pkeys")
 
     def __init__(self, name: str, rec: records.QueueRecord, counts: list[int]) -> None:
         self.name = name
@@ -104,6 +104,9 @@ class QueueState:
         self.pkeys: dict[int | str, bytes] = {}  # priority -> priority key, a small cache
         # Earliest lease deadline or due time that may need promotion (us).
         self.next_event_us = 0
+        # No delayed or in-flight key of the queue has a time below this (us):
+        # their indexes are read from here, past the tombstones of earlier ones.
+        self.time_floor_us = 0
         self.deleted = False
 
 
@@ -264,9 +267,10 @@ class Store:
     def _refresh_next_event(self, q: QueueState) -> None:
         """Recompute the earliest due time or lease deadline from the indexes."""
         earliest = 2**64
+        floor = keys.U64.pack(q.time_floor_us)
         for kind in (keys.DELAYED, keys.INFLIGHT):
-            lo = keys.prefix(kind, q.qid)
-            first = self.meta.first_key(lo, keys.prefix_end(lo))
+            base = keys.prefix(kind, q.qid)
+            first = self.meta.first_key(base + floor, keys.prefix_end(base))
             if first is not None:
                 earliest = min(earliest, keys.timed_parts(first)[0])
         q.next_event_us = earliest
@@ -328,6 +332,8 @@ class Store:
             for q, when in txn.events.items():
                 if when < q.next_event_us:
                     q.next_event_us = when
+                if when < q.time_floor_us:
+                    q.time_floor_us = when
         self.syncer.wrote()
 
     def writing(self) -> _Writing:

@@ -283,6 +283,7 @@ def _ingest_locked(store: Store, job: StagedJob, staging: str) -> None:
     dues = [p["min_due_us"] for p in job.partitions if p["min_due_us"] is not None]
     if dues:
         q.next_event_us = min(q.next_event_us, *dues)
+        q.time_floor_us = min(q.time_floor_us, *dues)
     if job.total("ready"):
         store._ready.notify_all()
 

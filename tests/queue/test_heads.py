@@ -23,10 +23,10 @@ from tests.conftest import FakeClock
 class SeekLog:
     """Wraps MetaDB reads of the ready index and counts dead keys each one crossed."""
 
-    def __init__(self, store: qstore.Store, qid: int) -> None:
-        self.dead: list[bytes] = []  # sorted ready keys of acked messages
+    def __init__(self, store: qstore.Store, qid: int, kind: bytes = keys.READY) -> None:
+        self.dead: list[bytes] = []  # sorted index keys of acked messages
         self.crossed: list[int] = []
-        self.base = keys.prefix(keys.READY, qid)
+        self.base = keys.prefix(kind, qid)
         meta = store.meta
         scan_keys, first_key = meta.scan_keys, meta.first_key
 
@@ -142,3 +142,28 @@ def test_reopened_store_learns_levels_and_keeps_order(store_path: str, clock: Fa
         q = s.queue("q")
         got = q.pop_many(10)
         assert [m.id for m in got] == sorted(ids, key=lambda i: (ids[i].encode(), i))
+
+
+def test_promotion_reads_each_acked_lease_tombstone_at_most_once(churn_store: qstore.Store,
+                                                                 clock: FakeClock) -> None:
+    """The in-flight index is read from a time floor, not from its start.
+
+    Without the floor every promotion (the sweeper runs one a second once a
+    lease is due) read the tombstones of every lease ever acked.
+    """
+    q = churn_store.create_queue("q")
+    log = SeekLog(churn_store, q._q.qid, keys.INFLIGHT)
+    for i in range(2000):
+        q.push(b"x", priority=1)
+        m = q.pop(lease=5.0)
+        assert m is not None
+        q.ack(m)
+        assert m.lease_deadline is not None
+        log.acked(keys.timed_key(keys.INFLIGHT, q._q.qid, keys.to_us(m.lease_deadline), m.id))
+        if i % 20 == 0:
+            q.push(b"held", priority=0)
+            assert q.pop_many(1, lease=5.0)  # a lease left to expire
+            clock.advance(10.0)
+            q.stats()  # promotes the expired lease
+    assert len(log.crossed) >= 100
+    assert sum(log.crossed) <= len(log.dead), "promotions re-read old tombstones"
