@@ -134,6 +134,8 @@ class Queue:
     def _priority(self, priority: object) -> int | str:
         rec = self._q.rec
         if rec.priority_type == "int":
+            if type(priority) is int and keys.INT_MIN <= priority <= keys.INT_MAX:
+                return priority  # the common case, cheaply
             if priority is None:
                 return 0
             if type(priority) is not int and not (isinstance(priority, int)
@@ -538,9 +540,8 @@ def _enqueue(store: Store, txn: Txn, q: QueueState, ref: PayloadRef, prio: int |
             pkey = q.pkeys[prio] = keys.priority_key(q.rec.order, q.rec.priority_type, prio)
         txn.add_ready(q, keys.ready_key(qid, pkey, mid))
         txn.count(q, READY, 1)
-    txn.put(keys.message_key(qid, mid), records.MessageRecord(
-        state, prio, ref.file_id, ref.offset, ref.length, 0, 0, now, when, digest,
-    ).encode())
+    txn.put(keys.message_key(qid, mid), records.encode_message(
+        state, prio, ref.file_id, ref.offset, ref.length, 0, 0, now, when, digest))
     txn.count(q, BYTES, ref.length)
     txn.written(ref)
     return mid

@@ -38,6 +38,15 @@ def unpack(data: bytes, what: str) -> list[Any]:
     return value
 
 
+def encode_message(state: int, priority: int | str, file_id: int, offset: int, length: int,
+                   attempts: int, deliveries: int, enqueued_at: float, when_us: int,
+                   digest: bytes | None) -> bytes:
+    """A message record, without building a MessageRecord first (the push path)."""
+    data: bytes = _pack([RECORD_VERSION, state, priority, file_id, offset, length, attempts,
+                         deliveries, enqueued_at, when_us, digest])
+    return data
+
+
 class MessageRecord:
     """A message's metadata; ``when_us`` is its due time (delayed) or lease deadline."""
 
@@ -62,11 +71,9 @@ class MessageRecord:
         self.digest = digest
 
     def encode(self) -> bytes:
-        data: bytes = _pack([
-            RECORD_VERSION, self.state, self.priority, self.file_id, self.offset, self.length,
-            self.attempts, self.deliveries, self.enqueued_at, self.when_us, self.digest,
-        ])
-        return data
+        return encode_message(self.state, self.priority, self.file_id, self.offset, self.length,
+                              self.attempts, self.deliveries, self.enqueued_at, self.when_us,
+                              self.digest)
 
     @classmethod
     def decode(cls, data: bytes) -> MessageRecord:
