@@ -268,9 +268,9 @@ def test_backfilled_store_audits_clean(spark: Any, tmp_path: Path) -> None:
 def test_store_locked_by_another_process(spark: Any, tmp_path: Path) -> None:
     store = tmp_path / "store"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import qstore, sys, time; s = qstore.open(sys.argv[1]); "
-         "print('open', flush=True); time.sleep(120)", str(store)],
-        stdout=subprocess.PIPE, text=True)
+        [sys.executable, "-c", "import qstore, sys; s = qstore.open(sys.argv[1]); "
+         "print('open', flush=True); sys.stdin.read()", str(store)],  # holds until killed
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
         src = write_parquet(tmp_path / "src.parquet", payload=[b"a"])
@@ -280,8 +280,9 @@ def test_store_locked_by_another_process(spark: Any, tmp_path: Path) -> None:
     finally:
         holder.kill()
         holder.wait()
-        assert holder.stdout is not None
+        assert holder.stdout is not None and holder.stdin is not None
         holder.stdout.close()
+        holder.stdin.close()
     with qstore.open(store, compactor=False) as s:
         assert s.queues() == []
 
