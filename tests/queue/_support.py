@@ -116,3 +116,22 @@ def dump(store: qstore.Store) -> dict[str, Any]:
         segments = {fid: store.payload.segment_size(fid) for fid in store.payload.file_ids()}
         queues = {name: list(state.counts) for name, state in store.queue_states.items()}
         return {"db": db, "segments": segments, "queues": queues, "stats": stats}
+
+
+def store_view(store: qstore.Store, ids: list[str]) -> dict[str, Any]:
+    """What a reader sees: queues, counters, the messages ``queue:id`` in ``ids``, queue
+    ``a``'s head. Run by the owner and by a read-only process, to compare the two."""
+    out: dict[str, Any] = {"queues": store.queues(), "stats": {}, "messages": {}}
+    for name in store.queues():
+        s = store.queue(name).stats()
+        out["stats"][name] = [s.ready, s.delayed, s.in_flight, s.dead, s.bytes]
+    for item in ids:
+        name, mid = item.split(":")
+        try:
+            m = store.queue(name).get(int(mid))
+        except qstore.MessageNotFound:
+            out["messages"][item] = None
+        else:
+            out["messages"][item] = [m.state, m.attempts, m.payload.hex()]
+    out["peek"] = [m.id for m in store.queue("a").peek(100)]
+    return out

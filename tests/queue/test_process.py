@@ -26,7 +26,7 @@ import pytest
 import qstore
 from qstore.meta import keys
 
-from ._support import assert_consistent, dump
+from ._support import assert_consistent, dump, store_view
 
 HERE = Path(__file__).resolve().parent
 KILL_CHILD = HERE / "_kill_child.py"
@@ -105,24 +105,13 @@ def test_a_second_writer_in_the_same_process_gets_store_locked(store: qstore.Sto
 # -- read-only views --------------------------------------------------------------------
 
 READONLY_VIEW = """
-import hashlib, json, sys, qstore
+import json, sys
+sys.path.insert(0, sys.argv[4])  # the repository, for the view shared with the owner
+import qstore
+from tests.queue._support import store_view
 
 def view(store):
-    out = {"queues": store.queues(), "stats": {}, "messages": {}}
-    for name in store.queues():
-        q = store.queue(name)
-        s = q.stats()
-        out["stats"][name] = [s.ready, s.delayed, s.in_flight, s.dead, s.bytes]
-    for item in sys.argv[2].split(","):
-        name, mid = item.split(":")
-        try:
-            m = store.queue(name).get(int(mid))
-        except qstore.MessageNotFound:
-            out["messages"][item] = None
-        else:
-            out["messages"][item] = [m.state, m.attempts, m.payload.hex()]
-    out["peek"] = [m.id for m in store.queue("a").peek(100)]
-    return out
+    return store_view(store, sys.argv[2].split(","))
 
 store = qstore.open(sys.argv[1], readonly=True)
 first = view(store)
@@ -149,23 +138,6 @@ print(json.dumps({"view": second}), flush=True)
 """
 
 
-def owner_view(store: qstore.Store, ids: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {"queues": store.queues(), "stats": {}, "messages": {}}
-    for name in store.queues():
-        s = store.queue(name).stats()
-        out["stats"][name] = [s.ready, s.delayed, s.in_flight, s.dead, s.bytes]
-    for item in ids:
-        name, mid = item.split(":")
-        try:
-            m = store.queue(name).get(int(mid))
-        except qstore.MessageNotFound:
-            out["messages"][item] = None
-        else:
-            out["messages"][item] = [m.state, m.attempts, m.payload.hex()]
-    out["peek"] = [m.id for m in store.queue("a").peek(100)]
-    return out
-
-
 @pytest.fixture
 def owned(store: qstore.Store, clock: Any) -> Iterator[dict[str, Any]]:
     """The owner's store with two queues and messages in every state."""
@@ -189,10 +161,10 @@ def test_a_readonly_process_sees_a_consistent_view_while_the_owner_runs(
         owned: dict[str, Any]) -> None:
     store: qstore.Store = owned["store"]
     a: qstore.Queue = owned["a"]
-    want = owner_view(store, owned["refs"])
+    want = store_view(store, owned["refs"])
     proc = subprocess.Popen(
         [sys.executable, "-c", READONLY_VIEW, store.path, ",".join(owned["refs"]),
-         owned["held"].receipt],
+         owned["held"].receipt, str(Path(__file__).resolve().parents[2])],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdin is not None
