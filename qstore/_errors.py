@@ -91,3 +91,23 @@ class Corruption(QStoreError):
 
 class StorageError(QStoreError):
     """An unexpected failure of RocksDB or the operating system."""
+
+
+# Exit codes of the `qstore` commands and the spark/ scripts (README, "Command line").
+EXIT_OK = 0
+EXIT_FOUND = 1  # the command found something: audit findings, an empty queue, rejected rows
+EXIT_USAGE = 2
+EXIT_LOCKED = 3
+EXIT_NOT_FOUND = 4
+EXIT_ERROR = 5
+
+
+def exit_code(exc: QStoreError) -> int:
+    """The documented exit code of a command that failed with ``exc``."""
+    if isinstance(exc, StoreLocked):
+        return EXIT_LOCKED
+    if isinstance(exc, (QueueNotFound, MessageNotFound)):
+        return EXIT_NOT_FOUND
+    if isinstance(exc, InvalidArgument):
+        return EXIT_USAGE
+    return EXIT_ERROR

@@ -10,35 +10,20 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
 from . import _errors as errors
+from ._errors import EXIT_FOUND, exit_code
 from ._store import Store, open_store
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-EXIT_FOUND = 1
-EXIT_USAGE = 2
-EXIT_LOCKED = 3
-EXIT_NOT_FOUND = 4
-EXIT_ERROR = 5
 
 out = Console()
 err = Console(stderr=True)
-
-
-_EXIT_CODES: tuple[tuple[type[Exception] | tuple[type[Exception], ...], int], ...] = (
-    (errors.StoreLocked, EXIT_LOCKED),
-    ((errors.QueueNotFound, errors.MessageNotFound), EXIT_NOT_FOUND),
-    (errors.InvalidArgument, EXIT_USAGE),
-    (errors.QStoreError, EXIT_ERROR),
-)
 
 
 @contextmanager
@@ -48,7 +33,7 @@ def _exit_codes() -> Iterator[None]:
         yield
     except errors.QStoreError as exc:
         err.print(f"[red]error:[/red] {exc}")
-        sys.exit(next(code for types, code in _EXIT_CODES if isinstance(exc, types)))
+        sys.exit(exit_code(exc))
 
 
 @contextmanager

@@ -39,7 +39,14 @@ from typing import Any
 
 import msgpack
 
-from .._errors import InvalidArgument, QStoreError, QueueNotFound, StoreLocked
+from .._errors import (
+    EXIT_ERROR,
+    EXIT_FOUND,
+    EXIT_OK,
+    InvalidArgument,
+    QStoreError,
+    exit_code,
+)
 from .._store import Store
 from .._store import open_store as _open_store
 from ..meta import keys
@@ -490,7 +497,7 @@ def _read(spark: Any, source: Any, fmt: str) -> Any:
 # -- command line ---------------------------------------------------------------
 
 # The project's exit codes (README): 1 "found something" is rows rejected here.
-EXIT_OK, EXIT_REJECTS, EXIT_USAGE, EXIT_LOCKED, EXIT_NOT_FOUND, EXIT_FAILED = 0, 1, 2, 3, 4, 5
+EXIT_REJECTS, EXIT_FAILED = EXIT_FOUND, EXIT_ERROR
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -533,18 +540,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             priority_col=args.priority_col, delay_col=args.delay_col,
             dedup_col=args.dedup_col, master=args.master,
             create_queue_options=options or None, rejects=args.rejects)
-    except InvalidArgument as exc:
-        print(f"qstore backfill: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except StoreLocked as exc:
-        print(f"qstore backfill: {exc}", file=sys.stderr)
-        return EXIT_LOCKED
-    except QueueNotFound as exc:
-        print(f"qstore backfill: {exc}", file=sys.stderr)
-        return EXIT_NOT_FOUND
     except QStoreError as exc:
         print(f"qstore backfill: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return exit_code(exc)
     except Exception as exc:  # a Spark job failure: report it, the store is unchanged
         log.exception("backfill failed; nothing was loaded")
         print(f"qstore backfill: failed: {exc}", file=sys.stderr)
