@@ -120,6 +120,24 @@ def ready_key(qid: int, pkey: bytes, mid: int) -> bytes:
     return READY + U32.pack(qid) + pkey + U64.pack(mid)
 
 
+# The index each message state lives in (states as in _records: never change).
+_STATE_INDEX = (READY, DELAYED, INFLIGHT, DEAD)
+
+
+def index_key(state: int, qid: int, mid: int, pkey: bytes, when_us: int) -> bytes:
+    """The one index key a message in ``state`` has; the only place that says which.
+
+    ``pkey`` is the message's priority key (used by ready), ``when_us`` its
+    due time (delayed) or lease deadline (in flight).
+    """
+    kind = _STATE_INDEX[state]
+    if kind is READY:
+        return READY + U32.pack(qid) + pkey + U64.pack(mid)
+    if kind is DEAD:
+        return DEAD + QID_ID.pack(qid, mid)
+    return kind + U32.pack(qid) + U64x2.pack(when_us, mid)
+
+
 def to_us(seconds: float) -> int:
     """Seconds since the epoch as non-negative integer microseconds."""
     return max(0, int(seconds * 1_000_000))
