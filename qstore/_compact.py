@@ -40,26 +40,17 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
 
-from rocksdict import ReadOptions
-
-from ._errors import InvalidArgument, QStoreError, StorageError, StoreClosed
+from ._core import Core
+from ._errors import InvalidArgument, StorageError, StoreClosed
 from ._txn import Txn
 from .meta import keys, records
-from .payload import PayloadRef
-from .payload._format import FRAME_SIZE as _FRAME_SIZE
-from .payload._format import HEADER_SIZE
-
-if TYPE_CHECKING:
-    from ._store import Store
+from .payload import FRAME_SIZE as _FRAME_SIZE
+from .payload import HEADER_SIZE, PayloadRef
 
 log = logging.getLogger("qstore.compact")
 
-# Phases of the compaction record M"compaction" (written to disk: never change).
-COPYING = "copying"  # the output may be incomplete and nothing refers to it: discard it
-REPOINTING = "repointing"  # some messages may refer to the output: keep it
-DELETING = "deleting"  # every message refers to the output: the sources are garbage
+COPYING, REPOINTING, DELETING = records.COPYING, records.REPOINTING, records.DELETING
 
 REPOINT_CHUNK = 1000  # messages per repoint batch: bounds how long the writer lock is held
 # A pass that rewrites anything also folds in small sealed segments (at most
@@ -67,11 +58,6 @@ REPOINT_CHUNK = 1000  # messages per repoint batch: bounds how long the writer l
 # the outputs of many passes holding a few long-lived messages do not pile up.
 SMALL_FRACTION = 8
 MERGE_MIN = 8
-
-# Where a message record (the msgpack array of records.MessageRecord) keeps
-# its payload reference. The scan and the repoint touch only these fields, so
-# they skip building a MessageRecord per message; a test checks them.
-_FILE_ID, _OFFSET, _LENGTH = 3, 4, 5
 
 # Test hook: called with the name of each step as it completes ("sealed",
 # "copied", "repointed_chunk", "repointed", "deleting", "done"), outside the
@@ -116,8 +102,8 @@ class _Cancelled(Exception):
 class Compactor:
     """Runs passes for one store: on demand, from a background thread, and on open."""
 
-    def __init__(self, store: Store) -> None:
-        self._store = store
+    def __init__(self, core: Core) -> None:
+        self._core = core
         self._pass_lock = threading.Lock()  # one pass at a time
         self._pass_owner: int | None = None
         self._stop = threading.Event()
@@ -135,24 +121,23 @@ class Compactor:
         Runs while the store opens, before any other thread. The store has
         already discarded the output file of a pass still in ``copying``.
         """
-        store = self._store
-        raw = store.meta.get(keys.COMPACTION_KEY)
+        core = self._core
+        raw = core.meta.get(keys.COMPACTION_KEY)
         if raw is not None:
-            _, phase, output, sources = records.unpack(raw, "compaction")[:4]
+            phase, output, sources = records.decode_compaction(raw)
             log.warning("finishing a compaction pass interrupted in phase %s "
                         "(output %s, sources %s)", phase, output, sources)
-            txn = Txn()
-            txn.delete(keys.COMPACTION_KEY)
+            deletes = [keys.COMPACTION_KEY]
             if phase == COPYING:
                 # Rolled back: nothing refers to the output (its file is gone).
-                txn.delete(keys.segment_key(output))
-            store.meta.write(txn.batch, sync=True)
+                deletes.append(keys.segment_key(output))
+            core.write_synced(deletes=deletes)
             if phase == COPYING:
-                store.seg_live.pop(output, None)
+                core.segments.pop(output, None)
             else:
                 # Rolled forward: what was repointed stays repointed; sources
                 # that still hold records are finished by the next pass.
-                self._carry = [fid for fid in sources if fid in store.seg_live]
+                self._carry = [fid for fid in sources if fid in core.segments]
         # Sealed segments nothing refers to: sources of a finished pass, and
         # files a crash left between deleting their counters and unlinking them.
         self._delete_dead_segments()
@@ -164,7 +149,7 @@ class Compactor:
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._store.config.compact_interval):
+        while not self._stop.wait(self._core.config.compact_interval):
             try:
                 self.run_pass()
             except StoreClosed:
@@ -197,8 +182,8 @@ class Compactor:
         progress: Callable[[int, int], None] | None = None,
     ) -> CompactionResult:
         """One seal-then-compact pass. ``progress(done, total)`` gets bytes copied."""
-        store = self._store
-        cfg = store.config
+        core = self._core
+        cfg = core.config
         threshold = cfg.compact_threshold if threshold is None else _check_threshold(threshold)
         max_bytes = cfg.compact_max_bytes if max_bytes is None else _check_max_bytes(max_bytes)
         with self._pass_lock:
@@ -213,9 +198,9 @@ class Compactor:
     def _run(
         self, threshold: float, max_bytes: int, progress: Callable[[int, int], None] | None
     ) -> CompactionResult:
-        store = self._store
+        core = self._core
         if self._stop.is_set():
-            raise StoreClosed(f"store {store.path!r} is closing")
+            raise StoreClosed(f"store {core.path!r} is closing")
         started = time.perf_counter()
         sealed = self._seal_if_worth(threshold)
         _step("sealed")
@@ -242,39 +227,39 @@ class Compactor:
 
     def _active_worth_sealing(self, threshold: float) -> bool:
         """Writer lock held: the active segment holds records, garbage >= threshold."""
-        store = self._store
-        store._check_writable()
-        active = store.payload.active_id
+        core = self._core
+        core.check_writable()
+        active = core.payload.active_id
         assert active is not None
-        size = store.payload.segment_size(active)
-        live = store.seg_live.get(active, [0, 0, 0])[0]
+        size = core.payload.segment_size(active)
+        live = core.segments.get(active, [0, 0, 0])[0]
         return size > HEADER_SIZE and _garbage(size, live) >= threshold
 
     def _seal_if_worth(self, threshold: float) -> int | None:
-        store = self._store
-        with store._lock:
+        core = self._core
+        with core.lock:
             if not self._active_worth_sealing(threshold):
                 return None
         # Flush the active segment outside the writer lock, so that the fsync
         # sealing does under the lock finds next to nothing left to write.
-        store.payload.sync()
-        with store._lock:
+        core.payload.sync()
+        with core.lock:
             if not self._active_worth_sealing(threshold):
                 return None
-            return store.payload.seal()
+            return core.payload.seal()
 
     def _sealed_segments(self) -> list[tuple[int, int, int, int]]:
         """(file id, size, live bytes, live count) of every sealed segment, oldest first.
 
         Writer lock held, or the caller accepts a view that may be stale.
         """
-        store = self._store
-        active = store.payload.active_id
+        core = self._core
+        active = core.payload.active_id
         out = []
-        for fid in store.payload.file_ids():
+        for fid in core.payload.file_ids():
             if fid != active:
-                live = store.seg_live.get(fid, [0, 0, 0])
-                out.append((fid, store.payload.segment_size(fid), live[0], live[1]))
+                live = core.segments.get(fid, [0, 0, 0])
+                out.append((fid, core.payload.segment_size(fid), live[0], live[1]))
         return out
 
     def _delete_dead_segments(self) -> list[tuple[int, int]]:
@@ -284,24 +269,21 @@ class Compactor:
         between the two leaves files without counters, which the next open
         deletes. Under the writer lock, so no read can be looking one up.
         """
-        store = self._store
-        with store._lock:
+        core = self._core
+        with core.lock:
             dead = [(fid, size) for fid, size, _, count in self._sealed_segments() if count == 0]
             if not dead:
                 return []
-            txn = Txn()
+            core.write_synced(deletes=[keys.segment_key(fid) for fid, _ in dead])
             for fid, _ in dead:
-                txn.delete(keys.segment_key(fid))
-            store.meta.write(txn.batch, sync=True)
-            for fid, _ in dead:
-                store.seg_live.pop(fid, None)
-            store.payload.delete(fid for fid, _ in dead)
+                core.segments.pop(fid, None)
+            core.payload.delete(fid for fid, _ in dead)
         return dead
 
     def _choose(self, threshold: float, max_bytes: int) -> list[int]:
         """Sources of this pass: carried over, or garbage >= threshold; oldest first."""
-        store = self._store
-        with store._lock:
+        core = self._core
+        with core.lock:
             segments = self._sealed_segments()
         carry = set(self._carry)
         chosen: list[int] = []
@@ -313,7 +295,7 @@ class Compactor:
                 chosen.append(fid)
                 budget += live
         if chosen:
-            small_max = store.config.segment_max_bytes // SMALL_FRACTION
+            small_max = core.config.segment_max_bytes // SMALL_FRACTION
             small = [(fid, live) for fid, size, live, _ in segments
                      if fid not in chosen and size <= small_max]
             if len(small) >= MERGE_MIN:
@@ -335,14 +317,14 @@ class Compactor:
     def _compact_sources(
         self, sources: list[int], progress: Callable[[int, int], None] | None
     ) -> tuple[int | None, int, int, int, list[tuple[int, int]]]:
-        store = self._store
+        core = self._core
         live = self._scan_live(sources)
         if not live:
             # Everything in the sources was acked since they were chosen.
             return None, 0, 0, 0, self._delete_dead_segments()
         refs = [item[0] for item in live]
         total = sum(ref.length for ref in refs) + _FRAME_SIZE * len(refs)
-        output = store.payload.reserve_file_id()
+        output = core.payload.reserve_file_id()
         self._write_record(COPYING, output, sources)
         try:
             mapping = self._copy(output, refs, total, progress)
@@ -351,10 +333,10 @@ class Compactor:
             if isinstance(exc, Exception):  # not a (simulated) crash: roll back now
                 self._roll_back(output)
             if isinstance(exc, _Cancelled):
-                raise StoreClosed(f"store {store.path!r} is closing; "
+                raise StoreClosed(f"store {core.path!r} is closing; "
                                   "the compaction pass was rolled back") from None
             raise
-        written = store.payload.segment_size(output)
+        written = core.payload.segment_size(output)
         try:
             moved = self._repoint(live, refs, mapping, output, written, sources)
         except Exception:
@@ -364,12 +346,12 @@ class Compactor:
             self._clear_record_quietly()
             raise
         # Make the new references durable before the old bytes can go.
-        store.syncer.sync_now()
+        core.syncer.sync_now()
         _step("repointed")
         self._write_record(DELETING, output, sources)
         _step("deleting")
         deleted = self._delete_dead_segments()
-        left = [fid for fid in sources if fid in store.seg_live]
+        left = [fid for fid in sources if fid in core.segments]
         if left:  # cannot happen while pushes only target the active segment
             log.error("segments %s still hold live records after repointing; kept", left)
             self._carry = left
@@ -387,26 +369,17 @@ class Compactor:
         """
         wanted = set(sources)
         live: list[_Live] = []
-        append, unpack, ref = live.append, records.unpack, PayloadRef
-        file_id, offset, length = _FILE_ID, _OFFSET, _LENGTH
+        append, message_ref, ref = live.append, records.message_ref, PayloadRef
         # rocksdict's own item iterator: a third of the cost of stepping one by
         # hand, which matters when the store holds millions of messages.
-        bound = ReadOptions()
-        bound.set_iterate_upper_bound(keys.prefix_end(keys.MESSAGE))  # (not ..._lower_...)
-        items: Iterator[tuple[bytes, bytes]] | None = None
+        items = self._core.meta.items(keys.MESSAGE, keys.prefix_end(keys.MESSAGE))
         try:
-            items = cast(Iterator[tuple[bytes, bytes]],  # raw mode: keys and values are bytes
-                         self._store.meta.raw.items(from_key=keys.MESSAGE, read_opt=bound))
             for key, value in items:
-                fields = unpack(value, "message")
-                if fields[file_id] in wanted:
-                    append((ref(fields[file_id], fields[offset], fields[length]), key, value))
-        except QStoreError:
-            raise
-        except Exception as exc:  # rocksdict raises plain exceptions
-            raise StorageError(f"metadata read failed: {exc}") from None
+                fid, offset, length = message_ref(value)
+                if fid in wanted:
+                    append((ref(fid, offset, length), key, value))
         finally:
-            items = None  # a live iterator would keep RocksDB's LOCK after close()
+            items.close()  # a live iterator would keep RocksDB's LOCK after close()
         live.sort()
         return live
 
@@ -427,7 +400,7 @@ class Compactor:
             if progress is not None:
                 progress(done, total)
 
-        return self._store.payload.copy_live(output, refs, on_copy)
+        return self._core.payload.copy_live(output, refs, on_copy)
 
     def _repoint(
         self,
@@ -439,26 +412,24 @@ class Compactor:
         sources: list[int],
     ) -> int:
         """Move each message still at its old bytes to the copy; returns how many moved."""
-        store = self._store
-        pack, unpack = records.pack, records.unpack
+        core = self._core
+        repoint, message_ref = records.repoint, records.message_ref
         # The new record of each message as the scan saw it, encoded outside the
         # lock; under it, a record found byte-for-byte unchanged takes it as is.
         news = [mapping[ref] for ref in refs]
-        encoded = []
-        for (_, _, scanned), new in zip(live, news, strict=True):
-            fields = unpack(scanned, "message")
-            fields[_FILE_ID], fields[_OFFSET] = new.file_id, new.offset
-            encoded.append(pack(fields))
+        encoded = [repoint(scanned, new.file_id, new.offset)
+                   for (_, _, scanned), new in zip(live, news, strict=True)]
         moved = 0
         for start in range(0, len(live), REPOINT_CHUNK):
             stop = min(start + REPOINT_CHUNK, len(live))
-            with store._lock:
+            with core.lock:
                 txn = Txn()
                 if start == 0:
-                    txn.put(keys.COMPACTION_KEY, _record(REPOINTING, output, sources))
+                    txn.put(keys.COMPACTION_KEY,
+                            records.encode_compaction(REPOINTING, output, sources))
                     txn.set_end(output, output_end)
                 chunk = live[start:stop]
-                raws = store.meta.multi_get([key for _, key, _ in chunk])
+                raws = core.meta.multi_get([key for _, key, _ in chunk])
                 put = txn.batch.put
                 released: dict[int, list[int]] = {}
                 n = nbytes = 0
@@ -469,11 +440,9 @@ class Compactor:
                             continue  # acked, purged, or its queue deleted since the scan
                         # Changed since the scan (nacked, leased, dead-lettered...):
                         # move it only if it still points at the bytes copied.
-                        fields = unpack(raw, "message")
-                        if (fields[_FILE_ID], fields[_OFFSET], fields[_LENGTH]) != old:
+                        if message_ref(raw) != old:
                             continue
-                        fields[_FILE_ID], fields[_OFFSET] = new.file_id, new.offset
-                        value = pack(fields)
+                        value = repoint(raw, new.file_id, new.offset)
                     put(key, value)
                     frame = _FRAME_SIZE + old[2]
                     entry = released.get(old[0])
@@ -487,7 +456,7 @@ class Compactor:
                 for fid, (db, dn) in released.items():
                     txn.segment_delta(fid, db, dn)
                 txn.segment_delta(output, nbytes, n)
-                store._commit(txn)
+                core.commit(txn)
             moved += n
             _step("repointed_chunk")
         return moved
@@ -495,14 +464,11 @@ class Compactor:
     # -- the compaction record ------------------------------------------------
 
     def _write_record(self, phase: str, output: int, sources: list[int]) -> None:
-        txn = Txn()
-        txn.put(keys.COMPACTION_KEY, _record(phase, output, sources))
-        self._store.meta.write(txn.batch, sync=True)
+        self._core.write_synced([(keys.COMPACTION_KEY,
+                                  records.encode_compaction(phase, output, sources))])
 
     def _clear_record(self) -> None:
-        txn = Txn()
-        txn.delete(keys.COMPACTION_KEY)
-        self._store.meta.write(txn.batch, sync=True)
+        self._core.write_synced(deletes=[keys.COMPACTION_KEY])
 
     def _clear_record_quietly(self) -> None:
         """Clear the record while another error is on its way up (it is the one to report)."""
@@ -513,10 +479,10 @@ class Compactor:
 
     def _roll_back(self, output: int) -> None:
         """Undo a pass that failed before any message referred to its output."""
-        store = self._store
-        with store._lock:
-            if output in store.payload.file_ids():
-                store.payload.delete([output])
+        core = self._core
+        with core.lock:
+            if output in core.payload.file_ids():
+                core.payload.delete([output])
         self._clear_record_quietly()
 
 
@@ -542,10 +508,6 @@ def _cyclic_gc_paused() -> Iterator[None]:
 def _garbage(size: int, live: int) -> float:
     body = size - HEADER_SIZE
     return 0.0 if body <= 0 else max(0.0, (body - live) / body)
-
-
-def _record(phase: str, output: int, sources: list[int]) -> bytes:
-    return records.pack([records.RECORD_VERSION, phase, output, sources])
 
 
 def _check_threshold(value: object) -> float:

@@ -30,15 +30,18 @@ from typing import TYPE_CHECKING
 from ._errors import StorageError
 
 if TYPE_CHECKING:
-    from ._store import Store
+    from .meta import MetaDB
+    from .payload import SegmentSet
 
 log = logging.getLogger("qstore")
 
 
 class Syncer:
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self.mode = store.config.durability
+    def __init__(self, mode: str, interval: float, payload: SegmentSet, meta: MetaDB) -> None:
+        self.mode = mode
+        self._interval = interval
+        self._payload = payload
+        self._meta = meta
         self._written = 0  # batches written (under the writer lock)
         self._synced = 0  # batches known to be on stable storage
         self._syncing = False
@@ -80,18 +83,18 @@ class Syncer:
     def sync_now(self) -> None:
         """Make everything written so far durable: payload first, then the WAL."""
         self._dirty = False
-        payload = self._store.payload
+        payload = self._payload
         try:
             if payload.unsynced:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(1, thread_name_prefix="qstore-fdatasync")
                 done = self._pool.submit(payload.sync)
                 try:
-                    self._store.meta.sync_wal()
+                    self._meta.sync_wal()
                 finally:
                     done.result()
             else:
-                self._store.meta.sync_wal()
+                self._meta.sync_wal()
         except OSError as exc:
             raise StorageError(f"sync failed: {exc}") from exc
         self.syncs += 1
@@ -102,7 +105,7 @@ class Syncer:
             self._thread.start()
 
     def _loop(self) -> None:
-        interval = self._store.config.sync_interval
+        interval = self._interval
         while not self._stop.wait(interval):
             if self._dirty:
                 try:

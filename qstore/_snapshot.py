@@ -14,38 +14,36 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ._core import Core
 from ._errors import InvalidArgument, StorageError
 from .payload._format import segment_name
 from .payload._writer import fsync_dir
-
-if TYPE_CHECKING:
-    from ._store import Store
 
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = 1  # never change the meaning of 1
 
 
-def take_snapshot(store: Store, dest: str) -> str:
+def take_snapshot(core: Core, dest: str) -> str:
     dest = os.fspath(dest)
     if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):
         raise InvalidArgument(f"snapshot destination {dest!r} exists and is not empty")
     os.makedirs(os.path.join(dest, "payload"), exist_ok=True)
-    with store._lock:
-        store._check_open()
-        created = store.clock()
-        store.meta.checkpoint(os.path.join(dest, "meta"))
+    with core.lock:
+        core.check_open()
+        created = core.clock()
+        core.meta.checkpoint(os.path.join(dest, "meta"))
         segments = []
-        for fid in store.payload.file_ids():
+        for fid in core.payload.file_ids():
             name = segment_name(fid)
             try:
-                os.link(store.payload.path_of(fid), os.path.join(dest, "payload", name))
+                os.link(core.payload.path_of(fid), os.path.join(dest, "payload", name))
             except OSError as exc:
                 raise StorageError(f"cannot hard-link segment {name} into {dest!r}: {exc} "
                                    "(a snapshot must be on the store's filesystem)") from exc
-            segments.append({"file_id": fid, "length": store.payload.segment_size(fid)})
-        active = store.payload.active_id
+            segments.append({"file_id": fid, "length": core.payload.segment_size(fid)})
+        active = core.payload.active_id
     manifest = {
         "format": MANIFEST_FORMAT,
         "kind": "qstore-snapshot",

@@ -1,35 +1,76 @@
-"""One atomic change to the store: a WriteBatch plus the counter deltas it carries.
+"""One atomic change to the store, and the in-memory queue state it changes.
 
-Counters (per queue and per payload segment) are written only here, in the
-same batch as the change they count, so ``stats()`` always equals a recount.
+A :class:`Txn` is a WriteBatch plus the counter deltas it carries. Counters
+(per queue and per payload segment) reach the database only in
+:meth:`qstore._core.Core.commit`, in the same batch as the change they
+count, so ``stats()`` always equals a recount. This module sits at the bottom
+of the core: it knows keys and records, nothing above it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from ._heads import ReadyHeads
+from .meta import Batch, keys, new_batch, records
+from .payload import FRAME_SIZE, PayloadRef
 
-from rocksdict import WriteBatch
-
-from .meta import records
-from .payload import PayloadRef
-from .payload._format import FRAME_SIZE
-
-if TYPE_CHECKING:
-    from ._store import QueueState, Store
-
-# Indexes into a queue's counter list.
+# Indexes into a queue's counter list: [ready, delayed, in_flight, dead, bytes].
 READY, DELAYED, INFLIGHT, DEAD, BYTES = range(5)
 STATE_COUNTER = {records.READY: READY, records.DELAYED: DELAYED,
                  records.INFLIGHT: INFLIGHT, records.DEAD: DEAD}
+NO_EVENT_US = 2**64  # "no due time or deadline pending"
+
+
+class QueueState:
+    """What the store keeps in memory per queue (shared by all its handles).
+
+    Changed only by the core, under the writer lock, after the batch it
+    reflects was written.
+    """
+
+    __slots__ = ("name", "rec", "qid", "counts", "counts_key", "heads", "next_event_us",
+                 "time_floor_us", "deleted", "pkeys", "int_prio")
+
+    def __init__(self, name: str, rec: records.QueueRecord, counts: list[int]) -> None:
+        self.name = name
+        self.rec = rec
+        self.qid = rec.qid
+        self.counts = counts
+        # Where each priority level's ready messages start (see _heads.py):
+        # pops never wade through the tombstones acked messages leave behind.
+        self.heads = ReadyHeads(rec.qid)
+        self.counts_key = keys.counts_key(rec.qid)
+        self.pkeys: dict[int | str, bytes] = {}  # priority -> priority key, a small cache
+        self.int_prio = rec.priority_type == "int"
+        # Earliest lease deadline or due time that may need promotion (us).
+        self.next_event_us = 0
+        # No delayed or in-flight key of the queue has a time below this (us):
+        # their indexes are read from here, past the tombstones of earlier ones.
+        self.time_floor_us = 0
+        self.deleted = False
+
+    def priority_key(self, priority: int | str) -> bytes:
+        pkey = self.pkeys.get(priority)
+        if pkey is None:
+            if len(self.pkeys) >= 1024:
+                self.pkeys.clear()
+            rec = self.rec
+            pkey = self.pkeys[priority] = keys.priority_key(rec.order, rec.priority_type,
+                                                            priority)
+        return pkey
+
+    def index_key(self, mid: int, rec: records.MessageRecord) -> bytes:
+        """The index key ``rec`` implies (see :func:`qstore.meta.keys.index_key`)."""
+        return keys.index_key(rec.state, self.qid, mid, self.priority_key(rec.priority),
+                              rec.when_us)
 
 
 class Txn:
-    """Built and committed under the store's writer lock; never shared between threads."""
+    """Built and committed under the writer lock; never shared between threads."""
 
     __slots__ = ("batch", "queues", "segments", "ready_keys", "events", "id_hwm")
 
     def __init__(self) -> None:
-        self.batch = WriteBatch(raw_mode=True)
+        self.batch: Batch = new_batch()
         self.queues: dict[QueueState, list[int]] = {}  # counter deltas per queue
         # file_id -> [live bytes delta, live count delta, highest record end written]
         self.segments: dict[int, list[int]] = {}
@@ -96,9 +137,6 @@ class Txn:
         end = ref.offset + frame
         if end > entry[2]:
             entry[2] = end
-
-    def commit(self, store: Store) -> None:
-        store._commit(self)
 
 
 def apply_counts(old: list[int], delta: list[int]) -> list[int]:

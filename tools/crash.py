@@ -66,13 +66,13 @@ def digest(body: bytes) -> str:
 def recount(store: qstore.Store) -> list[str]:
     """Problems found comparing every counter with a recount of the metadata."""
     problems: list[str] = []
-    meta = store.meta
+    meta = store.core.meta
     seg_bytes: Counter[int] = Counter()
     seg_count: Counter[int] = Counter()
-    with store._lock:  # a consistent view: no sweep or pass changes anything meanwhile
+    with store.core.lock:  # a consistent view: no sweep or pass changes anything meanwhile
         for name in store.queues():
             stats = store.queue(name).stats()  # promotes due messages first
-            state = store.queue_states[name]
+            state = store.core.queues[name]
             qid, rec_q = state.qid, state.rec
             index: dict[str, int] = {}
             for kind, label in ((keys.READY, "ready"), (keys.DELAYED, "delayed"),
@@ -112,16 +112,16 @@ def recount(store: qstore.Store) -> list[str]:
                 problems.append(f"queue {name}: bytes counter {stats.bytes}, recount {nbytes}")
         persisted = {keys.segment_id(k): records.decode_segment(v)
                      for k, v in meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT))}
-        for fid in sorted(set(persisted) | set(seg_count) | set(store.seg_live)):
+        for fid in sorted(set(persisted) | set(seg_count) | set(store.core.segments)):
             want = (seg_bytes[fid], seg_count[fid])
             disk = persisted.get(fid, (0, 0, 0))[:2]
-            mem = tuple(store.seg_live.get(fid, [0, 0, 0])[:2])
+            mem = tuple(store.core.segments.get(fid, [0, 0, 0])[:2])
             if not disk == mem == want:
                 problems.append(f"segment {fid}: live (bytes, count) stored {disk}, "
                                 f"in memory {mem}, recount {want}")
-        files = set(store.payload.file_ids())
+        files = set(store.core.payload.file_ids())
         for fid in sorted(seg_count):
-            if fid not in files or not os.path.exists(store.payload.path_of(fid)):
+            if fid not in files or not os.path.exists(store.core.payload.path_of(fid)):
                 problems.append(f"segment {fid} is referenced by {seg_count[fid]} message(s) "
                                 "but does not exist")
     return problems
@@ -129,20 +129,20 @@ def recount(store: qstore.Store) -> list[str]:
 
 def dead_sealed_segments(store: qstore.Store) -> list[int]:
     """Sealed segments without a single live record."""
-    with store._lock:
-        active = store.payload.active_id
-        return [fid for fid in store.payload.file_ids()
-                if fid != active and store.seg_live.get(fid, [0, 0, 0])[1] == 0]
+    with store.core.lock:
+        active = store.core.payload.active_id
+        return [fid for fid in store.core.payload.file_ids()
+                if fid != active and store.core.segments.get(fid, [0, 0, 0])[1] == 0]
 
 
 def all_messages(store: qstore.Store) -> dict[int, bytes]:
     """id -> payload of every message of every queue, each read (and CRC-checked)."""
     out = {}
-    with store._lock:
-        for key, value in store.meta.scan(keys.MESSAGE, keys.prefix_end(keys.MESSAGE)):
+    with store.core.lock:
+        for key, value in store.core.meta.scan(keys.MESSAGE, keys.prefix_end(keys.MESSAGE)):
             rec = records.MessageRecord.decode(value)
             ref = PayloadRef(rec.file_id, rec.offset, rec.length)
-            out[keys.trailing_id(key)] = store.payload.read(ref)
+            out[keys.trailing_id(key)] = store.core.payload.read(ref)
     return out
 
 
@@ -226,7 +226,7 @@ def check_store(path: str, journal: Journal, durability: str) -> tuple[list[str]
     problems = []
     with qstore.open(path, compactor=False, durability=durability,
                      segment_max_bytes=SEGMENT_MAX_BYTES) as store:
-        if store.meta.get(keys.COMPACTION_KEY) is not None:
+        if store.core.meta.get(keys.COMPACTION_KEY) is not None:
             problems.append("a compaction record survived open")
         problems += recount(store)
         problems += check_journal(store, journal)

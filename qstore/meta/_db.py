@@ -8,10 +8,20 @@ and close() only after every iterator is gone.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Generator, Iterator
+from typing import Any, cast
 
-from rocksdict import AccessType, Checkpoint, Options, Rdict, ReadOptions, WriteBatch, WriteOptions
+from rocksdict import (
+    AccessType,
+    Checkpoint,
+    IngestExternalFileOptions,
+    Options,
+    Rdict,
+    ReadOptions,
+    SstFileWriter,
+    WriteBatch,
+    WriteOptions,
+)
 
 from .._errors import StorageError, StoreLocked
 
@@ -111,6 +121,39 @@ class MetaDB:
         key: bytes | None = it.key() if it.valid() else None
         del it
         return key
+
+    def items(self, lo: bytes, hi: bytes) -> Generator[tuple[bytes, bytes], None, None]:
+        """(key, value) for lo <= key < hi, through rocksdict's own item iterator.
+
+        About a third of the cost of :meth:`scan` per item, for long scans
+        (compaction, bulk checks). Drop the iterator before closing the store.
+        """
+        ro = ReadOptions()
+        ro.set_iterate_upper_bound(hi)  # NOT set_iterate_lower_bound: it sets the upper one
+        try:
+            # raw mode: keys and values are bytes
+            items = cast(Iterator[tuple[bytes, bytes]], self._db.items(from_key=lo, read_opt=ro))
+            yield from items
+        except Exception as exc:
+            raise StorageError(f"metadata read failed: {exc}") from None
+
+    def ingest(self, paths: list[str]) -> None:
+        """Ingest sorted SST files (moved, not copied) as one atomic step."""
+        opts = IngestExternalFileOptions()
+        opts.set_move_files(True)  # hard links: the files are on the store's filesystem
+        try:
+            self._db.ingest_external_file(paths, opts)
+        except Exception as exc:
+            raise StorageError(f"ingesting {len(paths)} file(s) failed: {exc}") from None
+
+    @staticmethod
+    def write_sst(path: str, entries: list[tuple[bytes, bytes]]) -> None:
+        """Write ``entries`` (any order, distinct keys) as a sorted SST file for :meth:`ingest`."""
+        writer = SstFileWriter(Options(raw_mode=True))
+        writer.open(path)
+        for key, value in sorted(entries):
+            writer[key] = value
+        writer.finish()
 
     def checkpoint(self, dest: str) -> None:
         try:

@@ -47,6 +47,23 @@ def encode_message(state: int, priority: int | str, file_id: int, offset: int, l
     return data
 
 
+# Where a message record keeps its payload reference (file_id, offset, length).
+# Only this module knows field positions; the compactor scans and repoints
+# millions of records through message_ref / repoint without building objects.
+
+def message_ref(data: bytes) -> tuple[int, int, int]:
+    """(file_id, offset, length) of an encoded message record."""
+    v = unpack(data, "message")
+    return v[3], v[4], v[5]
+
+
+def repoint(data: bytes, file_id: int, offset: int) -> bytes:
+    """The encoded message record ``data`` with its payload moved to (file_id, offset)."""
+    v = unpack(data, "message")
+    v[3], v[4] = file_id, offset
+    return pack(v)
+
+
 class MessageRecord:
     """A message's metadata; ``when_us`` is its due time (delayed) or lease deadline."""
 
@@ -98,6 +115,22 @@ class QueueRecord:
     def decode(cls, data: bytes) -> QueueRecord:
         v = unpack(data, "queue")
         return cls(v[1], v[2], v[3], v[4], v[5], v[6])
+
+
+# Phases of the compaction record M"compaction" (written to disk: never change).
+COPYING = "copying"  # the output may be incomplete and nothing refers to it: discard it
+REPOINTING = "repointing"  # some messages may refer to the output: keep it
+DELETING = "deleting"  # every message refers to the output: the sources are garbage
+
+
+def encode_compaction(phase: str, output: int, sources: list[int]) -> bytes:
+    return pack([RECORD_VERSION, phase, output, sources])
+
+
+def decode_compaction(data: bytes) -> tuple[str, int, list[int]]:
+    """(phase, output file id, source file ids) of a compaction record."""
+    v = unpack(data, "compaction")
+    return v[1], v[2], v[3]
 
 
 def encode_counts(counts: list[int]) -> bytes:

@@ -4,8 +4,16 @@ Message bodies live here; the metadata refers to them by
 :class:`PayloadRef` ``(file_id, offset, length)``. See docs/payload-format.md.
 """
 
-from ._format import PayloadRef
+from ._format import FRAME_SIZE, HEADER_SIZE, PayloadRef
 from ._reader import SegmentReader
 from ._segments import RecoveryReport, SegmentSet, TailRepair
 
-__all__ = ["PayloadRef", "RecoveryReport", "SegmentReader", "SegmentSet", "TailRepair"]
+__all__ = [
+    "FRAME_SIZE",
+    "HEADER_SIZE",
+    "PayloadRef",
+    "RecoveryReport",
+    "SegmentReader",
+    "SegmentSet",
+    "TailRepair",
+]

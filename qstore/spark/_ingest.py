@@ -38,13 +38,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
-
 from .._errors import InvalidArgument, StorageError
-from .._heads import ReadyHeads
 from .._snapshot import write_json_durably
-from .._txn import apply_counts
-from ..meta import keys, new_batch, records
 from ..payload import _format as fmt
 from ..payload._writer import fsync_dir
 
@@ -101,24 +96,12 @@ def new_job_dir(store: Store, job_id: str) -> str:
 
 def reserve_ids(store: Store, n: int) -> int:
     """Reserve ``n`` consecutive message ids; durable before this returns. Returns the first."""
-    with store._lock:
-        store._check_writable()
-        first = store._next_id
-        end = first + n
-        hwm = max(store._id_hwm, end)
-        batch = new_batch()
-        batch.put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, hwm]))
-        store.meta.write(batch, sync=True)
-        store._next_id = end
-        store._id_hwm = hwm
-    return first
+    return store.core.reserve_ids(n)
 
 
 def reserve_file_ids(store: Store, n: int) -> list[int]:
     """``n`` segment file ids above every segment of the store (held in memory only)."""
-    with store._lock:
-        store._check_writable()
-        return [store.payload.reserve_file_id() for _ in range(n)]
+    return store.core.reserve_file_ids(n)
 
 
 @dataclass
@@ -155,17 +138,17 @@ class StagedJob:
 
 def _check_staged(store: Store, job: StagedJob, staging: str) -> None:
     """Refuse to publish anything that could overwrite or be overwritten."""
-    q = store.queue_states.get(job.queue)
+    q = store.core.queues.get(job.queue)
     if q is None or q.qid != job.qid:
         raise StorageError(f"queue {job.queue!r} was deleted or recreated during backfill "
                            f"job {job.job_id}; nothing was loaded")
-    if store._id_hwm < job.end_id:
+    if store.core.ids_reserved_below() < job.end_id:
         raise StorageError(f"backfill job {job.job_id}: ids up to {job.end_id} are not "
                            "reserved in the store; nothing was loaded")
     for seg in job.segments():
         fid = seg["file_id"]
         name = fmt.segment_name(fid)
-        if fid in store.seg_live or os.path.exists(store.payload.path_of(fid)):
+        if fid in store.core.segments or os.path.exists(store.core.payload.path_of(fid)):
             raise StorageError(f"segment {name} of backfill job {job.job_id} already exists "
                                "in the store; nothing was loaded")
         size = os.path.getsize(os.path.join(staging, "seg", name))
@@ -200,19 +183,11 @@ def publish_rejects(store: Store, staging: str, job: StagedJob) -> list[str]:
     return out
 
 
-def _write_sst(path: str, entries: list[tuple[bytes, bytes]]) -> None:
-    writer = SstFileWriter(Options(raw_mode=True))
-    writer.open(path)
-    for key, value in sorted(entries):
-        writer[key] = value
-    writer.finish()
-
-
 def commit_job(store: Store, staging: str) -> StagedJob:
     """Publish the staged job in ``staging`` into ``store``: all of it or, on a crash, none."""
     job = StagedJob.load(staging)
-    with store._lock:
-        store._check_writable()
+    with store.core.lock:
+        store.core.check_writable()
         _check_staged(store, job, staging)
         published = publish_rejects(store, staging, job)
         step("rejects_published")
@@ -246,46 +221,21 @@ def commit_job(store: Store, staging: str) -> StagedJob:
 
 
 def _ingest_locked(store: Store, job: StagedJob, staging: str) -> None:
-    q = store.queue_states[job.queue]
-    counts = apply_counts(q.counts, [job.total("ready"), job.total("delayed"), 0, 0,
-                                     job.total("bytes")])
-    hwm = max(store._id_hwm, job.end_id)
-    entries = [
-        (keys.counts_key(q.qid), records.encode_counts(counts)),
-        (keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, hwm])),
-    ]
-    segments = job.segments()
-    for seg in segments:
-        entries.append((keys.segment_key(seg["file_id"]), records.encode_segment(
-            seg["live_bytes"], seg["live_count"], seg["end"])))
-    meta_sst = os.path.join(staging, "sst", "meta.sst")
-    _write_sst(meta_sst, entries)
+    core = store.core
     paths = [os.path.join(staging, "sst", sst) for part in job.partitions for sst in part["ssts"]]
     # The files overlap each other's key ranges (every partition writes d, k, m and r
     # keys of the same queue) but never share a key; RocksDB 9.8 accepts overlapping
-    # files in one call and gives each its own sequence number. The counters in the
-    # meta SST overwrite the live ones because ingested files get a global seqno
-    # newer than everything in the database.
-    opts = IngestExternalFileOptions()
-    opts.set_move_files(True)  # hard links: staging is on the store's filesystem
-    try:
-        store.meta.raw.ingest_external_file(paths + [meta_sst], opts)
-    except Exception as exc:
-        raise StorageError(f"ingesting backfill job {job.job_id} failed: {exc}") from None
-    # The database now holds the job; bring the in-memory state of the open store
-    # in line (the caller closes and reopens it, this keeps the sweeper honest).
-    q.counts = counts
-    for seg in segments:
-        store.seg_live[seg["file_id"]] = [seg["live_bytes"], seg["live_count"], seg["end"]]
-    store._id_hwm = hwm
-    store._next_id = max(store._next_id, job.end_id)
-    q.heads = ReadyHeads(q.qid)  # loaded keys may sort anywhere: learn the levels again
+    # files in one call and gives each its own sequence number. The counters the core
+    # adds overwrite the live ones because ingested files get a global seqno newer
+    # than everything in the database.
     dues = [p["min_due_us"] for p in job.partitions if p["min_due_us"] is not None]
-    if dues:
-        q.next_event_us = min(q.next_event_us, *dues)
-        q.time_floor_us = min(q.time_floor_us, *dues)
-    if job.total("ready"):
-        store._ready.notify_all()
+    core.ingest(
+        core.queues[job.queue], paths,
+        [job.total("ready"), job.total("delayed"), 0, 0, job.total("bytes")],
+        {seg["file_id"]: (seg["live_bytes"], seg["live_count"], seg["end"])
+         for seg in job.segments()},
+        job.end_id, min(dues) if dues else None,
+    )
 
 
 def check_rejects_dest(path: str) -> None:

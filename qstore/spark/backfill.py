@@ -232,8 +232,8 @@ class _Job:
         staging = _ingest.new_job_dir(store, self.job_id)
         try:
             spec = LoadSpec(
-                qid=store.queue_states[self.queue].qid, order=q.order,
-                priority_type=q.priority_type, dedup=q.dedup, now=store.clock(),
+                qid=store.core.queues[self.queue].qid, order=q.order,
+                priority_type=q.priority_type, dedup=q.dedup, now=store.config.clock(),
                 max_payload_bytes=store.config.max_payload_bytes,
                 segment_max_bytes=store.config.segment_max_bytes,
                 payload_col=self.payload_col, priority_col=self.priority_col,
@@ -269,7 +269,7 @@ class _Job:
 
     def _target_queue(self) -> Any:
         """The queue, created with the options if missing; given options must match it."""
-        state = self.store.queue_states.get(self.queue)
+        state = self.store.core.queues.get(self.queue)
         if state is None:
             return self.store.create_queue(self.queue, **self.options)
         rec = state.rec
@@ -282,7 +282,7 @@ class _Job:
         return self.store.queue(self.queue)
 
     def _queue_kind(self) -> tuple[str, bool]:
-        state = self.store.queue_states.get(self.queue)
+        state = self.store.core.queues.get(self.queue)
         if state is not None:
             return state.rec.priority_type, state.rec.dedup
         ptype = self.options.get("priority_type", "int")
@@ -403,10 +403,10 @@ class _Job:
     def _live_digests(self, qid: int, digests: list[bytes]) -> dict[bytes, int]:
         """The digests that live messages of the queue already hold, with their ids."""
         found = {}
-        with self.store._lock:
+        with self.store.core.lock:
             for i in range(0, len(digests), LOOKUP_CHUNK):
                 chunk = digests[i: i + LOOKUP_CHUNK]
-                raws = self.store.meta.multi_get([keys.dedup_key(qid, d) for d in chunk])
+                raws = self.store.core.meta.multi_get([keys.dedup_key(qid, d) for d in chunk])
                 for dg, raw in zip(chunk, raws, strict=True):
                     if raw is not None:
                         found[dg] = keys.U64.unpack(raw)[0]

@@ -49,15 +49,15 @@ def dead_sealed_segments(store: qstore.Store) -> list[int]:
 
 
 def ref_of(store: qstore.Store, queue: str, mid: int) -> PayloadRef:
-    qid = store.queue_states[queue].qid
-    raw = store.meta.get(keys.message_key(qid, mid))
+    qid = store.core.queues[queue].qid
+    raw = store.core.meta.get(keys.message_key(qid, mid))
     assert raw is not None, f"message {mid} has no record"
     rec = records.MessageRecord.decode(raw)
     return PayloadRef(rec.file_id, rec.offset, rec.length)
 
 
 def record_of(store: qstore.Store, queue: str, mid: int) -> records.MessageRecord | None:
-    raw = store.meta.get(keys.message_key(store.queue_states[queue].qid, mid))
+    raw = store.core.meta.get(keys.message_key(store.core.queues[queue].qid, mid))
     return None if raw is None else records.MessageRecord.decode(raw)
 
 
@@ -96,5 +96,5 @@ def snapshot_messages(q: qstore.Queue, ids: list[int]) -> dict[int, tuple[Any, .
 
 
 def compaction_record(store: qstore.Store) -> list[Any] | None:
-    raw = store.meta.get(keys.COMPACTION_KEY)
+    raw = store.core.meta.get(keys.COMPACTION_KEY)
     return None if raw is None else records.unpack(raw, "compaction")

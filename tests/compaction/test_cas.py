@@ -152,7 +152,7 @@ def test_a_queue_purged_during_the_pass_stays_empty_and_the_output_goes(
     assert result.output in result.segments_deleted  # nothing live was left in it
     assert result.bytes_freed == before - (store.stats().disk_bytes - HEADER_SIZE)  # new active
     assert q.stats().total == 0
-    assert set(files_on_disk(store)) == {store.payload.active_id}
+    assert set(files_on_disk(store)) == {store.core.payload.active_id}
     for mid in ids:
         with pytest.raises(qstore.MessageNotFound):
             q.get(mid)
@@ -184,7 +184,7 @@ def test_a_push_during_the_pass_goes_to_the_new_active_segment(
 
     result = compact_all(store)
 
-    assert ref_of(store, "q", pushed[0]).file_id == store.payload.active_id
+    assert ref_of(store, "q", pushed[0]).file_id == store.core.payload.active_id
     assert result.messages_moved == N
     assert [m.payload for m in q.pop_many(N + 1)][-1] == b"late"
     store.close()
@@ -198,18 +198,18 @@ def test_a_message_no_longer_at_the_copied_bytes_is_not_repointed(
     moved_to: list[PayloadRef] = []
 
     def move_payload_elsewhere() -> None:
-        with store._lock:
-            qid = store.queue_states["q"].qid
+        with store.core.lock:
+            qid = store.core.queues["q"].qid
             rec = record_of(store, "q", ids[2])
             assert rec is not None
             old = PayloadRef(rec.file_id, rec.offset, rec.length)
-            new = store.payload.append(store.payload.read(old))
+            new = store.core.payload.append(store.core.payload.read(old))
             rec.file_id, rec.offset = new.file_id, new.offset
             txn = Txn()
             txn.put(keys.message_key(qid, ids[2]), rec.encode())
             txn.live(old, -1)
             txn.written(new)
-            store._commit(txn)
+            store.core.commit(txn)
             moved_to.append(new)
 
     act_at_copied(monkeypatch, move_payload_elsewhere)

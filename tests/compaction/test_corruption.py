@@ -15,7 +15,7 @@ from ._support import body, compaction_record, files_on_disk, open_store, recoun
 
 def flip_body_byte(store: qstore.Store, queue: str, mid: int) -> tuple[str, int]:
     ref = ref_of(store, queue, mid)
-    path = store.payload.path_of(ref.file_id)
+    path = store.core.payload.path_of(ref.file_id)
     with open(path, "r+b") as f:
         f.seek(ref.offset + fmt.FRAME_SIZE + 10)
         byte = f.read(1)
@@ -33,9 +33,9 @@ def test_a_damaged_live_record_aborts_the_pass_and_removes_its_output(
     q.ack(q.pop())
     path, offset = flip_body_byte(store, "q", ids[2])
     files = {fid: size for fid, size in files_on_disk(store).items()
-             if fid != store.payload.active_id}
+             if fid != store.core.payload.active_id}
     stats = q.stats()
-    sealed_by_the_pass = store.payload.active_id
+    sealed_by_the_pass = store.core.payload.active_id
 
     with pytest.raises(qstore.Corruption) as info:
         store.compact(threshold=0.0)
@@ -44,7 +44,7 @@ def test_a_damaged_live_record_aborts_the_pass_and_removes_its_output(
     assert compaction_record(store) is None
     after = files_on_disk(store)
     assert {fid: after[fid] for fid in files} == files  # the sources are untouched
-    assert set(after) == {*files, sealed_by_the_pass, store.payload.active_id}  # no output
+    assert set(after) == {*files, sealed_by_the_pass, store.core.payload.active_id}  # no output
     assert q.stats() == stats
     assert recount(store) == []
     assert q.get(ids[3]).payload == body(3, 1000)
@@ -74,7 +74,7 @@ def test_a_damaged_record_nobody_refers_to_is_never_read(store_path: str, clock:
     result = store.compact(threshold=0.0)
 
     assert first in result.segments_deleted
-    assert not os.path.exists(store.payload.path_of(first))
+    assert not os.path.exists(store.core.payload.path_of(first))
     assert [q.get(mid).payload for mid in ids] == [body(i, 1000) for i in range(9, 12)]
     assert recount(store) == []
     store.close()

@@ -87,7 +87,7 @@ def test_pass_frees_space_and_keeps_every_live_message_unchanged(
     for mid in acked:
         with pytest.raises(qstore.MessageNotFound):
             q.get(mid)
-    contents = b"".join(Path(store.payload.path_of(fid)).read_bytes()
+    contents = b"".join(Path(store.core.payload.path_of(fid)).read_bytes()
                         for fid in files_on_disk(store))
     for i, mid in enumerate(ids):
         stamp = body(i, 30)[:20]
@@ -118,7 +118,7 @@ def test_threshold_selects_only_segments_with_enough_garbage(store_path: str, cl
     assert result.messages_moved == 3
     assert {ref_of(store, "q", mid).file_id for mid in ids[5:8]} == {s2}
     assert {ref_of(store, "q", mid).file_id for mid in [ids[3], *ids[10:12]]} == {result.output}
-    assert set(files_on_disk(store)) == {s2, result.output, store.payload.active_id}
+    assert set(files_on_disk(store)) == {s2, result.output, store.core.payload.active_id}
     assert recount(store) == []
     store.close()
 
@@ -152,7 +152,7 @@ def test_a_segment_without_live_records_is_deleted_without_copying(
     def no_copy(*args: object) -> None:
         raise AssertionError("copy_live must not run")
 
-    monkeypatch.setattr(store.payload, "copy_live", no_copy)
+    monkeypatch.setattr(store.core.payload, "copy_live", no_copy)
     result = store.compact(threshold=0.5)
 
     assert result.segments_deleted == (s1,)
@@ -166,9 +166,9 @@ def test_a_segment_without_live_records_is_deleted_without_copying(
 
 def test_the_active_segment_is_sealed_only_when_worth_it(store_path: str, clock: Any) -> None:
     store = open_store(store_path, clock)
-    first = store.payload.active_id
+    first = store.core.payload.active_id
     assert store.compact(threshold=0.0).sealed is None  # empty: nothing to gain
-    assert store.payload.active_id == first
+    assert store.core.payload.active_id == first
     q = store.create_queue("q", order="fifo")
     ids = [q.push(body(i, RECORD)) for i in range(2)]
     assert store.compact(threshold=0.5).sealed is None  # no garbage
@@ -177,11 +177,11 @@ def test_the_active_segment_is_sealed_only_when_worth_it(store_path: str, clock:
     result = store.compact(threshold=0.5)
 
     assert result.sealed == first
-    assert store.payload.active_id not in (first, result.output)
+    assert store.core.payload.active_id not in (first, result.output)
     assert first not in files_on_disk(store)
     assert ref_of(store, "q", ids[1]).file_id == result.output
     new = q.push(b"after the seal")
-    assert ref_of(store, "q", new).file_id == store.payload.active_id
+    assert ref_of(store, "q", new).file_id == store.core.payload.active_id
     assert recount(store) == []
     store.close()
 
@@ -192,7 +192,7 @@ def test_threshold_zero_seals_and_rewrites_even_a_segment_without_garbage(
     store = open_store(store_path, clock)
     q = store.create_queue("q")
     mid = q.push(b"x" * 100)
-    active = store.payload.active_id
+    active = store.core.payload.active_id
 
     result = store.compact(threshold=0.0)
 
@@ -249,8 +249,8 @@ def test_many_small_sealed_segments_are_merged_by_a_pass(store_path: str, clock:
     keep = []
     for i in range(_compact.MERGE_MIN + 1):  # one record each, as old outputs often hold
         keep.append(q.push(body(i, 200)))
-        with store._lock:
-            store.payload.seal()
+        with store.core.lock:
+            store.core.payload.seal()
     q.push(body(100, RECORD))
     q.push(body(101, RECORD))
     q.ack(q.pop_many(_compact.MERGE_MIN + 2)[-1])  # garbage in the active segment only
@@ -259,7 +259,7 @@ def test_many_small_sealed_segments_are_merged_by_a_pass(store_path: str, clock:
     result = store.compact(threshold=0.4)
 
     assert len(result.segments_read) == _compact.MERGE_MIN + 2
-    assert set(files_on_disk(store)) == {result.output, store.payload.active_id}
+    assert set(files_on_disk(store)) == {result.output, store.core.payload.active_id}
     assert recount(store) == []
     store.close()
 
@@ -317,7 +317,7 @@ def test_close_abandons_a_pass_that_is_still_copying(store_path: str, clock: Any
     store = open_store(store_path, clock, segment_max_bytes=4 * mib)
     q = store.create_queue("q", order="fifo")
     ids = [q.push(bytes([i]) * mib) for i in range(10)]  # several writes of copy_live
-    compactor = store.compactor
+    compactor = store._compactor
     assert compactor is not None
 
     def closing(done: int, total: int) -> None:
@@ -328,7 +328,7 @@ def test_close_abandons_a_pass_that_is_still_copying(store_path: str, clock: Any
 
     assert compaction_record(store) is None
     assert set(files_on_disk(store)) == {ref_of(store, "q", mid).file_id for mid in ids} | {
-        store.payload.active_id}
+        store.core.payload.active_id}
     assert [q.get(mid).payload for mid in ids] == [bytes([i]) * mib for i in range(10)]
     store.close()
 
@@ -343,7 +343,7 @@ def test_compact_rejects_bad_options_and_changes_nothing(
 ) -> None:
     with pytest.raises(qstore.InvalidArgument):
         store.compact(**options)
-    assert store.compactor is not None and store.compactor.passes == 0
+    assert store._compactor is not None and store._compactor.passes == 0
 
 
 def test_compact_on_a_readonly_store_raises(store_path: str, clock: Any) -> None:
@@ -352,8 +352,10 @@ def test_compact_on_a_readonly_store_raises(store_path: str, clock: Any) -> None
         view.compact()
 
 
-def test_record_field_positions_used_by_the_pass_match_the_message_record() -> None:
-    rec = records.MessageRecord(0, 7, 11, 222, 3333, 1, 1, 1.5, 0, None)
-    fields = records.unpack(rec.encode(), "message")
-    assert (fields[_compact._FILE_ID], fields[_compact._OFFSET], fields[_compact._LENGTH]) == (
-        11, 222, 3333)
+def test_message_ref_and_repoint_agree_with_the_message_record() -> None:
+    rec = records.MessageRecord(0, 7, 11, 222, 3333, 1, 1, 1.5, 0, b"d" * 16)
+    assert records.message_ref(rec.encode()) == (11, 222, 3333)
+    moved = records.MessageRecord.decode(records.repoint(rec.encode(), 12, 24))
+    assert (moved.file_id, moved.offset, moved.length) == (12, 24, 3333)
+    rec.file_id, rec.offset = 12, 24
+    assert moved.encode() == rec.encode()  # nothing but the reference changed

@@ -16,7 +16,7 @@ import pytest
 import qstore
 from qstore import _compact
 from qstore._txn import Txn
-from qstore.meta import keys
+from qstore.meta import keys, records
 from qstore.payload import PayloadRef
 from qstore.payload._writer import create_segment_file
 
@@ -164,7 +164,7 @@ def test_a_failed_copy_is_rolled_back_at_once(
         store.compact(threshold=0.0)
 
     assert compaction_record(store) is None
-    assert set(files_on_disk(store)) <= files | {store.payload.active_id}  # no output left
+    assert set(files_on_disk(store)) <= files | {store.core.payload.active_id}  # no output left
     assert snapshot_messages(store.queue("q"), ids) == before
     assert recount(store) == []
     monkeypatch.setattr(_compact, "step_hook", None)
@@ -204,10 +204,10 @@ def test_a_failed_repoint_keeps_what_moved_and_the_next_pass_finishes(
 def test_an_unfinished_copy_left_on_disk_is_discarded_on_open(store_path: str, clock: Any) -> None:
     store, ids, sources = busy_store(store_path, clock)
     before = snapshot_messages(store.queue("q"), ids)
-    output = store.payload.reserve_file_id()
+    output = store.core.payload.reserve_file_id()
     txn = Txn()  # as the pass leaves it: record synced, output half written
-    txn.put(keys.COMPACTION_KEY, _compact._record(_compact.COPYING, output, sources[:2]))
-    store.meta.write(txn.batch, sync=True)
+    txn.put(keys.COMPACTION_KEY, records.encode_compaction(_compact.COPYING, output, sources[:2]))
+    store.core.meta.write(txn.batch, sync=True)
     store.close()
     path = os.path.join(store_path, "payload", f"{output:010d}.seg")
     create_segment_file(path, output)
@@ -218,7 +218,7 @@ def test_an_unfinished_copy_left_on_disk_is_discarded_on_open(store_path: str, c
 
     assert compaction_record(store) is None
     assert not os.path.exists(path)
-    assert store.payload.recovery.discarded == [output]
+    assert store.core.payload.recovery.discarded == [output]
     assert snapshot_messages(store.queue("q"), ids) == before
     assert recount(store) == []
     store.close()
@@ -233,8 +233,8 @@ def test_sources_left_by_a_pass_that_was_deleting_are_removed_on_open(
     emptied = ref_of(store, "q", ids[0]).file_id
     q.ack_many(q.pop_many(4))  # as if its records had all been repointed
     txn = Txn()
-    txn.put(keys.COMPACTION_KEY, _compact._record(_compact.DELETING, 999, [emptied]))
-    store.meta.write(txn.batch, sync=True)
+    txn.put(keys.COMPACTION_KEY, records.encode_compaction(_compact.DELETING, 999, [emptied]))
+    store.core.meta.write(txn.batch, sync=True)
     store.close()
 
     store = open_store(store_path, clock)
@@ -256,7 +256,7 @@ def test_orphan_segment_files_are_deleted_on_open(store_path: str, clock: Any) -
     store = open_store(store_path, clock)
 
     assert not os.path.exists(orphan)
-    assert 0 not in store.payload.file_ids()
+    assert 0 not in store.core.payload.file_ids()
     assert snapshot_messages(store.queue("q"), ids) == before
     store.close()
 
@@ -266,10 +266,10 @@ def test_a_reader_holding_a_deleted_source_still_reads_it(store_path: str, clock
     live = [mid for mid in ids if mid % 3 != 0]
     first = next(mid for mid in live if ref_of(store, "q", mid).file_id == sources[0])
     ref: PayloadRef = ref_of(store, "q", first)
-    reader = store.payload._readers[ref.file_id]
+    reader = store.core.payload._readers[ref.file_id]
 
     store.compact(threshold=0.0)
 
-    assert not os.path.exists(store.payload.path_of(ref.file_id))
+    assert not os.path.exists(store.core.payload.path_of(ref.file_id))
     assert reader.read(ref) == body(first - 1, 1000)
     store.close()

@@ -38,7 +38,7 @@ def stats_counts(stats: qstore.QueueStats) -> Counts:
 
 def _scan(store: qstore.Store, kind: bytes, qid: int) -> list[tuple[bytes, bytes]]:
     lo = keys.prefix(kind, qid)
-    return list(store.meta.scan(lo, keys.prefix_end(lo)))
+    return list(store.core.meta.scan(lo, keys.prefix_end(lo)))
 
 
 def recount(store: qstore.Store, name: str) -> Counts:
@@ -46,8 +46,8 @@ def recount(store: qstore.Store, name: str) -> Counts:
 
     Does not promote due messages: call ``q.stats()`` first to compare with it.
     """
-    with store._lock:
-        state = store.queue_states[name]
+    with store.core.lock:
+        state = store.core.queues[name]
         qid, rec_q = state.qid, state.rec
         msgs = {keys.trailing_id(k): records.MessageRecord.decode(v)
                 for k, v in _scan(store, keys.MESSAGE, qid)}
@@ -75,7 +75,7 @@ def recount(store: qstore.Store, name: str) -> Counts:
 
         counted = [len(by_state[s]) for s in range(4)]
         counted.append(sum(rec.length for rec in msgs.values()))
-        raw = store.meta.get(keys.counts_key(qid))
+        raw = store.core.meta.get(keys.counts_key(qid))
         assert raw is not None, f"no stored counters for {name!r}"
         assert records.decode_counts(raw) == counted, f"stored counters of {name!r} drifted"
         assert list(state.counts) == counted, f"in-memory counters of {name!r} drifted"
@@ -84,20 +84,20 @@ def recount(store: qstore.Store, name: str) -> Counts:
 
 def check_segments(store: qstore.Store) -> None:
     """Per-segment live bytes and counts (stored and in memory) equal a recount."""
-    with store._lock:
+    with store.core.lock:
         live: Counter[int] = Counter()
         nbytes: Counter[int] = Counter()
-        for _, value in store.meta.scan(keys.MESSAGE, keys.prefix_end(keys.MESSAGE)):
+        for _, value in store.core.meta.scan(keys.MESSAGE, keys.prefix_end(keys.MESSAGE)):
             rec = records.MessageRecord.decode(value)
             live[rec.file_id] += 1
             nbytes[rec.file_id] += PayloadRef(rec.file_id, rec.offset, rec.length).frame_bytes
         stored = {keys.segment_id(k): records.decode_segment(v)
-                  for k, v in store.meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT))}
+                  for k, v in store.core.meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT))}
         for fid in set(stored) | set(live):
             b, n, _ = stored.get(fid, (0, 0, 0))
             assert (b, n) == (nbytes[fid], live[fid]), f"segment {fid} live counters drifted"
-            if fid in store.seg_live:
-                assert store.seg_live[fid][:2] == [b, n]
+            if fid in store.core.segments:
+                assert store.core.segments[fid][:2] == [b, n]
 
 
 def assert_consistent(store: qstore.Store, q: qstore.Queue) -> Counts:
@@ -110,11 +110,12 @@ def assert_consistent(store: qstore.Store, q: qstore.Queue) -> Counts:
 
 def dump(store: qstore.Store) -> dict[str, Any]:
     """Every RocksDB key and value, the counters and the payload sizes of ``store``."""
-    with store._lock:
+    with store.core.lock:
         stats = [astuple(stats_counts(s)) for s in store.stats().queues]  # promotes first
-        db = list(store.meta.scan(b"", b"\xff\xff"))
-        segments = {fid: store.payload.segment_size(fid) for fid in store.payload.file_ids()}
-        queues = {name: list(state.counts) for name, state in store.queue_states.items()}
+        db = list(store.core.meta.scan(b"", b"\xff\xff"))
+        payload = store.core.payload
+        segments = {fid: payload.segment_size(fid) for fid in payload.file_ids()}
+        queues = {name: list(state.counts) for name, state in store.core.queues.items()}
         return {"db": db, "segments": segments, "queues": queues, "stats": stats}
 
 

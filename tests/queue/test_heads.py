@@ -27,7 +27,7 @@ class SeekLog:
         self.dead: list[bytes] = []  # sorted index keys of acked messages
         self.crossed: list[int] = []
         self.base = keys.prefix(kind, qid)
-        meta = store.meta
+        meta = store.core.meta
         scan_keys, first_key = meta.scan_keys, meta.first_key
 
         def logged_scan(lo: bytes, hi: bytes, limit: int | None = None) -> list[bytes]:

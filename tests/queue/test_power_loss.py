@@ -26,10 +26,10 @@ CHILD = textwrap.dedent("""
     store = qstore.open(sys.argv[1], durability="interval", sync_interval=3600, compactor=False)
     q = store.create_queue("q")
     kept = q.push(b"A" * 100, priority=1)
-    store.syncer.sync_now()                 # A's bytes are durable, and so is the metadata
+    store.core.syncer.sync_now()                 # A's bytes are durable, and so is the metadata
     lost = q.push_many([(b"B" * 100, 5), (b"C" * 100, 9)])   # written to the OS only
-    store.syncer._store.meta.sync_wal()     # the WAL reached the disk, the payload did not
-    fid, synced = store.payload.synced_position()
+    store.core.meta.sync_wal()     # the WAL reached the disk, the payload did not
+    fid, synced = store.core.payload.synced_position()
     print(json.dumps({"kept": kept, "lost": lost, "fid": fid, "synced": synced}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
@@ -83,8 +83,8 @@ def test_every_batch_records_how_far_the_active_segment_is_durable(store_path: s
         q = store.create_queue("q")
         q.push(b"x" * 50)
         q.push(b"y" * 50)
-        fid, off = store.payload.synced_position()
-        raw = store.meta.get(keys.SYNCED_KEY)
+        fid, off = store.core.payload.synced_position()
+        raw = store.core.meta.get(keys.SYNCED_KEY)
         assert raw is not None
         # The second push's batch was written after the first push's sync.
         _, rec_fid, rec_off = records.unpack(raw, "synced")
@@ -95,8 +95,8 @@ def test_clean_close_records_the_whole_active_segment_as_durable(store_path: str
     """Else the next open scans the whole active segment (durability="none" never syncs)."""
     with qstore.open(store_path, durability="none", compactor=False) as store:
         store.create_queue("q").push_many([b"z" * 100] * 50)
-        active, end = store.payload.active_id, store.payload.active_end
+        active, end = store.core.payload.active_id, store.core.payload.active_end
     with qstore.open(store_path, readonly=True) as view:
-        raw = view.meta.get(keys.SYNCED_KEY)
+        raw = view.core.meta.get(keys.SYNCED_KEY)
         assert raw is not None
         assert records.unpack(raw, "synced")[1:] == [active, end]

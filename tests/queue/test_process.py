@@ -283,8 +283,8 @@ def check_after_crash(store_path: str, journal: Path, *, clock: Any = None) -> i
             assert hashlib.blake2b(msg.payload, digest_size=16).hexdigest() == want
             assert msg.attempts >= attempts.get(mid, 0), "a delivery that returned was undone"
         live = 0
-        prefix = keys.prefix(keys.MESSAGE, store.queue_states["q"].qid)
-        for key, _ in store.meta.scan(prefix, keys.prefix_end(prefix)):
+        prefix = keys.prefix(keys.MESSAGE, store.core.queues["q"].qid)
+        for key, _ in store.core.meta.scan(prefix, keys.prefix_end(prefix)):
             msg = q.get(keys.trailing_id(key))
             assert self_checked(msg.payload), f"payload of {msg.id} is damaged"
             live += 1

@@ -143,12 +143,12 @@ def test_always_mode_with_eight_threads_groups_commits(store_path: str, clock: A
     with qstore.open(store_path, durability="always", clock=clock, compactor=False) as store:
         q = store.create_queue("q")
         # One thread alone: every push waits for its own sync.
-        base = store.syncer.syncs
+        base = store.core.syncer.syncs
         for i in range(10):
             q.push(b"alone %d" % i)
-        assert store.syncer.syncs - base == 10
+        assert store.core.syncer.syncs - base == 10
 
-        base = store.syncer.syncs
+        base = store.core.syncer.syncs
         barrier = threading.Barrier(threads)
         ids: list[int] = []
 
@@ -158,7 +158,7 @@ def test_always_mode_with_eight_threads_groups_commits(store_path: str, clock: A
                 ids.append(q.push(b"%d:%d" % (t, i), priority=t))
 
         run_threads([lambda t=t: producer(t) for t in range(threads)])
-        syncs = store.syncer.syncs - base
+        syncs = store.core.syncer.syncs - base
         pushes = threads * per_thread
         assert len(set(ids)) == pushes
         assert 0 < syncs < pushes, f"{syncs} syncs for {pushes} pushes: no group commit"
@@ -171,7 +171,7 @@ def test_always_mode_with_eight_threads_groups_commits(store_path: str, clock: A
 def test_interval_and_none_modes_do_not_sync_on_each_push(store_path: str, clock: Any) -> None:
     with qstore.open(store_path, durability="none", clock=clock, compactor=False) as store:
         q = store.create_queue("q")
-        base = store.syncer.syncs
+        base = store.core.syncer.syncs
         for i in range(50):
             q.push(b"%d" % i)
-        assert store.syncer.syncs == base
+        assert store.core.syncer.syncs == base

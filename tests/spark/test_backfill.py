@@ -43,11 +43,11 @@ def check_consistent(path: Any) -> dict[str, list[int]]:
     """
     out = {}
     with qstore.open(path, readonly=True) as s:
-        meta = s.meta
+        meta = s.core.meta
         live: dict[int, list[int]] = {}
         hwm = records.unpack(meta.get(keys.ID_HWM_KEY), "id")[1]
         for name in s.queues():
-            q = s.queue_states[name]
+            q = s.core.queues[name]
             counts = [0, 0, 0, 0, 0]
             digests = 0
             lo = keys.prefix(keys.MESSAGE, q.qid)
@@ -60,7 +60,7 @@ def check_consistent(path: Any) -> dict[str, list[int]]:
                 seg = live.setdefault(rec.file_id, [0, 0])
                 seg[0] += fmt.FRAME_SIZE + rec.length
                 seg[1] += 1
-                s.payload.read(PayloadRef(rec.file_id, rec.offset, rec.length))  # CRC check
+                s.core.payload.read(PayloadRef(rec.file_id, rec.offset, rec.length))  # CRC check
             assert q.counts == counts, name
             for kind, n in ((keys.READY, counts[0]), (keys.DELAYED, counts[1]),
                             (keys.INFLIGHT, counts[2]), (keys.DEAD, counts[3]),
@@ -68,10 +68,10 @@ def check_consistent(path: Any) -> dict[str, list[int]]:
                 p = keys.prefix(kind, q.qid)
                 assert len(meta.scan_keys(p, keys.prefix_end(p))) == n, (name, kind)
             out[name] = counts
-        for fid, (nbytes, count, end) in s.seg_live.items():
+        for fid, (nbytes, count, end) in s.core.segments.items():
             assert live.get(fid, [0, 0]) == [nbytes, count], fid
-            assert end <= os.path.getsize(s.payload.path_of(fid))
-        assert set(live) <= set(s.seg_live)
+            assert end <= os.path.getsize(s.core.payload.path_of(fid))
+        assert set(live) <= set(s.core.segments)
     return out
 
 
@@ -412,7 +412,7 @@ def test_staged_files_are_byte_identical_to_what_push_many_writes(tmp_path: Path
     with qstore.open(pushed, compactor=False, clock=clock) as s:
         q = s.create_queue("q", order="min", dedup=True)
         ids = q.push_many(items)
-        qid = s.queue_states["q"].qid
+        qid = s.core.queues["q"].qid
     assert ids == list(range(1, 26))
     spec = LoadSpec(qid=qid, order="min", priority_type="int", dedup=True, now=clock(),
                     max_payload_bytes=1 << 20, segment_max_bytes=1 << 20, payload_col="b",
@@ -430,7 +430,7 @@ def test_staged_files_are_byte_identical_to_what_push_many_writes(tmp_path: Path
                                         staging / "seg" / fmt.segment_name(1))}]
     staged = _ingest_into_fresh_db(staging, summary["ssts"], tmp_path / "db")
     with qstore.open(pushed, readonly=True) as s:
-        per_queue = {k: v for k, v in s.meta.scan(b"d", b"s")}
+        per_queue = {k: v for k, v in s.core.meta.scan(b"d", b"s")}
     assert staged == per_queue
     seg = fmt.segment_name(1)
     assert (staging / "seg" / seg).read_bytes() == (pushed / "payload" / seg).read_bytes()
@@ -551,7 +551,7 @@ def test_equal_length_payloads_stage_the_bytes_push_many_writes(tmp_path: Path,
     with qstore.open(pushed, compactor=False, clock=clock) as s:
         q = s.create_queue("q")
         ids = q.push_many(items)
-        qid = s.queue_states["q"].qid
+        qid = s.core.queues["q"].qid
     spec = LoadSpec(qid=qid, order="max", priority_type="int", dedup=False, now=clock(),
                     max_payload_bytes=1 << 20, segment_max_bytes=1 << 20, payload_col="b",
                     priority_col="p", delay_col="d")
@@ -569,6 +569,6 @@ def test_equal_length_payloads_stage_the_bytes_push_many_writes(tmp_path: Path,
     assert summary["segments"][0]["end"] == os.path.getsize(staging / "seg" / seg)
     staged = _ingest_into_fresh_db(staging, summary["ssts"], tmp_path / "db")
     with qstore.open(pushed, readonly=True) as s:
-        per_queue = {k: v for k, v in s.meta.scan(b"d", b"s")}
+        per_queue = {k: v for k, v in s.core.meta.scan(b"d", b"s")}
     assert staged == per_queue
     assert (staging / "seg" / seg).read_bytes() == (pushed / "payload" / seg).read_bytes()

@@ -47,7 +47,7 @@ def test_snapshot_taken_while_writing_matches_the_stats_of_that_moment(
     try:
         assert enough.wait(60)
         # Nothing commits while the writer lock is held, so both see the same instant.
-        with store._lock:
+        with store.core.lock:
             at_snapshot = q.stats()
             dest = store.snapshot(str(tmp_path / "snap"))
             rounds_at_snapshot = rounds
@@ -94,7 +94,7 @@ def test_snapshot_survives_writes_and_compaction_of_the_live_store(
     result = store.compact(threshold=0.0)
     assert result.segments_deleted
     for fid in result.segments_deleted:
-        assert not os.path.exists(store.payload.path_of(fid))
+        assert not os.path.exists(store.core.payload.path_of(fid))
     store.close()
     assert read() == before
     checked = scan_snapshot(dest, verify=True, check_index=True)

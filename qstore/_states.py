@@ -1,0 +1,115 @@
+"""The message state machine: every transition a message makes, as edits to a Txn.
+
+States (``records.READY`` ... ``records.DEAD``) and the one index key each
+implies (:meth:`QueueState.index_key`, built by ``keys.index_key``)::
+
+    push ──> ready ──pop──> in_flight ──ack──> (gone)
+      │        ^               │  │
+      └─> delayed ─(due)─┘     │  └─ nack/expiry, attempts left ──> ready | delayed
+                               └──── nack/expiry, attempts used ──> dead ──redrive──> ready
+
+Each function adds the keys, records and counter deltas of one transition to
+a :class:`~qstore._txn.Txn`; nothing here writes to the database or changes
+in-memory state: :meth:`qstore._core.Core.commit` does both.
+"""
+
+from __future__ import annotations
+
+from ._txn import BYTES, STATE_COUNTER, QueueState, Txn
+from .meta import keys, records
+from .payload import PayloadRef
+
+_READY, _DELAYED, _INFLIGHT, _DEAD = records.READY, records.DELAYED, records.INFLIGHT, records.DEAD
+
+
+def enqueue(txn: Txn, q: QueueState, mid: int, ref: PayloadRef, prio: int | str, delay: float,
+            digest: bytes | None, now: float) -> None:
+    """A new message (payload already written at ``ref``): ready, or delayed by ``delay``."""
+    qid = q.qid
+    if digest is not None:
+        txn.put(keys.dedup_key(qid, digest), keys.U64.pack(mid))
+    if delay > 0:
+        when = keys.to_us(now + delay)
+        state = _DELAYED
+        txn.put(keys.timed_key(keys.DELAYED, qid, when, mid), b"")
+        txn.add_event(q, when)
+    else:
+        when = 0
+        state = _READY
+        txn.add_ready(q, keys.ready_key(qid, q.priority_key(prio), mid))
+    txn.count(q, STATE_COUNTER[state], 1)
+    txn.put(keys.message_key(qid, mid), records.encode_message(
+        state, prio, ref.file_id, ref.offset, ref.length, 0, 0, now, when, digest))
+    txn.count(q, BYTES, ref.length)
+    txn.written(ref)
+
+
+def deliver(txn: Txn, q: QueueState, ready_key: bytes, mid: int, rec: records.MessageRecord,
+            deadline_us: int) -> None:
+    """ready -> in_flight until ``deadline_us`` (a pop); ``rec`` is updated in place."""
+    rec.state = _INFLIGHT
+    rec.attempts += 1
+    rec.deliveries += 1
+    rec.when_us = deadline_us
+    txn.delete(ready_key)
+    txn.put(keys.timed_key(keys.INFLIGHT, q.qid, deadline_us, mid), b"")
+    txn.put(keys.message_key(q.qid, mid), rec.encode())
+
+
+def leave(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> None:
+    """Take a message out of the index of its current state (before requeue)."""
+    txn.delete(q.index_key(mid, rec))
+    txn.count(q, STATE_COUNTER[rec.state], -1)
+
+
+def requeue(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord, now: float,
+            delay: float) -> None:
+    """Send a message that left its index (see :func:`leave`) to ready, delayed or dead.
+
+    An in-flight message whose attempts reached ``max_attempts`` goes to the
+    dead letters; otherwise it is delayed by ``delay`` or ready at its own place.
+    """
+    if rec.state == _INFLIGHT and rec.attempts >= q.rec.max_attempts:
+        rec.state, rec.when_us = _DEAD, 0
+        txn.put(keys.dead_key(q.qid, mid), b"")
+    elif delay > 0:
+        rec.state, rec.when_us = _DELAYED, keys.to_us(now + delay)
+        txn.put(keys.timed_key(keys.DELAYED, q.qid, rec.when_us, mid), b"")
+        txn.add_event(q, rec.when_us)
+    else:
+        rec.state, rec.when_us = _READY, 0
+        txn.add_ready(q, keys.ready_key(q.qid, q.priority_key(rec.priority), mid))
+    txn.count(q, STATE_COUNTER[rec.state], 1)
+    txn.put(keys.message_key(q.qid, mid), rec.encode())
+
+
+def extend(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord,
+           deadline_us: int) -> None:
+    """Move an in-flight message's lease deadline; its receipt stays valid."""
+    txn.delete(keys.timed_key(keys.INFLIGHT, q.qid, rec.when_us, mid))
+    rec.when_us = deadline_us
+    txn.put(keys.timed_key(keys.INFLIGHT, q.qid, deadline_us, mid), b"")
+    txn.put(keys.message_key(q.qid, mid), rec.encode())
+    txn.add_event(q, deadline_us)
+
+
+def remove(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> None:
+    """Delete a message for good (ack, or its payload was lost): record, index, dedup."""
+    txn.delete(q.index_key(mid, rec))
+    if rec.digest is not None:
+        txn.delete(keys.dedup_key(q.qid, rec.digest))
+    txn.delete(keys.message_key(q.qid, mid))
+    txn.count(q, STATE_COUNTER[rec.state], -1)
+    txn.count(q, BYTES, -rec.length)
+    txn.live(PayloadRef(rec.file_id, rec.offset, rec.length), -1)
+
+
+def remove_all(txn: Txn, q: QueueState, refs: list[PayloadRef]) -> None:
+    """Delete every message of ``q`` (purge, delete_queue); ``refs`` are their payloads."""
+    for ref in refs:
+        txn.live(ref, -1)
+    for kind in keys.PER_QUEUE_KINDS:
+        p = keys.prefix(kind, q.qid)
+        txn.batch.delete_range(p, keys.prefix_end(p))
+    for i, c in enumerate(q.counts):
+        txn.count(q, i, -c)
