@@ -300,16 +300,6 @@ def backfill(source: str, fmt: str, queue: str, payload_col: str, priority_col: 
         sys.exit(EXIT_FOUND)
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.pass_context
-def bench(ctx: click.Context) -> None:
-    """Benchmark qstore against its peers (see `qstore bench --help-bench`)."""
-    from ._bench import run
-
-    args = ["--help" if a == "--help-bench" else a for a in ctx.args]
-    sys.exit(run(args))
-
-
 @main.command()
 @click.option("--dir", "directory", default="demo-data", show_default=True,
               help="Where the demo store lives.")
