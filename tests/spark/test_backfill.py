@@ -27,7 +27,9 @@ from qstore.payload import _format as fmt
 from qstore.spark import _ingest
 from qstore.spark._bulk import PartitionLoader, PartitionPlan
 from qstore.spark._rows import LoadSpec
+from qstore.spark.audit import run_audit
 from qstore.spark.backfill import run_backfill
+from tests.conftest import FakeClock
 
 pytestmark = pytest.mark.spark
 
@@ -140,9 +142,9 @@ def test_json_string_payloads_delays_and_new_str_queue(spark: Any, tmp_path: Pat
     assert [m.payload.decode() for m in first] == [rows[i]["body"] for i in expect_ready]
     assert all(m.enqueued_at >= before - 1 for m in first)
     # The delayed ones become ready an hour after the load, not before.
-    with qstore.open(store, compactor=False, clock=lambda: before + 3500) as s:
+    with qstore.open(store, compactor=False, clock=FakeClock(before + 3500)) as s:
         assert s.queue("mail").stats().delayed == 4
-    with qstore.open(store, compactor=False, clock=lambda: time.time() + 3601) as s:
+    with qstore.open(store, compactor=False, clock=FakeClock(time.time() + 3601)) as s:
         late = s.queue("mail").pop_many(100)
     delayed = [i for i in range(12) if i % 3 == 0]
     assert [m.payload.decode() for m in late] == [
@@ -257,7 +259,6 @@ def test_dataframe_partitions_load_in_partition_then_row_order(spark: Any,
 
 
 def test_backfilled_store_audits_clean(spark: Any, tmp_path: Path) -> None:
-    audit = pytest.importorskip("qstore.spark.audit")
     store = tmp_path / "store"
     with qstore.open(store, compactor=False) as s:
         s.create_queue("q").push_many([b"old1", b"old2"])
@@ -266,7 +267,7 @@ def test_backfilled_store_audits_clean(spark: Any, tmp_path: Path) -> None:
     run_backfill(str(src), into=store, queue="q", delay_col="d", spark=spark)
     with qstore.open(store, compactor=False) as s:
         snap = s.snapshot(str(tmp_path / "snap"))
-    report = audit.run_audit(snap, spark=spark)
+    report = run_audit(snap, spark=spark)
     assert (report.exit_code, report.findings) == (0, 0)
 
 
