@@ -49,8 +49,11 @@ check: $(STAMP)
 demo: $(STAMP) $(JAVA_STAMP)
 	$(VENV)/bin/qstore demo --dir demo-data --fresh
 
+# The harness lives in tools/bench, outside the installed package:
+# `make bench BENCH_ARGS=--quick` for a run of under a minute (docs/benchmarks.md).
+BENCH_ARGS ?=
 bench: $(STAMP)
-	$(VENV)/bin/qstore bench
+	PYTHONPATH=tools $(PY) -m bench $(BENCH_ARGS)
 
 crash: $(STAMP)
 	$(PY) tools/crash.py --kills 300

@@ -3,7 +3,7 @@
 Exit codes: 0 success; 1 the command found something (audit findings, an
 empty queue on ``pop``/``peek``, a failed demo check); 2 bad usage; 3 the
 store is locked by another writer; 4 no such queue or message; 5 any other
-qstore error (corruption, storage failure).
+qstore error (corruption, storage failure) or a failed backfill job.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import _errors as errors
-from ._errors import EXIT_FOUND, exit_code
+from ._errors import EXIT_ERROR, EXIT_FOUND, exit_code
 from ._store import Store, open_store
 
 out = Console()
@@ -255,59 +255,76 @@ def audit(snapshot_path: str, master: str | None, out_dir: str | None) -> None:
     sys.exit(result.exit_code)
 
 
-@main.command()
-@click.argument("source")
-@click.option("--format", "fmt", type=click.Choice(["parquet", "json", "csv"]), default="parquet",
-              show_default=True)
+@main.command(epilog="Exit codes: 0 every row loaded; 1 loaded, some rows rejected (see the "
+               "rejects table); 2 bad usage; 3 the store is locked by another writer; 5 the "
+               "job failed. Nothing is loaded unless the code is 0 or 1.")
+@click.argument("sources", metavar="SOURCE...", nargs=-1, required=True)
+@click.option("--format", "fmt", type=click.Choice(["parquet", "json", "csv"]),
+              default="parquet", show_default=True, help="Format of every SOURCE.")
 @click.option("--queue", required=True, help="Target queue (created if missing).")
-@click.option("--payload-col", required=True)
-@click.option("--priority-col", default=None)
-@click.option("--delay-col", default=None)
-@click.option("--dedup-col", default=None)
+@click.option("--payload-col", default="payload", show_default=True,
+              help="Binary or string column.")
+@click.option("--priority-col", default=None, help="Priority column (default: priority 0 / '').")
+@click.option("--delay-col", default=None, help="Delay column, seconds from now.")
+@click.option("--dedup-col", default=None, help="Dedup key column (dedup queues).")
 @click.option("--into", "into", required=True, help="Target store directory.")
-@click.option("--master", default=None, help="Spark master URL (default local[2]).")
-@click.option("--rejects", default=None, help="Where to write rejected rows (Parquet).")
-@click.option("--order", type=click.Choice(["max", "min", "fifo"]), default="max",
-              show_default=True, help="For a queue that has to be created.")
-@click.option("--priority-type", type=click.Choice(["int", "str"]), default="int",
-              show_default=True, help="For a queue that has to be created.")
-@click.option("--max-attempts", type=click.IntRange(1), default=5, show_default=True,
-              help="For a queue that has to be created.")
-@click.option("--dedup", is_flag=True, help="Create the queue with dedup=True.")
-def backfill(source: str, fmt: str, queue: str, payload_col: str, priority_col: str | None,
-             delay_col: str | None, dedup_col: str | None, into: str, master: str | None,
-             rejects: str | None, order: str, priority_type: str, max_attempts: int,
-             dedup: bool) -> None:
-    """Bulk-load messages from a Parquet/JSON/CSV SOURCE into a store with Spark.
+@click.option("--master", default=None,
+              help="Spark master URL (default local[2], or spark-submit's).")
+@click.option("--rejects", default=None, help="New or empty directory for the rejects table.")
+@click.option("--order", type=click.Choice(["max", "min", "fifo"]), default=None,
+              help="If the queue is created (default max).")
+@click.option("--priority-type", type=click.Choice(["int", "str"]), default=None,
+              help="If the queue is created (default int).")
+@click.option("--max-attempts", type=click.IntRange(1), default=None,
+              help="If the queue is created (default 5).")
+@click.option("--dedup/--no-dedup", default=None,
+              help="If the queue is created (default: --dedup when --dedup-col is given).")
+def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
+             priority_col: str | None, delay_col: str | None, dedup_col: str | None, into: str,
+             master: str | None, rejects: str | None, order: str | None,
+             priority_type: str | None, max_attempts: int | None, dedup: bool | None) -> None:
+    """Bulk-load messages from Parquet/JSON/CSV SOURCEs into a store with Spark.
 
-    Exit 0 when every row loaded, 1 when some were rejected (see --rejects).
+    The queue options (--order, --priority-type, --max-attempts, --dedup) are
+    used only when the queue has to be created; for an existing queue, an
+    option given here must match it (exit 2 if not). Also run by
+    `spark-submit spark/backfill.py` and `python -m qstore.spark.backfill`.
     """
+    import logging
+
+    from pyspark.sql import SparkSession
+
     from .spark.backfill import run_backfill
 
-    with _exit_codes():
-        result = run_backfill(source, into=into, queue=queue, fmt=fmt, payload_col=payload_col,
-                              priority_col=priority_col, delay_col=delay_col,
-                              dedup_col=dedup_col, master=master, rejects=rejects,
-                              create_queue_options={"order": order,
-                                                    "priority_type": priority_type,
-                                                    "max_attempts": max_attempts,
-                                                    "dedup": dedup})
-    click.echo(f"loaded {result.loaded:,} of {result.rows:,} rows into {result.queue!r} "
-               f"({result.ready:,} ready, {result.delayed:,} delayed, {result.bytes:,} bytes) "
-               f"in {result.seconds:.1f}s; rejected {result.rejected:,}"
-               + (f" (see {result.rejects_path})" if result.rejects_path else ""))
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    given = {"order": order, "priority_type": priority_type, "max_attempts": max_attempts,
+             "dedup": dedup}
+    options = {k: v for k, v in given.items() if v is not None}  # unset: never sent
+    had_session = SparkSession.getActiveSession() is not None
+    try:
+        with _exit_codes():
+            result = run_backfill(
+                sources[0] if len(sources) == 1 else list(sources), into=into, queue=queue,
+                fmt=fmt, payload_col=payload_col, priority_col=priority_col,
+                delay_col=delay_col, dedup_col=dedup_col, master=master, rejects=rejects,
+                create_queue_options=options or None)
+    except Exception as exc:  # a Spark job failure: reported, and the store is unchanged
+        logging.getLogger("qstore.backfill").exception("backfill failed; nothing was loaded")
+        err.print(f"[red]error:[/red] backfill failed, nothing was loaded: {exc}",
+                  markup=True, highlight=False)
+        sys.exit(EXIT_ERROR)
+    finally:
+        active = SparkSession.getActiveSession()
+        if active is not None and not had_session:  # ours: spark-submit's or a local one
+            active.stop()
+    click.echo(f"loaded {result.loaded:,} of {result.rows:,} rows into queue {result.queue!r} "
+               f"of {result.store} ({result.ready:,} ready, {result.delayed:,} delayed, "
+               f"{result.bytes:,} bytes) in {result.seconds:.1f}s ({result.rate:,.0f} msg/s); "
+               f"rejected {result.rejected:,} ({result.duplicates:,} duplicates)")
+    if result.rejects_path:
+        click.echo(f"rejects table: {result.rejects_path}")
     if result.rejected:
         sys.exit(EXIT_FOUND)
-
-
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.pass_context
-def bench(ctx: click.Context) -> None:
-    """Benchmark qstore against its peers (see `qstore bench --help-bench`)."""
-    from ._bench import run
-
-    args = ["--help" if a == "--help-bench" else a for a in ctx.args]
-    sys.exit(run(args))
 
 
 @main.command()

@@ -121,7 +121,7 @@ def test_writer_locked_store_exits_3(tmp_path) -> None:  # type: ignore[no-untyp
 
 
 @pytest.mark.parametrize("command", ["push", "pop", "peek", "stats", "queues", "compact",
-                                     "snapshot", "audit", "backfill", "bench", "demo"])
+                                     "snapshot", "audit", "backfill", "demo"])
 def test_every_command_has_help(runner: CliRunner, command: str) -> None:
     r = runner.invoke(main, [command, "--help"])
     assert r.exit_code == 0

@@ -1,8 +1,21 @@
 """A thin wrapper over rocksdict that turns its plain exceptions into qstore errors.
 
-See ../shared notes on the binding's traps: raw mode everywhere (or a wrong
-open flips the stored mode), iteration bounds through the upper bound only,
-and close() only after every iterator is gone.
+rocksdict (0.3.29) raises plain ``Exception`` with a message; a second
+read-write opener's message names the ``LOCK`` file, and becomes
+:class:`StoreLocked`, anything else :class:`StorageError`. The binding's traps
+this module works around:
+
+- Raw mode everywhere: every open passes ``Options(raw_mode=True)``, read-only
+  ones included, because rocksdict rewrites ``rocksdict-config.json`` in the
+  database directory on every open, and one open without it flips the stored
+  mode. Raw mode takes ``bytes`` only (not bytearray or memoryview).
+- Iteration bounds: ``ReadOptions.set_iterate_lower_bound`` sets the *upper*
+  bound (a bug in the binding), so scans set ``set_iterate_upper_bound`` and
+  ``seek`` to the lower end.
+- ``close()`` keeps the ``LOCK`` while any iterator, snapshot or column-family
+  handle is alive: each read method drops its iterator when it ends (a
+  :meth:`MetaDB.scan` generator when it is exhausted or closed), and callers
+  close the database only after finishing their scans.
 """
 
 from __future__ import annotations
@@ -33,7 +46,8 @@ def _options(create: bool) -> Options:
     opts.create_if_missing(create)
     opts.set_max_background_jobs(2)
     # Deleted index keys at a queue's head leave tombstones; bigger L0 files and
-    # regular compaction keep seeks short (the queue also keeps a head cursor).
+    # regular compaction keep seeks short (pops also seek from per-level heads
+    # past the tombstones, see qstore/_heads.py).
     opts.set_write_buffer_size(64 * 1024 * 1024)
     return opts
 

@@ -9,8 +9,10 @@ from . import _format as fmt
 from ._format import PayloadRef
 
 # The active segment's file is grown ahead of the writes in steps of this many
-# bytes (sparse, so it costs no disk), so that one memory map covers every
-# record written for a while and reads never remap on the hot path.
+# bytes, so that one memory map covers every record written for a while and
+# reads never remap on the hot path. The step is allocated with real blocks
+# (posix_fallocate, see SegmentWriter.reserve), so it takes disk space until
+# the segment is sealed and cut back to its data end.
 GROW_STEP = 8 * 1024 * 1024
 
 # pwritev() fails with EINVAL when given more buffers than this (1024 on Linux),
@@ -41,8 +43,9 @@ class SegmentWriter:
     """Appends framed records at ``end``; the file beyond ``end`` is zeros.
 
     An append is one ``pwritev`` call per ``IOV_MAX // 2`` records. The file
-    is extended (``ftruncate``) ahead of the data; :meth:`finish` cuts it back
-    to ``end`` when the segment is sealed or the store closes cleanly.
+    is extended ahead of the data with ``posix_fallocate`` (allocated zeros;
+    ``ftruncate`` only on a filesystem without fallocate); :meth:`finish` cuts
+    it back to ``end`` when the segment is sealed or the store closes cleanly.
     """
 
     def __init__(self, path: str, file_id: int, end: int, max_bytes: int) -> None:

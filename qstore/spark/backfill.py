@@ -5,13 +5,16 @@ Python::
     from qstore.spark.backfill import run_backfill
     result = run_backfill("events.parquet", into="data/", queue="emails",
                           payload_col="body", priority_col="prio")
+    result = run_backfill(["a.parquet", "b/"], into="data/", queue="emails")  # several
     result = run_backfill(df, into="data/", queue="emails")     # a DataFrame
 
-Command line (``qstore backfill``, or ``spark-submit spark/backfill.py``)::
+Command line: ``qstore backfill`` (qstore.cli), which ``spark-submit
+spark/backfill.py`` and ``python -m qstore.spark.backfill`` also run::
 
-    qstore backfill SOURCE --format parquet|json|csv --queue NAME --payload-col C
-        [--priority-col P] [--delay-col D] [--dedup-col K] --into STORE
-        [--master URL] [--rejects DIR]
+    qstore backfill SOURCE... --queue NAME --into STORE [--format parquet|json|csv]
+        [--payload-col C] [--priority-col P] [--delay-col D] [--dedup-col K]
+        [--master URL] [--rejects DIR] [--order O] [--priority-type T]
+        [--max-attempts N] [--dedup/--no-dedup]
 
 How it works (docs/backfill.md has the whole story): the driver opens the
 store read-write and keeps its lock for the whole job, counts the rows of
@@ -26,27 +29,18 @@ with a reason, never silently dropped.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import secrets
-import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-from .._errors import (
-    EXIT_ERROR,
-    EXIT_FOUND,
-    EXIT_OK,
-    InvalidArgument,
-    QStoreError,
-    exit_code,
-)
+from .._errors import InvalidArgument, QStoreError
 from .._store import Store
 from .._store import open_store as _open_store
 from ..meta import keys
@@ -494,69 +488,10 @@ def _read(spark: Any, source: Any, fmt: str) -> Any:
                           f"not {type(source).__name__}")
 
 
-# -- command line ---------------------------------------------------------------
-
-# The project's exit codes (README): 1 "found something" is rows rejected here.
-EXIT_REJECTS, EXIT_FAILED = EXIT_FOUND, EXIT_ERROR
+__all__ = ["BackfillResult", "run_backfill"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="qstore backfill",
-        description="Bulk-load messages from a Parquet, JSON or CSV source into a qstore store.",
-        epilog="Exit codes: 0 every row loaded; 1 loaded, some rows rejected (see the rejects "
-               "table); 2 bad usage; 3 the store is locked by another writer; 5 the job "
-               "failed. Nothing is loaded unless the code is 0 or 1.")
-    p.add_argument("source", nargs="+", help="file or directory to read (several allowed)")
-    p.add_argument("--format", default="parquet", choices=FORMATS, dest="fmt")
-    p.add_argument("--queue", required=True, help="target queue (created if missing)")
-    p.add_argument("--payload-col", default="payload", help="binary or string column")
-    p.add_argument("--priority-col", help="priority column (default: priority 0 / '')")
-    p.add_argument("--delay-col", help="delay column, seconds from now")
-    p.add_argument("--dedup-col", help="dedup key column (dedup queues)")
-    p.add_argument("--into", required=True, help="the store directory")
-    p.add_argument("--master", help="Spark master URL (default local[2], or spark-submit's)")
-    p.add_argument("--rejects", help="new or empty directory for the rejects table")
-    new = p.add_argument_group("when the queue is created")
-    new.add_argument("--order", choices=("max", "min", "fifo"))
-    new.add_argument("--priority-type", choices=("int", "str"))
-    new.add_argument("--max-attempts", type=int)
-    new.add_argument("--dedup", action="store_true", default=None)
-    return p
+if __name__ == "__main__":  # ``python -m qstore.spark.backfill``: the ``qstore backfill`` command
+    from qstore.cli import backfill
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``qstore backfill`` / ``spark-submit spark/backfill.py``; returns the exit code."""
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    options = {k: getattr(args, k) for k in QUEUE_OPTIONS if getattr(args, k) is not None}
-    from pyspark.sql import SparkSession
-
-    had_session = SparkSession.getActiveSession() is not None
-    try:
-        result = run_backfill(
-            args.source if len(args.source) > 1 else args.source[0], into=args.into,
-            queue=args.queue, fmt=args.fmt, payload_col=args.payload_col,
-            priority_col=args.priority_col, delay_col=args.delay_col,
-            dedup_col=args.dedup_col, master=args.master,
-            create_queue_options=options or None, rejects=args.rejects)
-    except QStoreError as exc:
-        print(f"qstore backfill: {exc}", file=sys.stderr)
-        return exit_code(exc)
-    except Exception as exc:  # a Spark job failure: report it, the store is unchanged
-        log.exception("backfill failed; nothing was loaded")
-        print(f"qstore backfill: failed: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    finally:
-        active = SparkSession.getActiveSession()
-        if active is not None and not had_session:
-            active.stop()
-    print(f"loaded {result.loaded} of {result.rows} rows into queue {result.queue!r} of "
-          f"{result.store} in {result.seconds:.1f}s ({result.rate:,.0f} msg/s); "
-          f"{result.rejected} rejected ({result.duplicates} duplicates)")
-    if result.rejects_path:
-        print(f"rejects table: {result.rejects_path}")
-    return EXIT_REJECTS if result.rejected else EXIT_OK
-
-
-__all__ = ["BackfillResult", "main", "run_backfill"]
+    backfill(prog_name="python -m qstore.spark.backfill")

@@ -12,10 +12,28 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from qstore.payload import PayloadRef, SegmentSet, _segments
+
+
+class _WatchedLock:
+    """The set's sync lock, telling the test when a given thread comes to take it."""
+
+    def __init__(self, lock: threading.Lock, thread_name: str) -> None:
+        self.lock = lock
+        self.thread_name = thread_name
+        self.arrived = threading.Event()
+
+    def __enter__(self) -> bool:
+        if threading.current_thread().name == self.thread_name:
+            self.arrived.set()
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.lock.__exit__(*exc)
 
 
 def test_a_sync_that_finds_another_in_progress_returns_only_after_it(
@@ -34,17 +52,23 @@ def test_a_sync_that_finds_another_in_progress_returns_only_after_it(
         finished.append("fdatasync")
 
     monkeypatch.setattr(os, "fdatasync", slow_fdatasync)
-    first = threading.Thread(target=segs.sync)
+    watched = _WatchedLock(segs._sync_lock, "second")
+    monkeypatch.setattr(segs, "_sync_lock", watched)
+    first = threading.Thread(target=segs.sync, name="first")
     first.start()
     assert entered.wait(60)
     second = threading.Thread(target=lambda: finished.append(f"second saw {finished!r}")
-                              if segs.sync() is None else None)
+                              if segs.sync() is None else None, name="second")
     second.start()
-    second.join(timeout=0.2)  # it must be waiting for the first sync, not done already
-    assert second.is_alive()
+    # The second caller has come to the sync lock while the first holds it inside
+    # fdatasync (blocked until `release`): it can only wait, and nothing has finished.
+    assert watched.arrived.wait(60)
+    assert watched.lock.locked() and first.is_alive()
+    assert finished == []
     release.set()
     first.join(timeout=60)
     second.join(timeout=60)
+    assert not first.is_alive() and not second.is_alive()
 
     assert finished == ["fdatasync", "second saw ['fdatasync']"]
     segs.close()

@@ -16,12 +16,7 @@ from typing import Any
 import qstore
 from qstore.meta import keys, records
 from qstore.payload import PayloadRef
-from tests.conftest import FakeClock
 
-START = 1_700_000_000.0
-
-
-ManualClock = FakeClock  # one clock for every test package (tests/conftest.py)
 
 @dataclass(frozen=True)
 class Counts:

@@ -33,8 +33,9 @@ from hypothesis.stateful import (
 )
 
 import qstore
+from tests.conftest import FakeClock
 
-from ._support import Counts, ManualClock, assert_consistent
+from ._support import Counts, assert_consistent
 
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 NAMES = ("a", "ab")
@@ -165,7 +166,7 @@ class QueueMachine(RuleBasedStateMachine):
         super().__init__()
         self.tmp = tempfile.mkdtemp(prefix="qstore-model-")
         self.path = os.path.join(self.tmp, "store")
-        self.clock = ManualClock()
+        self.clock = FakeClock()
         self.options: dict[str, Any] = {}
         self.store: qstore.Store | None = None
         self.model: dict[str, ModelQueue] = {}

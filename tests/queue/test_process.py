@@ -25,6 +25,7 @@ import pytest
 
 import qstore
 from qstore.meta import keys
+from tests.conftest import FakeClock
 
 from ._support import assert_consistent, dump, store_view
 
@@ -324,7 +325,7 @@ def test_sigkill_loses_nothing_that_returned(tmp_path: Path, mode: str) -> None:
         assert count_lines(journal) > start
         check_after_crash(store_path, journal)
     # Finally, the store drains cleanly: every lease taken by a killed child runs out.
-    later = lambda: time.time() + 10_000.0  # noqa: E731
+    later = FakeClock(time.time() + 10_000.0)
     check_after_crash(store_path, journal, clock=later)
     with qstore.open(store_path, compactor=False, clock=later) as store:
         q = store.queue("q")

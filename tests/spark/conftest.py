@@ -11,10 +11,6 @@ import pytest
 import qstore
 from tests.conftest import FakeClock
 
-START = 1_700_000_000.0
-
-
-ManualClock = FakeClock  # one clock for every test package (tests/conftest.py)
 
 @dataclass(frozen=True)
 class Snap:
@@ -55,7 +51,7 @@ def populate(store: qstore.Store) -> dict[tuple[str, int], bytes]:
 @pytest.fixture(scope="session")
 def clean_snap(tmp_path_factory: pytest.TempPathFactory) -> Snap:
     base = tmp_path_factory.mktemp("clean")
-    with qstore.open(os.path.join(base, "store"), clock=ManualClock(), compactor=False,
+    with qstore.open(os.path.join(base, "store"), clock=FakeClock(), compactor=False,
                      segment_max_bytes=1024) as store:
         payloads = populate(store)
         stats = {name: store.queue(name).stats() for name in store.queues()}

@@ -22,8 +22,9 @@ from qstore.spark._audit_source import AUDIT_SCHEMA, audit_range
 from qstore.spark._scan import scan_snapshot
 from qstore.spark._snapshot_view import Snapshot, plan_ranges
 from qstore.spark.audit import AuditResult, main, run_audit
+from tests.conftest import FakeClock
 
-from .conftest import ManualClock, Snap
+from .conftest import Snap
 
 pytestmark = pytest.mark.spark
 
@@ -76,7 +77,7 @@ class Damage:
 @pytest.fixture(scope="module")
 def damage(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Damage:
     base = tmp_path_factory.mktemp("damaged")
-    with qstore.open(os.path.join(base, "store"), clock=ManualClock(), compactor=False,
+    with qstore.open(os.path.join(base, "store"), clock=FakeClock(), compactor=False,
                      segment_max_bytes=1200) as store:
         jobs = store.create_queue("jobs")
         jobs.push_many([(b"%-100d" % i, i % 10) for i in range(80)])

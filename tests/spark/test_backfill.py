@@ -15,17 +15,21 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner, Result
 from rocksdict import IngestExternalFileOptions, Options, Rdict
 
 import qstore
 from qstore._txn import STATE_COUNTER
+from qstore.cli import main as qstore_cli
 from qstore.meta import keys, records
 from qstore.payload import PayloadRef
 from qstore.payload import _format as fmt
 from qstore.spark import _ingest
 from qstore.spark._bulk import PartitionLoader, PartitionPlan
 from qstore.spark._rows import LoadSpec
-from qstore.spark.backfill import main, run_backfill
+from qstore.spark.audit import run_audit
+from qstore.spark.backfill import run_backfill
+from tests.conftest import FakeClock
 
 pytestmark = pytest.mark.spark
 
@@ -81,6 +85,11 @@ def drain(path: Any, queue: str) -> list[tuple[int, Any, bytes]]:
         return [(m.id, m.priority, m.payload) for m in s.queue(queue).pop_many(100_000)]
 
 
+def backfill_cli(*args: Any) -> Result:
+    """``qstore backfill ARGS...`` in this process (it uses the session's Spark)."""
+    return CliRunner().invoke(qstore_cli, ["backfill", *map(str, args)])
+
+
 def write_parquet(path: Path, **columns: list[Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(columns), path)
@@ -133,9 +142,9 @@ def test_json_string_payloads_delays_and_new_str_queue(spark: Any, tmp_path: Pat
     assert [m.payload.decode() for m in first] == [rows[i]["body"] for i in expect_ready]
     assert all(m.enqueued_at >= before - 1 for m in first)
     # The delayed ones become ready an hour after the load, not before.
-    with qstore.open(store, compactor=False, clock=lambda: before + 3500) as s:
+    with qstore.open(store, compactor=False, clock=FakeClock(before + 3500)) as s:
         assert s.queue("mail").stats().delayed == 4
-    with qstore.open(store, compactor=False, clock=lambda: time.time() + 3601) as s:
+    with qstore.open(store, compactor=False, clock=FakeClock(time.time() + 3601)) as s:
         late = s.queue("mail").pop_many(100)
     delayed = [i for i in range(12) if i % 3 == 0]
     assert [m.payload.decode() for m in late] == [
@@ -154,9 +163,10 @@ def test_csv_bad_rows_go_to_the_rejects_table_with_reasons(spark: Any, tmp_path:
         "e,4,3600.5\n", encoding="utf-8")
     store = tmp_path / "store"
     rejects = tmp_path / "rejects"
-    code = main([str(src), "--format", "csv", "--queue", "q", "--priority-col", "priority",
-                 "--delay-col", "delay", "--into", str(store), "--rejects", str(rejects)])
-    assert code == 1  # loaded, with rejects
+    run = backfill_cli(src, "--format", "csv", "--queue", "q", "--priority-col", "priority",
+                       "--delay-col", "delay", "--into", store, "--rejects", rejects)
+    assert run.exit_code == 1, run.output  # loaded, with rejects
+    assert f"rejects table: {rejects}" in run.output
     assert check_consistent(store)["q"] == [1, 1, 0, 0, 2]
     assert (rejects / "_SUCCESS").exists()
     table = spark.read.parquet(str(rejects)).orderBy("source_row").collect()
@@ -249,7 +259,6 @@ def test_dataframe_partitions_load_in_partition_then_row_order(spark: Any,
 
 
 def test_backfilled_store_audits_clean(spark: Any, tmp_path: Path) -> None:
-    audit = pytest.importorskip("qstore.spark.audit")
     store = tmp_path / "store"
     with qstore.open(store, compactor=False) as s:
         s.create_queue("q").push_many([b"old1", b"old2"])
@@ -258,8 +267,72 @@ def test_backfilled_store_audits_clean(spark: Any, tmp_path: Path) -> None:
     run_backfill(str(src), into=store, queue="q", delay_col="d", spark=spark)
     with qstore.open(store, compactor=False) as s:
         snap = s.snapshot(str(tmp_path / "snap"))
-    report = audit.run_audit(snap, spark=spark)
+    report = run_audit(snap, spark=spark)
     assert (report.exit_code, report.findings) == (0, 0)
+
+
+# -- the command line: queue options apply only to a queue it creates -------------
+
+
+def test_cli_loads_into_an_existing_queue_with_other_settings(spark: Any,
+                                                              tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with qstore.open(store, compactor=False) as s:
+        s.create_queue("q", order="min", priority_type="str", max_attempts=2)
+    src = write_parquet(tmp_path / "src.parquet", payload=[b"b", b"a"], p=["y", "x"])
+    run = backfill_cli(src, "--queue", "q", "--priority-col", "p", "--into", store)
+    assert run.exit_code == 0, run.output
+    assert "loaded 2 of 2 rows into queue 'q'" in run.output
+    with qstore.open(store, compactor=False) as s:
+        q = s.queue("q")
+        assert (q.order, q.priority_type, q.max_attempts, q.dedup) == ("min", "str", 2, False)
+    assert [(p, b) for _, p, b in drain(store, "q")] == [("x", b"a"), ("y", b"b")]
+
+
+def test_cli_dedup_col_into_an_existing_dedup_queue_needs_no_dedup_flag(
+        spark: Any, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with qstore.open(store, compactor=False) as s:
+        held = s.create_queue("d", dedup=True, max_attempts=9).push(b"old", dedup_key="k1")
+    src = write_parquet(tmp_path / "src.parquet", payload=[b"x", b"y", b"z"],
+                        key=["k1", "k2", "k2"])
+    run = backfill_cli(src, "--queue", "d", "--dedup-col", "key", "--into", store)
+    assert run.exit_code == 1, run.output  # loaded, two duplicates rejected
+    assert "rejected 2 (2 duplicates)" in run.output
+    with qstore.open(store, compactor=False) as s:
+        q = s.queue("d")
+        assert (q.dedup, q.max_attempts) == (True, 9)
+        assert q.push(b"again", dedup_key="k1") == held
+    assert [b for _, _, b in drain(store, "d")] == [b"old", b"y"]
+
+
+def test_cli_loads_every_source_given(spark: Any, tmp_path: Path) -> None:
+    first = write_parquet(tmp_path / "one.parquet", payload=[b"a1", b"a2"])
+    second = write_parquet(tmp_path / "two.parquet", payload=[b"b1", b"b2", b"b3"])
+    store = tmp_path / "store"
+    run = backfill_cli(first, second, "--queue", "q", "--order", "fifo", "--max-attempts",
+                       "3", "--into", store)
+    assert run.exit_code == 0, run.output
+    assert "loaded 5 of 5 rows" in run.output
+    with qstore.open(store, compactor=False) as s:
+        q = s.queue("q")
+        assert (q.order, q.max_attempts) == ("fifo", 3)
+    assert sorted(b for _, _, b in drain(store, "q")) == [b"a1", b"a2", b"b1", b"b2", b"b3"]
+
+
+@pytest.mark.parametrize("option", [["--order", "max"], ["--priority-type", "str"],
+                                    ["--max-attempts", "5"], ["--dedup"]])
+def test_cli_option_that_contradicts_the_existing_queue_exits_2(
+        spark: Any, tmp_path: Path, option: list[str]) -> None:
+    store = tmp_path / "store"
+    with qstore.open(store, compactor=False) as s:
+        s.create_queue("q", order="fifo", max_attempts=2).push(b"old")
+    src = write_parquet(tmp_path / "src.parquet", payload=[b"new"])
+    run = backfill_cli(src, "--queue", "q", *option, "--into", store)
+    assert run.exit_code == 2, run.output
+    assert "queue 'q' exists with" in run.output
+    assert option[0].lstrip("-").replace("-", "_") in run.output
+    assert [b for _, _, b in drain(store, "q")] == [b"old"]
 
 
 # -- refusals -------------------------------------------------------------------
@@ -276,7 +349,7 @@ def test_store_locked_by_another_process(spark: Any, tmp_path: Path) -> None:
         src = write_parquet(tmp_path / "src.parquet", payload=[b"a"])
         with pytest.raises(qstore.StoreLocked, match="locked by another writer"):
             run_backfill(str(src), into=store, queue="q", spark=spark)
-        assert main([str(src), "--queue", "q", "--into", str(store)]) == 3
+        assert backfill_cli(src, "--queue", "q", "--into", store).exit_code == 3
     finally:
         holder.kill()
         holder.wait()
@@ -305,7 +378,8 @@ def test_bad_arguments_change_nothing(spark: Any, tmp_path: Path) -> None:
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(qstore.InvalidArgument, match="not empty"):
         run_backfill(str(src), into=store, queue="q", spark=spark, rejects=tmp_path / "full")
-    assert main([str(tmp_path / "missing.parquet"), "--queue", "q", "--into", str(store)]) == 2
+    assert backfill_cli(tmp_path / "missing.parquet", "--queue", "q", "--into",
+                        store).exit_code == 2
     with qstore.open(store, compactor=False) as s:
         assert s.queues() == []
 
@@ -384,11 +458,20 @@ def test_kill_at_every_step_leaves_none_or_all_of_the_rows(spark: Any, tmp_path:
     check_consistent(work)
 
 
-def test_spark_submit_script_runs_main() -> None:
-    run = subprocess.run([sys.executable, str(ROOT / "spark" / "backfill.py"), "--help"],
+@pytest.mark.parametrize("entry", [[str(ROOT / "spark" / "backfill.py")],
+                                   ["-m", "qstore.spark.backfill"]], ids=["spark-submit", "-m"])
+def test_the_other_entry_points_run_the_qstore_backfill_command(entry: list[str]) -> None:
+    run = subprocess.run([sys.executable, *entry, "--help"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("Usage: ")
+    assert "SOURCE..." in run.stdout and "--dedup / --no-dedup" in run.stdout
+    assert "Exit codes" in run.stdout
+    # Bad usage is the command's own: the same message and exit code as `qstore backfill`.
+    run = subprocess.run([sys.executable, *entry, "src.parquet", "--into", "store"],
                          capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0
-    assert "--payload-col" in run.stdout and "Exit codes" in run.stdout
+    assert run.returncode == 2
+    assert "Missing option '--queue'" in run.stderr
 
 
 # -- the partition writer on its own ------------------------------------------------

@@ -11,8 +11,9 @@ import pytest
 
 import qstore
 from qstore.spark._scan import scan_snapshot
+from tests.conftest import FakeClock
 
-from .conftest import ManualClock, Snap, populate
+from .conftest import Snap, populate
 
 pytestmark = pytest.mark.spark
 
@@ -26,7 +27,7 @@ def _state_counts(path: str, queue: str) -> tuple[int, int, int, int, int]:
 
 def test_snapshot_taken_while_writing_matches_the_stats_of_that_moment(
         spark: Any, tmp_path: Any) -> None:
-    store = qstore.open(tmp_path / "store", clock=ManualClock(), compactor=False,
+    store = qstore.open(tmp_path / "store", clock=FakeClock(), compactor=False,
                         segment_max_bytes=4096)
     q = store.create_queue("live")
     rounds = 0
@@ -77,7 +78,7 @@ def test_snapshot_opens_read_only_with_every_message(clean_snap: Snap) -> None:
 
 def test_snapshot_survives_writes_and_compaction_of_the_live_store(
         spark: Any, tmp_path: Any) -> None:
-    store = qstore.open(tmp_path / "store", clock=ManualClock(), compactor=False,
+    store = qstore.open(tmp_path / "store", clock=FakeClock(), compactor=False,
                         segment_max_bytes=2048)
     populate(store)
     dest = store.snapshot(str(tmp_path / "snap"))

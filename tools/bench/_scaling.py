@@ -206,9 +206,24 @@ def open_probe(path: str) -> None:
                       "rss_peak": peak, "ready": ready}))
 
 
+def _probe_command(path: str) -> list[str]:
+    """The child's command line: it imports this harness and the qstore this process runs.
+
+    The harness lives outside the installed package (``tools`` is on this
+    process's path, perhaps not in the child's environment), so the child is
+    given both import roots explicitly.
+    """
+    import qstore
+
+    roots = [os.path.dirname(os.path.dirname(os.path.abspath(f)))
+             for f in (__file__, qstore.__file__)]
+    code = f"import sys; sys.path[:0] = sys.argv[2:]; from {__name__} import open_probe; " \
+        "open_probe(sys.argv[1])"
+    return [sys.executable, "-c", code, path, *roots]
+
+
 def measure_open(path: str, p: Params) -> list[Metric]:
-    code = "import sys; from qstore._bench._scaling import open_probe; open_probe(sys.argv[1])"
-    done = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+    done = subprocess.run(_probe_command(path), capture_output=True, text=True,
                           timeout=900, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"open probe failed (exit {done.returncode}): {done.stderr.strip()}")

@@ -1,7 +1,7 @@
 """What a run produces: samples and metrics per repeat, their medians, and the JSON document.
 
 The document (``FORMAT``) is self-contained: the table is rendered from it, so
-``qstore bench --show FILE`` prints a saved run exactly as it was printed.
+``python -m bench --show FILE`` prints a saved run exactly as it was printed.
 """
 
 from __future__ import annotations

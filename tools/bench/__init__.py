@@ -1,4 +1,9 @@
-"""The benchmark harness behind ``qstore bench`` (private: its API may change).
+"""qstore's benchmark harness: qstore against its peers, and the contract's targets.
+
+It is a development tool, not part of the installed package. Run it from the
+repository root with ``tools`` on the path (``make bench`` does this)::
+
+    PYTHONPATH=tools .venv/bin/python -m bench --quick
 
 Modules, in the order a run uses them:
 
@@ -12,7 +17,7 @@ Modules, in the order a run uses them:
 - ``_targets``: CONTRACT.md section 7 as data, checked against the medians.
 - ``_report``: the rich tables, rendered from the JSON document alone.
 - ``_profile``: cProfile of the single push and pop+ack loops.
-- ``_runner``: the command line, :func:`run`.
+- ``_runner``: the command line, :func:`run`; ``__main__`` calls it.
 
 docs/benchmarks.md says what each workload measures and how to read the tables.
 """

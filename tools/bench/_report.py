@@ -108,7 +108,7 @@ def summary_line(doc: dict[str, Any]) -> str:
     p = doc["params"]
     env = doc["environment"]
     missing = [f"{x['name']} ({x['status']})" for x in doc["peers"] if x["status"] != "ok"]
-    text = (f"qstore bench, mode {p['mode']}: {p['repeat']} repeat(s), n={p['n']:,}, "
+    text = (f"qstore benchmarks, mode {p['mode']}: {p['repeat']} repeat(s), n={p['n']:,}, "
             f"budget {p['budget']} s per measurement; {env['cpus']} CPUs, Python "
             f"{env['python']}; took {doc['seconds']:.0f} s")
     if missing:

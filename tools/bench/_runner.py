@@ -1,4 +1,4 @@
-"""``qstore bench``: parse the options, run the workloads, print and save the results."""
+"""``python -m bench``: parse the options, run the workloads, print and save the results."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _csv(text: str) -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="qstore bench",
+        prog="python -m bench",
         description="Benchmark qstore against its peers (persist-queue, litequeue, a bare "
                     "rocksdict queue) and check the contract's performance targets. "
                     "See docs/benchmarks.md.",
@@ -238,7 +238,7 @@ def _environment() -> dict[str, Any]:
 
 
 def run(argv: list[str] | None = None) -> int:
-    """Run the benchmarks (see ``qstore bench --help``); returns the exit code."""
+    """Run the benchmarks (see ``python -m bench --help``); returns the exit code."""
     ap = _parser()
     args = ap.parse_args(argv)
     out = make_console()

@@ -118,10 +118,13 @@ class BareQueue(Peer):
 
     push: one put of ``r prio seq -> payload``. pop: a fresh iterator bounded
     by ``set_iterate_upper_bound``, a seek to the head, then one WriteBatch
-    moving the entry to ``f prio seq``. ack: one delete. Like qstore, pops
-    seek from a head cursor (the lowest key that may still be ready) rather
+    moving the entry to ``f prio seq``. ack: one delete. Pops seek from one
+    queue-wide head cursor (the lowest key that may still be ready) rather
     than the prefix, or every pop would wade through the tombstones of all
-    earlier pops. No leases, counters, ids or payload checksums.
+    earlier pops; one cursor is enough here because nothing is ever given
+    back (qstore, whose nacks and expired leases put messages back, keeps a
+    head per priority level: docs/meta-schema.md). No leases, counters, ids
+    or payload checksums.
     """
 
     native_batches = True
