@@ -289,20 +289,30 @@ class Queue:
             return []
         deadline = now + lease
         when = keys.to_us(deadline)
-        txn = Txn()
-        out = []
         name, qid = q.name, q.qid
         read = core.payload.read
-        for rkey, rec in zip(ready_keys, core.records_of(q, ready_keys), strict=True):
+        recs = core.records_of(q, ready_keys)
+        if len(recs) == 1:
+            rkey, rec = ready_keys[0], recs[0]
             mid = keys.trailing_id(rkey)
             payload = read(PayloadRef(rec.file_id, rec.offset, rec.length))
-            states.deliver(txn, q, rkey, mid, rec, when)
-            out.append(Message(mid, name, rec.priority, payload, rec.attempts, rec.enqueued_at,
-                               deadline, make_receipt(qid, mid, rec.deliveries)))
-        txn.count(q, READY, -len(out))
-        txn.count(q, INFLIGHT, len(out))
-        txn.add_event(q, when)
-        core.commit(txn)
+            core.deliver_one(q, rkey, mid, rec, when)
+            out = [Message(mid, name, rec.priority, payload, rec.attempts, rec.enqueued_at,
+                           deadline, make_receipt(qid, mid, rec.deliveries))]
+        else:
+            txn = Txn()
+            out = []
+            for rkey, rec in zip(ready_keys, recs, strict=True):
+                mid = keys.trailing_id(rkey)
+                payload = read(PayloadRef(rec.file_id, rec.offset, rec.length))
+                states.deliver(txn, q, rkey, mid, rec, when)
+                out.append(Message(mid, name, rec.priority, payload, rec.attempts,
+                                   rec.enqueued_at, deadline,
+                                   make_receipt(qid, mid, rec.deliveries)))
+            txn.count(q, READY, -len(out))
+            txn.count(q, INFLIGHT, len(out))
+            txn.add_event(q, when)
+            core.commit(txn)
         q.heads.taken(plan)
         return out
 
@@ -325,7 +335,10 @@ class Queue:
 
     def ack(self, item: Receipted) -> None:
         """Delete a leased message for good."""
-        self._ack((item,))
+        core = self._core
+        with core.writing:
+            mid, rec = self._leased(item, keys.to_us(core.clock()))
+            core.remove_one(self._q, mid, rec)
 
     def ack_many(self, items: Iterable[Receipted]) -> int:
         """Ack every item in one batch; if any lease is not live, nothing is acked."""
