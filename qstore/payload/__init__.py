@@ -5,7 +5,9 @@ Message bodies live here; the metadata refers to them by
 """
 
 from ._format import PayloadRef
-from ._reader import SegmentReader
+from ._reader import SegmentCheck, SegmentReader
 from ._segments import RecoveryReport, SegmentSet, TailRepair
 
-__all__ = ["PayloadRef", "RecoveryReport", "SegmentReader", "SegmentSet", "TailRepair"]
+__all__ = [
+    "PayloadRef", "RecoveryReport", "SegmentCheck", "SegmentReader", "SegmentSet", "TailRepair",
+]

@@ -5,8 +5,9 @@ prefix). Each task reads its range once and, instead of one row per message,
 yields only what the audit needs, so Spark moves a few rows per task:
 
 - ``finding``: a message whose reference does not resolve to an intact record
-  (checked in bulk, :mod:`._verify`), whose record cannot be decoded, whose
-  queue id has no ``Q`` record, or whose record overlaps another in this task;
+  (checked in bulk by ``qstore.payload.SegmentCheck``), whose record cannot be
+  decoded, whose queue id has no ``Q`` record, or whose record overlaps
+  another in this task;
 - ``count``: messages and payload bytes per state (the ``C`` recount);
 - ``segment``: messages and bytes with frames per segment (the ``S`` recount);
 - ``run``: per segment, maximal runs of contiguous or overlapping records

@@ -21,10 +21,10 @@ from rocksdict import ReadOptions
 from .._errors import Corruption
 from .._snapshot import read_manifest
 from ..meta import MetaDB, keys, records
-from ..payload import PayloadRef, SegmentReader
+from ..payload import PayloadRef, SegmentCheck, SegmentReader
 from ..payload import _format as fmt
-from ._verify import NOT_IN_MANIFEST, SegmentCheck
 
+NOT_IN_MANIFEST = "segment is not listed in the snapshot manifest"
 ROWS_PER_PARTITION = 100_000  # default partition size when no count is asked for
 MAX_PARTITIONS = 4096
 
@@ -154,8 +154,10 @@ class Snapshot:
     def _check(self, file_id: int) -> SegmentCheck:
         check = self._checks.get(file_id)
         if check is None:
+            length = self.segment_lengths.get(file_id)
             check = self._checks[file_id] = SegmentCheck(
-                self.segment_path(file_id), file_id, self.segment_lengths.get(file_id))
+                self.segment_path(file_id), file_id, length or 0,
+                NOT_IN_MANIFEST if length is None else None)
         return check
 
     def _open_segment(self, file_id: int) -> SegmentReader | Corruption:
