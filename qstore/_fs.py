@@ -5,8 +5,9 @@
   batches) is finished rather than lost.
 - :func:`fsync_file` and :func:`fsync_dir` make a file's data, or a
   directory's entries (a create, rename or unlink), durable.
-- :func:`write_json_durably` replaces a small JSON file atomically: write a
-  temporary file, fsync it, rename it over the old one, fsync the directory.
+- :func:`write_file_durably` (and :func:`write_json_durably`) replaces a
+  small file atomically: write a temporary file, fsync it, rename it over the
+  old one, fsync the directory.
 """
 
 from __future__ import annotations
@@ -62,12 +63,17 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_json_durably(path: str, value: Any) -> None:
+def write_file_durably(path: str, data: bytes) -> None:
     """Write temp, fsync, rename, fsync the directory."""
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_json_durably(path: str, value: Any) -> None:
+    """``value`` as indented JSON with sorted keys, through :func:`write_file_durably`."""
+    write_file_durably(path, json.dumps(value, indent=1, sort_keys=True).encode("utf-8"))

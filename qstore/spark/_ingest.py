@@ -38,15 +38,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
-
 from .._errors import InvalidArgument, StorageError
+from .._fs import fsync_dir, write_json_durably
 from .._heads import ReadyHeads
-from .._snapshot import write_json_durably
 from .._txn import apply_counts
-from ..meta import keys, new_batch, records
+from ..meta import keys, new_batch, records, write_sst
 from ..payload import _format as fmt
-from ..payload._writer import fsync_dir
 
 if TYPE_CHECKING:
     from .._store import Store
@@ -200,14 +197,6 @@ def publish_rejects(store: Store, staging: str, job: StagedJob) -> list[str]:
     return out
 
 
-def _write_sst(path: str, entries: list[tuple[bytes, bytes]]) -> None:
-    writer = SstFileWriter(Options(raw_mode=True))
-    writer.open(path)
-    for key, value in sorted(entries):
-        writer[key] = value
-    writer.finish()
-
-
 def commit_job(store: Store, staging: str) -> StagedJob:
     """Publish the staged job in ``staging`` into ``store``: all of it or, on a crash, none."""
     job = StagedJob.load(staging)
@@ -259,19 +248,18 @@ def _ingest_locked(store: Store, job: StagedJob, staging: str) -> None:
         entries.append((keys.segment_key(seg["file_id"]), records.encode_segment(
             seg["live_bytes"], seg["live_count"], seg["end"])))
     meta_sst = os.path.join(staging, "sst", "meta.sst")
-    _write_sst(meta_sst, entries)
+    write_sst(meta_sst, entries)
     paths = [os.path.join(staging, "sst", sst) for part in job.partitions for sst in part["ssts"]]
     # The files overlap each other's key ranges (every partition writes d, k, m and r
     # keys of the same queue) but never share a key; RocksDB 9.8 accepts overlapping
     # files in one call and gives each its own sequence number. The counters in the
     # meta SST overwrite the live ones because ingested files get a global seqno
-    # newer than everything in the database.
-    opts = IngestExternalFileOptions()
-    opts.set_move_files(True)  # hard links: staging is on the store's filesystem
+    # newer than everything in the database. The files are moved (hard links:
+    # staging is on the store's filesystem).
     try:
-        store.meta.raw.ingest_external_file(paths + [meta_sst], opts)
-    except Exception as exc:
-        raise StorageError(f"ingesting backfill job {job.job_id} failed: {exc}") from None
+        store.meta.ingest(paths + [meta_sst])
+    except StorageError as exc:
+        raise StorageError(f"backfill job {job.job_id}: {exc}") from None
     # The database now holds the job; bring the in-memory state of the open store
     # in line (the caller closes and reopens it, this keeps the sweeper honest).
     q.counts = counts

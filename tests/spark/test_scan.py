@@ -19,14 +19,14 @@ def test_numpy_index_entries_are_the_keys_the_store_writes(order: str) -> None:
     um = np.array(mids, np.uint64)
     expected = [keys.ready_key(9, keys.priority_key(order, "int", p), m)
                 for p, m in zip(prios, mids, strict=True)]
-    parts = [um] if order == "fifo" else [ih.int_priority_keys(np.array(prios), order), um]
-    ready = ih.fixed_entries(keys.READY, 9, *parts)
+    parts = [um] if order == "fifo" else [keys.int_priority_keys(np.array(prios), order), um]
+    ready = keys.key_rows(keys.READY, 9, *parts)
     assert [bytes(r) for r in ready] == expected
-    timed = ih.fixed_entries(keys.INFLIGHT, 9, np.array([5, 6], np.uint64), um[:2])
+    timed = keys.key_rows(keys.INFLIGHT, 9, np.array([5, 6], np.uint64), um[:2])
     assert [bytes(r) for r in timed] == [keys.timed_key(keys.INFLIGHT, 9, w, m)
                                          for w, m in ((5, 1), (6, 2))]
     digests = np.frombuffer(bytes(range(32)), np.uint8).reshape(2, 16)
-    dedup = ih.fixed_entries(keys.DEDUP, 9, digests, um[:2])
+    dedup = keys.key_rows(keys.DEDUP, 9, digests, um[:2])
     assert bytes(dedup[1]) == keys.dedup_key(9, bytes(range(16, 32))) + keys.U64.pack(2)
     assert ih.fingerprint(expected) == (5, ih.hash_rows(ready))
 
