@@ -213,19 +213,25 @@ class SstWriter:
             raise StorageError(f"cannot create table file {path}: {exc}") from None
 
     def put(self, key: bytes, value: bytes) -> None:
-        self._writer[key] = value
+        self.put_many([(key, value)])
 
     def put_many(self, pairs: Iterable[tuple[bytes, bytes]]) -> None:
         """Add sorted ``(key, value)`` pairs (one call for a whole batch)."""
         writer = self._writer
-        for key, value in pairs:
-            writer[key] = value
+        try:
+            for key, value in pairs:
+                writer[key] = value
+        except Exception as exc:  # a key out of order, a failed write
+            raise StorageError(f"writing table file {self.path} failed: {exc}") from None
 
     def put_keys(self, keys: Iterable[bytes], value: bytes = b"") -> None:
         """Add sorted keys, all with ``value``."""
         writer = self._writer
-        for key in keys:
-            writer[key] = value
+        try:
+            for key in keys:
+                writer[key] = value
+        except Exception as exc:
+            raise StorageError(f"writing table file {self.path} failed: {exc}") from None
 
     def finish(self) -> None:
         try:

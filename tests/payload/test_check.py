@@ -6,6 +6,7 @@ from typing import Any
 
 from qstore import Corruption
 from qstore.payload import PayloadRef, SegmentCheck, SegmentReader
+from qstore.payload._format import encode_frame
 from qstore.payload._writer import SegmentWriter, create_segment_file
 
 
@@ -44,3 +45,20 @@ def test_segment_check_gives_the_reasons_segment_reader_gives(tmp_path: Any) -> 
     assert SegmentCheck(path, 1, end, problem="not listed").check([24, 42], [10, 20]) == [
         "not listed", "not listed"]  # the file is not even opened
     assert SegmentCheck(path, 7, end).problem == "header file id does not match the file name"
+
+
+def test_framed_runs_append_after_the_data_and_read_back(tmp_path: Any) -> None:
+    """append_framed takes records that carry their frames, as copies and backfills do."""
+    path = str(tmp_path / "0000000003.seg")
+    create_segment_file(path, 3, durable=False)
+    writer = SegmentWriter(path, 3, 24, 24)
+    bodies = [b"", b"x" * 100, b"tail"]
+    run = b"".join(encode_frame(b) + b for b in bodies[:2])
+    assert writer.append_framed([run]) == 24
+    assert writer.append_framed([memoryview(encode_frame(bodies[2])), memoryview(b"tail")]) == (
+        24 + len(run))
+    writer.finish()
+    reader = SegmentReader(path, 3)
+    refs = list(reader.scan())
+    assert [reader.read(r) for r in refs] == bodies
+    assert reader.mapped_size == refs[-1].offset + refs[-1].frame_bytes  # sealed: no zero tail
