@@ -27,7 +27,7 @@ from ._durability import Syncer
 from ._errors import ReadOnlyStore, StorageError, StoreClosed, StoreLocked
 from ._heads import ReadyHeads
 from ._txn import NO_EVENT_US, STATE_COUNTER, QueueState, Txn, apply_counts
-from .meta import Batch, MetaDB, keys, new_batch, records
+from .meta import Batch, MetaDB, keys, new_batch, records, write_sst
 from .payload import FRAME_SIZE, PayloadRef, SegmentSet
 
 log = logging.getLogger("qstore")
@@ -427,7 +427,7 @@ class Core:
                             records.encode_segment(live_bytes, live_count, end)))
         meta_sst = os.path.join(os.path.dirname(paths[0]) if paths else self.path,
                                 "meta.sst")
-        self.meta.write_sst(meta_sst, entries)
+        write_sst(meta_sst, entries)
         self.meta.ingest([*paths, meta_sst])
         q.counts = counts
         for fid, seg in new_segments.items():

@@ -18,8 +18,8 @@ from typing import Any
 
 from ._core import Core
 from ._errors import InvalidArgument, StorageError
+from ._fs import fsync_dir, write_json_durably
 from .payload._format import segment_name
-from .payload._writer import fsync_dir
 
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = 1  # never change the meaning of 1
@@ -54,17 +54,6 @@ def take_snapshot(core: Core, dest: str) -> str:
     write_json_durably(os.path.join(dest, MANIFEST), manifest)
     fsync_dir(os.path.join(dest, "payload"))
     return dest
-
-
-def write_json_durably(path: str, value: Any) -> None:
-    """Write temp, fsync, rename, fsync the directory."""
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def read_manifest(snapshot: str) -> dict[str, Any]:

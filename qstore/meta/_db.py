@@ -21,7 +21,7 @@ this module works around:
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any, cast
 
 from rocksdict import (
@@ -115,6 +115,23 @@ class MetaDB:
         finally:
             del it
 
+    def items(self, lo: bytes, hi: bytes) -> Generator[tuple[bytes, bytes], None, None]:
+        """(key, value) for lo <= key < hi in order, through rocksdict's own item iterator.
+
+        About a third of the cost of stepping an iterator by hand, for passes
+        over millions of keys; a point-in-time view from the first ``next``.
+        The generator holds a RocksDB iterator, and with it the database's
+        LOCK, until it is exhausted or dropped: drop it before :meth:`close`.
+        """
+        ro = ReadOptions()  # kept alive here: the iterator points at its bound
+        ro.set_iterate_upper_bound(hi)  # NOT set_iterate_lower_bound: it sets the upper one
+        try:
+            items = cast(Iterator[tuple[bytes, bytes]],  # raw mode: bytes only
+                         self._db.items(from_key=lo, read_opt=ro))
+            yield from items
+        except Exception as exc:
+            raise StorageError(f"metadata read failed: {exc}") from None
+
     def scan_keys(self, lo: bytes, hi: bytes, limit: int | None = None) -> list[bytes]:
         ro = ReadOptions()
         ro.set_iterate_upper_bound(hi)
@@ -136,38 +153,36 @@ class MetaDB:
         del it
         return key
 
-    def items(self, lo: bytes, hi: bytes) -> Generator[tuple[bytes, bytes], None, None]:
-        """(key, value) for lo <= key < hi, through rocksdict's own item iterator.
-
-        About a third of the cost of :meth:`scan` per item, for long scans
-        (compaction, bulk checks). Drop the iterator before closing the store.
-        """
-        ro = ReadOptions()
-        ro.set_iterate_upper_bound(hi)  # NOT set_iterate_lower_bound: it sets the upper one
+    def last_key(self, lo: bytes, hi: bytes) -> bytes | None:
+        """The largest key in [lo, hi), or None."""
+        it = self._db.iter(ReadOptions())
         try:
-            # raw mode: keys and values are bytes
-            items = cast(Iterator[tuple[bytes, bytes]], self._db.items(from_key=lo, read_opt=ro))
-            yield from items
-        except Exception as exc:
-            raise StorageError(f"metadata read failed: {exc}") from None
+            it.seek_for_prev(hi)
+            while it.valid():
+                key: bytes = it.key()
+                if key < lo:
+                    return None
+                if key < hi:
+                    return key
+                it.prev()  # seek_for_prev lands on hi itself when it exists
+            return None
+        finally:
+            del it
 
     def ingest(self, paths: list[str]) -> None:
-        """Ingest sorted SST files (moved, not copied) as one atomic step."""
+        """Add SST files (see :class:`SstWriter`) in one atomic ingestion.
+
+        The files are moved (hard-linked) into the database, so they must be on
+        its filesystem. They may overlap each other's key ranges; keys they
+        share with the database are overwritten (an ingested file gets a
+        sequence number newer than everything in it).
+        """
         opts = IngestExternalFileOptions()
-        opts.set_move_files(True)  # hard links: the files are on the store's filesystem
+        opts.set_move_files(True)
         try:
             self._db.ingest_external_file(paths, opts)
         except Exception as exc:
-            raise StorageError(f"ingesting {len(paths)} file(s) failed: {exc}") from None
-
-    @staticmethod
-    def write_sst(path: str, entries: list[tuple[bytes, bytes]]) -> None:
-        """Write ``entries`` (any order, distinct keys) as a sorted SST file for :meth:`ingest`."""
-        writer = SstFileWriter(Options(raw_mode=True))
-        writer.open(path)
-        for key, value in sorted(entries):
-            writer[key] = value
-        writer.finish()
+            raise StorageError(f"ingesting {len(paths)} table files failed: {exc}") from None
 
     def checkpoint(self, dest: str) -> None:
         try:
@@ -185,15 +200,61 @@ class MetaDB:
         value: Any = self._db.property_int_value(name)
         return int(value) if value is not None else None
 
-    @property
-    def raw(self) -> Rdict:
-        return self._db
-
     def close(self) -> None:
         try:
             self._db.close()
         except Exception as exc:
             raise StorageError(f"closing metadata failed: {exc}") from None
+
+
+class SstWriter:
+    """A sorted table file for :meth:`MetaDB.ingest`, written in raw mode as the database.
+
+    Keys must be added in strictly ascending order; an empty file cannot be
+    finished. :meth:`finish` syncs the file.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._writer = SstFileWriter(Options(raw_mode=True))
+        try:
+            self._writer.open(path)
+        except Exception as exc:
+            raise StorageError(f"cannot create table file {path}: {exc}") from None
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self.put_many([(key, value)])
+
+    def put_many(self, pairs: Iterable[tuple[bytes, bytes]]) -> None:
+        """Add sorted ``(key, value)`` pairs (one call for a whole batch)."""
+        writer = self._writer
+        try:
+            for key, value in pairs:
+                writer[key] = value
+        except Exception as exc:  # a key out of order, a failed write
+            raise StorageError(f"writing table file {self.path} failed: {exc}") from None
+
+    def put_keys(self, keys: Iterable[bytes], value: bytes = b"") -> None:
+        """Add sorted keys, all with ``value``."""
+        writer = self._writer
+        try:
+            for key in keys:
+                writer[key] = value
+        except Exception as exc:
+            raise StorageError(f"writing table file {self.path} failed: {exc}") from None
+
+    def finish(self) -> None:
+        try:
+            self._writer.finish()
+        except Exception as exc:
+            raise StorageError(f"cannot finish table file {self.path}: {exc}") from None
+
+
+def write_sst(path: str, entries: Iterable[tuple[bytes, bytes]]) -> None:
+    """A table file holding ``entries`` (in any order; at least one)."""
+    writer = SstWriter(path)
+    writer.put_many(sorted(entries))
+    writer.finish()
 
 
 def new_batch() -> WriteBatch:

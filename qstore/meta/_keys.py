@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+
 # Singletons (value: msgpack).
 META = b"M"
 FORMAT_KEY = META + b"format"
@@ -136,6 +138,49 @@ def index_key(state: int, qid: int, mid: int, pkey: bytes, when_us: int) -> byte
     if kind is DEAD:
         return DEAD + QID_ID.pack(qid, mid)
     return kind + U32.pack(qid) + U64x2.pack(when_us, mid)
+
+
+# -- bulk forms (numpy): the same bytes as the builders above, a whole array at once --
+
+_SIGN = np.uint64(1 << 63)
+
+
+def int_priority_keys(priorities: np.ndarray, order: str) -> np.ndarray:
+    """:func:`priority_key` of int priorities (int64 array) as uint64 values.
+
+    Written big-endian (:func:`key_rows`) each is the 8-byte key of an "int"
+    queue of ``order`` "min" or "max"; a "fifo" queue has no priority key.
+    """
+    u = priorities.astype(np.int64).view(np.uint64) ^ _SIGN  # offset binary
+    return u if order == "min" else ~u
+
+
+def key_rows(kind: bytes, qid: int, *parts: np.ndarray) -> np.ndarray:
+    """The (n, width) uint8 matrix of keys ``kind qid:u32 part...``, one key a row.
+
+    A 1-d part is an integer array written as big-endian u64 (ids, due times,
+    :func:`int_priority_keys`); a 2-d part is an (n, k) uint8 matrix copied as
+    is (dedup digests). So ``key_rows(MESSAGE, q, ids)`` holds
+    ``message_key(q, id)`` of each id, and ``key_rows(READY, q,
+    int_priority_keys(p, order), ids)`` the ready keys of an int queue.
+    """
+    n = len(parts[0])
+    fields: list[tuple[str, object] | tuple[str, object, tuple[int]]] = [("k", "S1"), ("q", ">u4")]
+    for i, part in enumerate(parts):
+        fields.append((f"f{i}", ">u8") if part.ndim == 1 else (f"f{i}", np.uint8, (part.shape[1],)))
+    rec = np.empty(n, np.dtype(fields))
+    rec["k"] = kind
+    rec["q"] = qid
+    for i, part in enumerate(parts):
+        rec[f"f{i}"] = part
+    return rec.view(np.uint8).reshape(n, rec.dtype.itemsize)
+
+
+def split_rows(rows: np.ndarray) -> list[bytes]:
+    """The rows of a :func:`key_rows` matrix as separate byte strings."""
+    raw = rows.tobytes()
+    width = rows.shape[1] if rows.ndim == 2 else 0
+    return [raw[i : i + width] for i in range(0, len(raw), width)] if width else []
 
 
 def to_us(seconds: float) -> int:

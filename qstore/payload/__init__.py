@@ -5,7 +5,7 @@ Message bodies live here; the metadata refers to them by
 """
 
 from ._format import FRAME_SIZE, HEADER_SIZE, PayloadRef
-from ._reader import SegmentReader
+from ._reader import SegmentCheck, SegmentReader
 from ._segments import RecoveryReport, SegmentSet, TailRepair
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "HEADER_SIZE",
     "PayloadRef",
     "RecoveryReport",
+    "SegmentCheck",
     "SegmentReader",
     "SegmentSet",
     "TailRepair",

@@ -5,15 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .._errors import Corruption, PayloadTooLarge
+from .._fs import fsync_dir
 from . import _format as fmt
 from ._format import PayloadRef
-from ._reader import ScanError, SegmentReader, is_zero_from
-from ._writer import SegmentWriter, create_segment_file, fsync_dir
+from ._reader import ScanError, SegmentReader, frame_problem, is_zero_from
+from ._writer import SegmentWriter, create_segment_file
 
 log = logging.getLogger("qstore.payload")
 
@@ -329,16 +329,14 @@ class SegmentSet:
         """
         path = self._path(file_id)
         create_segment_file(path, file_id)
-        fd = os.open(path, os.O_WRONLY)
-        flusher = _Flusher(fd)
+        out = SegmentWriter(path, file_id, fmt.HEADER_SIZE, fmt.HEADER_SIZE)
+        flusher = _Flusher(out.fileno())
         mapping: dict[PayloadRef, PayloadRef] = {}
         views: dict[int, memoryview] = {}
         pieces: list[memoryview] = []
-        frame_size, header_size, unpack_frame, crc32 = (
-            fmt.FRAME_SIZE, fmt.HEADER_SIZE, fmt.FRAME.unpack_from, zlib.crc32)
-        length_crcs: dict[int, int] = {}
+        frame_size, check = fmt.FRAME_SIZE, frame_problem
         try:
-            at = pos = header_size  # at: where pieces go; pos: end of the data so far
+            pos = fmt.HEADER_SIZE  # end of the output data so far, pieces included
             run_fid, run_start, run_end = -1, 0, 0  # back-to-back records being gathered
             view = memoryview(b"")
             view_end = 0
@@ -348,45 +346,38 @@ class SegmentSet:
                 if fid != run_fid or off != run_end or run_end - run_start >= _COPY_BYTES:
                     if run_end > run_start:
                         pieces.append(view[run_start:run_end])
-                    if len(pieces) >= _COPY_PIECES or pos - at >= _COPY_BYTES:
-                        at = _write_pieces(fd, pieces, at, progress)
+                    if len(pieces) >= _COPY_PIECES or pos - out.end >= _COPY_BYTES:
+                        _write_pieces(out, pieces, progress)
                         pieces = []
-                        flusher.wrote_up_to(at)
+                        flusher.wrote_up_to(out.end)
                     if fid != run_fid:
                         view = views.get(fid) or self._source_view(fid, views)
                         view_end = len(view)
                     run_fid, run_start = fid, off
-                # The record must be intact: bounds, length, CRC. (The CRC starts
-                # with the 4 length bytes, checked equal to ``length``: cached.)
-                head = length_crcs.get(length)
-                if head is None:
-                    head = length_crcs[length] = crc32(fmt.LENGTH.pack(length))
-                if not (off >= header_size and end <= view_end
-                        and unpack_frame(view, off) == (length, crc32(
-                            view[off + frame_size : end], head))):
-                    self.read(ref)  # raises the precise Corruption...
-                    # ...unless the map was stale (the active segment grew): remap.
+                problem = check(view, off, length, view_end)
+                if problem is not None:
+                    # A stale map (the active segment grew since it was taken): remap once.
                     view = self._source_view(fid, views, fresh=True)
                     view_end = len(view)
-                    if end > view_end:
-                        raise Corruption(self._path(fid), off, fmt.OUT_OF_BOUNDS)
+                    problem = check(view, off, length, view_end)
+                    if problem is not None:
+                        raise Corruption(self._path(fid), off, problem)
                 run_end = end
                 mapping[ref] = PayloadRef(file_id, pos, length)
                 pos += end - off
             if run_end > run_start:
                 pieces.append(view[run_start:run_end])
-            _write_pieces(fd, pieces, at, progress)
+            _write_pieces(out, pieces, progress)
             flusher.finish()
-            os.fsync(fd)
+            out.finish()  # fsyncs and closes
         except BaseException:
             flusher.abandon()
-            os.close(fd)
+            out.abandon()
             os.unlink(path)
             raise
         finally:
             pieces.clear()
             views.clear()
-        os.close(fd)
         fsync_dir(self.directory)
         with self._lock:
             self._readers[file_id] = SegmentReader(path, file_id)
@@ -401,6 +392,8 @@ class SegmentSet:
         reader = self._readers.get(file_id)
         if reader is None:
             reader = self._open_reader(file_id)
+        if fresh:
+            reader.remap()
         m = reader._map  # written from directly: payload bytes never pass through Python
         view = memoryview(m) if m is not None else memoryview(b"")
         writer = self._writer
@@ -511,13 +504,12 @@ class _Flusher:
 
 
 def _write_pieces(
-    fd: int, pieces: list[memoryview], at: int, progress: Callable[[int], None] | None
-) -> int:
-    """Write ``pieces`` back to back at ``at``; returns the offset after them."""
-    total = sum(len(p) for p in pieces)
-    written = os.pwritev(fd, pieces, at) if pieces else 0
-    while written < total:  # a short write (rare: signals, huge batches): finish it
-        written += os.pwrite(fd, b"".join(pieces)[written:], at + written)
-    if progress is not None and total:
-        progress(total)
-    return at + total
+    out: SegmentWriter, pieces: list[memoryview], progress: Callable[[int], None] | None
+) -> None:
+    """Append ``pieces`` (runs of checked records) to ``out``; report the bytes."""
+    if not pieces:
+        return
+    at = out.end
+    out.append_framed(pieces)
+    if progress is not None:
+        progress(out.end - at)

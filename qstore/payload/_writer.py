@@ -1,10 +1,17 @@
-"""Appending records to the active segment."""
+"""Writing segments: the active segment's appends, compaction outputs, backfill segments.
+
+Every segment file is written through :class:`SegmentWriter`: the store
+appends bodies to its active segment (:meth:`~SegmentWriter.append`), and
+compaction and the backfill executors append runs of records that are
+already framed (:meth:`~SegmentWriter.append_framed`) to new segments.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 
+from .._fs import Buffer, complete_write, fsync_dir, write_at
 from . import _format as fmt
 from ._format import PayloadRef
 
@@ -15,28 +22,25 @@ from ._format import PayloadRef
 # the segment is sealed and cut back to its data end.
 GROW_STEP = 8 * 1024 * 1024
 
-# pwritev() fails with EINVAL when given more buffers than this (1024 on Linux),
-# so a large batch is written in several calls.
-IOV_MAX = 1024
+__all__ = ["GROW_STEP", "SegmentWriter", "create_segment_file"]
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def create_segment_file(path: str, file_id: int, *, durable: bool = True) -> None:
+    """Create a new segment holding only its header.
 
-
-def create_segment_file(path: str, file_id: int) -> None:
-    """Create a new segment holding only its header, durable with its directory entry."""
+    ``durable``: the header and the directory entry are fsynced before this
+    returns (a store's segments). Without it the file is made durable when
+    it is finished (a backfill's staged segment, published by a rename).
+    """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(fd, fmt.encode_header(file_id))
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
-    fsync_dir(os.path.dirname(path))
+    if durable:
+        fsync_dir(os.path.dirname(path))
 
 
 class SegmentWriter:
@@ -46,6 +50,8 @@ class SegmentWriter:
     is extended ahead of the data with ``posix_fallocate`` (allocated zeros;
     ``ftruncate`` only on a filesystem without fallocate); :meth:`finish` cuts
     it back to ``end`` when the segment is sealed or the store closes cleanly.
+    Writers of new segments that are written once and sealed (compaction,
+    backfill) skip the preallocation and append framed runs.
     """
 
     def __init__(self, path: str, file_id: int, end: int, max_bytes: int) -> None:
@@ -92,17 +98,23 @@ class SegmentWriter:
             parts.append(body)
             refs.append(PayloadRef(self.file_id, pos, len(body)))
             pos += fmt.FRAME_SIZE + len(body)
-        at = self.end
-        for i in range(0, len(parts), IOV_MAX):
-            chunk = parts[i : i + IOV_MAX]
-            total = sum(len(part) for part in chunk)
-            written = os.pwritev(self._fd, chunk, at)
-            while written < total:  # a short write (rare: signals, huge batches): finish it
-                written += os.pwrite(self._fd, b"".join(chunk)[written:], at + written)
-            at += total
+        write_at(self._fd, parts, self.end)
         self.end = pos
         self.unsynced = True
         return refs
+
+    def append_framed(self, parts: Sequence[Buffer]) -> int:
+        """Write records that are already framed (``parts`` back to back); returns their offset.
+
+        The caller vouches for the bytes: each record's frame is right (a
+        compaction copies checked records unchanged; a backfill frames its
+        own). Space need not be reserved: the file grows as written.
+        """
+        at = self.end
+        self.end = at + write_at(self._fd, parts, at)
+        self.allocated = max(self.allocated, self.end)
+        self.unsynced = True
+        return at
 
     def append_one(self, body: bytes) -> PayloadRef:
         """One record in one pwritev call (space must be reserved)."""
@@ -111,13 +123,13 @@ class SegmentWriter:
         total = fmt.FRAME_SIZE + len(body)
         written = os.pwritev(self._fd, (frame, body), pos)
         if written < total:  # a short write (rare): finish it
-            rest = (frame + body)[written:]
-            while rest:
-                n = os.pwrite(self._fd, rest, pos + total - len(rest))
-                rest = rest[n:]
+            complete_write(self._fd, (frame, body), pos, written)
         self.end = pos + total
         self.unsynced = True
         return PayloadRef(self.file_id, pos, len(body))
+
+    def fileno(self) -> int:
+        return self._fd
 
     def sync(self) -> None:
         if self.unsynced:
@@ -134,3 +146,9 @@ class SegmentWriter:
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
+
+    def abandon(self) -> None:
+        """Close without cutting or syncing (the caller removes the unfinished file)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -18,8 +18,7 @@ import pyarrow as pa
 from .._message import SegmentStats
 from ..meta import keys, records
 from ..payload import _format as fmt
-from ._snapshot_view import Snapshot
-from ._verify import NOT_IN_MANIFEST
+from ._snapshot_view import NOT_IN_MANIFEST, Snapshot
 
 # Finding kinds (one row of findings.parquet each; docs/spark.md explains each).
 CRC_MISMATCH = "crc_mismatch"  # message: the record's checksum does not match its bytes

@@ -5,8 +5,9 @@ prefix). Each task reads its range once and, instead of one row per message,
 yields only what the audit needs, so Spark moves a few rows per task:
 
 - ``finding``: a message whose reference does not resolve to an intact record
-  (checked in bulk, :mod:`._verify`), whose record cannot be decoded, whose
-  queue id has no ``Q`` record, or whose record overlaps another in this task;
+  (checked in bulk by ``qstore.payload.SegmentCheck``), whose record cannot be
+  decoded, whose queue id has no ``Q`` record, or whose record overlaps
+  another in this task;
 - ``count``: messages and payload bytes per state (the ``C`` recount);
 - ``segment``: messages and bytes with frames per segment (the ``S`` recount);
 - ``run``: per segment, maximal runs of contiguous or overlapping records
@@ -29,7 +30,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
-from rocksdict import ReadOptions
 
 from .._errors import InvalidArgument, StorageError
 from ..meta import keys, records
@@ -115,9 +115,7 @@ def audit_range(snap: Snapshot, rng: ScanRange) -> Iterator[pa.RecordBatch]:
     """The audit facts of one range of messages (see the module docstring)."""
     acc = _RangeAudit(snap, rng.qid)
     lo, hi = rng.bounds()
-    ro = ReadOptions()
-    ro.set_iterate_upper_bound(hi)  # NOT set_iterate_lower_bound: it sets the upper bound
-    items: Any = snap.meta.raw.items(from_key=lo, read_opt=ro)
+    items = snap.meta.items(lo, hi)
     ks: list[bytes] = []
     vs: list[bytes] = []
     try:
@@ -273,9 +271,9 @@ class _RangeAudit:
             if code == records.READY:
                 count, h = self._ready_fingerprint(at, prio, umids)
             elif code == records.DEAD:
-                count, h = len(at), ih.hash_rows(ih.fixed_entries(kind, qid, umids[at]))
+                count, h = len(at), ih.hash_rows(keys.key_rows(kind, qid, umids[at]))
             else:
-                count, h = len(at), ih.hash_rows(ih.fixed_entries(kind, qid, when[at], umids[at]))
+                count, h = len(at), ih.hash_rows(keys.key_rows(kind, qid, when[at], umids[at]))
             self._add_fingerprint(STATE_NAMES[code], count, h)
         has = [i for i, d in enumerate(digest) if d is not None]
         digs = [d for d in digest if d is not None]
@@ -283,8 +281,7 @@ class _RangeAudit:
             return
         if all(len(d) == 16 for d in digs):
             tails = np.frombuffer(b"".join(digs), np.uint8).reshape(len(digs), 16)
-            count, h = len(digs), ih.hash_rows(ih.fixed_entries(keys.DEDUP, qid, tails,
-                                                                 umids[has]))
+            count, h = len(digs), ih.hash_rows(keys.key_rows(keys.DEDUP, qid, tails, umids[has]))
         else:
             count, h = ih.fingerprint([keys.dedup_key(qid, d) + keys.U64.pack(int(mids[i]))
                                        for i, d in zip(has, digs, strict=True)])
@@ -295,11 +292,11 @@ class _RangeAudit:
         assert self.info is not None
         qid, rec = self.qid, self.info.rec
         if rec.order == "fifo":
-            return len(at), ih.hash_rows(ih.fixed_entries(keys.READY, qid, umids[at]))
+            return len(at), ih.hash_rows(keys.key_rows(keys.READY, qid, umids[at]))
         if rec.priority_type == "int":
             try:
-                pk = ih.int_priority_keys(np.array([prio[i] for i in at], np.int64), rec.order)
-                return len(at), ih.hash_rows(ih.fixed_entries(keys.READY, qid, pk, umids[at]))
+                pk = keys.int_priority_keys(np.array([prio[i] for i in at], np.int64), rec.order)
+                return len(at), ih.hash_rows(keys.key_rows(keys.READY, qid, pk, umids[at]))
             except (TypeError, ValueError, OverflowError):
                 pass  # a priority of the wrong type: the slow path skips it (the index differs)
         entries = []

@@ -25,37 +25,35 @@ store: it runs in Spark's Python workers.
 Speed: the task works on whole Arrow record batches (Spark hands them over
 as Arrow; no Python Row is ever built). A batch's payload records are framed
 as one array (a ``(rows, 8 + length)`` array when the payloads have one
-length, else one ``numpy.insert``) and written with one call; message keys,
-msgpack records (:func:`_records`) and index keys are built as arrays. Per
-row there remain the CRC call, a few slices and the SST puts.
+length, else one ``numpy.insert``) and written with one call; message keys
+(``meta.keys.key_rows``), msgpack records (``meta.records.encode_messages``)
+and index keys are built as arrays. Per row there remain the CRC call, a few
+slices and the SST puts.
 """
 
 from __future__ import annotations
 
 import os
-import struct
 import time
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from rocksdict import Options, SstFileWriter
 
-from ..meta import keys, records
+from .._fs import fsync_dir, fsync_file
+from ..meta import SstWriter, keys, records
 from ..payload import _format as fmt
-from ..payload._writer import fsync_dir
+from ..payload._writer import SegmentWriter, create_segment_file
 from ._rows import LoadSpec, Rows, parse
 
 # Columns of the rejects table added to the source's columns.
 REASON_COL = "reject_reason"
 PARTITION_COL = "source_partition"
 ROW_COL = "source_row"
-
-_SIGN = np.uint64(1 << 63)
 
 
 @dataclass(frozen=True)
@@ -70,18 +68,24 @@ class PartitionPlan:
 
 
 class _Segments:
-    """Payload segments of one partition, rolled at ``segment_max_bytes`` like the store's."""
+    """Payload segments of one partition, rolled at ``segment_max_bytes`` like the store's.
+
+    Each is written through a :class:`SegmentWriter` under a temporary name and
+    renamed into place, fsynced, when complete. Records added one by one are
+    gathered and written together (:meth:`flush`): one ``pwritev`` per batch.
+    """
 
     def __init__(self, directory: str, file_ids: list[int], max_bytes: int, tmp: str) -> None:
         self._dir = directory
         self._ids = list(file_ids)
         self._max = max_bytes
         self._tmp = tmp
-        self._f: Any = None
+        self._writer: SegmentWriter | None = None
+        self._pending: list[bytes | memoryview] = []  # framed records not yet written
+        self.end = 0  # where the segment ends, pending records included
         self.file_id = 0
-        self.end = 0
         self.done: list[dict[str, int]] = []  # finished segments
-        self._live_bytes = self._live_count = 0
+        self._live_count = 0
 
     def _path(self, fid: int) -> str:
         return os.path.join(self._dir, fmt.segment_name(fid))
@@ -90,177 +94,76 @@ class _Segments:
         if not self._ids:
             raise RuntimeError("backfill partition has no segment file id reserved")
         self.file_id = self._ids.pop(0)
-        self._f = open(self._path(self.file_id) + self._tmp, "wb", buffering=1 << 20)  # noqa: SIM115
-        self._f.write(fmt.encode_header(self.file_id))
+        path = self._path(self.file_id) + self._tmp
+        create_segment_file(path, self.file_id, durable=False)  # synced when finished
+        self._writer = SegmentWriter(path, self.file_id, fmt.HEADER_SIZE, self._max)
         self.end = fmt.HEADER_SIZE
-        self._live_bytes = self._live_count = 0
+        self._live_count = 0
 
     def fits(self, nbytes: int) -> bool:
         """True if ``nbytes`` of records go in the current segment (opening the first)."""
-        if self._f is None:
+        if self._writer is None:
             if fmt.HEADER_SIZE + nbytes > self._max and len(self._ids) > 1:
                 return False
             self._open()
         return self.end + nbytes <= self._max or not self._ids
 
     def append(self, frame: bytes, body: memoryview) -> tuple[int, int]:
-        """Write one record, rolling first if it does not fit; returns (file id, offset)."""
+        """Add one record, rolling first if it does not fit; returns (file id, offset).
+
+        The record is written by the next :meth:`flush` (or roll, or finish).
+        """
         nbytes = len(frame) + len(body)
-        if self._f is None:
+        if self._writer is None:
             self._open()
         elif self.end + nbytes > self._max and self.end > fmt.HEADER_SIZE and self._ids:
             self._close()
             self._open()
-        self._f.write(frame)
-        self._f.write(body)
+        self._pending.append(frame)
+        self._pending.append(body)
         return self._count(nbytes, 1)
 
-    def append_chunk(self, chunk: Any, count: int) -> tuple[int, int]:
+    def append_chunk(self, chunk: memoryview, count: int) -> tuple[int, int]:
         """Write ``count`` framed records at once (``fits`` said yes); returns the start."""
-        view = memoryview(chunk)
-        self._f.write(view)
-        return self._count(view.nbytes, count)
+        self.flush()
+        assert self._writer is not None
+        self._writer.append_framed([chunk])
+        return self._count(chunk.nbytes, count)
 
     def _count(self, nbytes: int, count: int) -> tuple[int, int]:
         at = self.end
         self.end += nbytes
-        self._live_bytes += nbytes
         self._live_count += count
         return self.file_id, at
 
+    def flush(self) -> None:
+        """Write the records added one by one."""
+        if self._pending:
+            assert self._writer is not None
+            self._writer.append_framed(self._pending)
+            self._pending = []
+
     def _close(self) -> None:
-        f = self._f
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        self._f = None
-        os.replace(self._path(self.file_id) + self._tmp, self._path(self.file_id))
-        self.done.append({"file_id": self.file_id, "live_bytes": self._live_bytes,
-                          "live_count": self._live_count, "end": self.end})
+        self.flush()
+        writer = self._writer
+        assert writer is not None
+        writer.finish()  # fsyncs and closes
+        self._writer = None
+        os.replace(writer.path, self._path(self.file_id))
+        self.done.append({"file_id": self.file_id, "live_bytes": writer.end - fmt.HEADER_SIZE,
+                          "live_count": self._live_count, "end": writer.end})
 
     def finish(self) -> list[dict[str, int]]:
-        if self._f is not None:
+        if self._writer is not None:
             self._close()
         return self.done
 
     def abort(self) -> None:
         """Close without publishing (the temporary file goes with the staging directory)."""
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-
-
-def _sst_writer(path: str) -> SstFileWriter:
-    writer = SstFileWriter(Options(raw_mode=True))  # raw mode, as the store's database
-    writer.open(path)
-    return writer
-
-
-def _fixed_keys(prefix: bytes, *columns: np.ndarray) -> tuple[bytes, int]:
-    """Keys ``prefix + big-endian u64 per column`` for each row, concatenated; and the width."""
-    n = len(columns[0])
-    width = len(prefix) + 8 * len(columns)
-    buf = np.empty((n, width), np.uint8)
-    buf[:, : len(prefix)] = np.frombuffer(prefix, np.uint8)
-    for j, col in enumerate(columns):
-        at = len(prefix) + 8 * j
-        buf[:, at: at + 8] = col.astype(">u8").view(np.uint8).reshape(n, 8)
-    return buf.tobytes(), width
-
-
-# msgpack's encodings of an int, as its packer picks them (the smallest that fits):
-# class 0 is the one-byte fixint (-32..127); then uint 8/16/32/64, then int 8/16/32/64.
-_INT_TAGS = (0, 0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3)
-_INT_SIZES = (1, 1, 2, 4, 8, 1, 2, 4, 8)  # value bytes after the tag (class 0: no tag)
-_INT_WIDTHS = np.array([1, 2, 3, 5, 9, 2, 3, 5, 9], np.int64)
-_RECORD_HEAD = (0x9B, records.RECORD_VERSION)  # fixarray of 11, the version (a fixint)
-
-
-def _int_classes(x: np.ndarray) -> np.ndarray:
-    """The msgpack encoding class (an index into ``_INT_TAGS``) of each int64 in ``x``."""
-    c = np.zeros(len(x), np.int64)
-    for bound, cls in ((128, 1), (256, 2), (1 << 16, 3), (1 << 32, 4)):
-        c[x >= bound] = cls
-    for bound, cls in ((-32, 5), (-128, 6), (-(1 << 15), 7), (-(1 << 31), 8)):
-        c[x < bound] = cls
-    return c
-
-
-def _records(late: np.ndarray, prios: np.ndarray, fids: Any, ats: Any, lens: np.ndarray,
-             when: np.ndarray, digests: list[bytes | None], now: float) -> list[bytes]:
-    """``records.pack`` of each row's message record, built as arrays (the same bytes).
-
-    The record is the msgpack array ``[RECORD_VERSION, state, priority, file id,
-    offset, length, attempts 0, deliveries 0, now, when_us, digest]`` that
-    ``MessageRecord.encode()`` packs. Rows are grouped by the encodings their
-    ints need; each group is one 2-D byte array, filled a column at a time.
-    """
-    k = len(late)
-    states = np.where(late, records.DELAYED, records.READY)
-    if prios.dtype == object or not isinstance(now, float):  # str priorities: one at a time
-        fid_list = [fids] * k if isinstance(fids, int) else fids
-        at_list = ats.tolist() if isinstance(ats, np.ndarray) else ats
-        return [records.pack([records.RECORD_VERSION, st, p, f, a, n, 0, 0, now, w, dg])
-                for st, p, f, a, n, w, dg in zip(states.tolist(), prios.tolist(), fid_list,
-                                                 at_list, lens.tolist(), when.tolist(),
-                                                 digests, strict=True)]
-    ints = [np.asarray(prios, np.int64),
-            np.full(k, fids, np.int64) if isinstance(fids, int) else np.asarray(fids, np.int64),
-            np.asarray(ats, np.int64), np.asarray(lens, np.int64), np.asarray(when, np.int64)]
-    classes = [_int_classes(x) for x in ints]
-    has_dg = np.zeros(k, bool) if digests.count(None) == k else np.array(
-        [d is not None for d in digests], bool)
-    sig = has_dg.astype(np.int64)
-    for c in classes:
-        sig = sig * 9 + c
-    # Record lengths: head 2 + state 1 + the 5 ints + two zeros 2 + float 9 + digest 1 or 18.
-    sizes = 15 + sum(_INT_WIDTHS[c] for c in classes) + 17 * has_dg
-    ends = np.cumsum(sizes)
-    starts = ends - sizes
-    groups, inverse = np.unique(sig, return_inverse=True)
-    flat = None if len(groups) == 1 else np.empty(int(ends[-1]), np.uint8)
-    now_bytes = np.frombuffer(b"\xcb" + struct.pack(">d", now), np.uint8)
-    for g in range(len(groups)):
-        rows = np.flatnonzero(inverse == g) if flat is not None else np.arange(k)
-        first = int(rows[0])
-        width = int(sizes[first])
-        out = np.empty((len(rows), width), np.uint8)
-        out[:, 0], out[:, 1] = _RECORD_HEAD
-        out[:, 2] = states[rows]
-        at = 3
-        for j, (x, c) in enumerate(zip(ints, classes, strict=True)):
-            if j == 4:  # attempts, deliveries and enqueued_at come before when_us
-                out[:, at: at + 2] = 0
-                out[:, at + 2: at + 11] = now_bytes
-                at += 11
-            cls = int(c[first])
-            vals = x[rows]
-            if cls == 0:
-                out[:, at] = (vals & 0xFF).astype(np.uint8)
-                at += 1
-                continue
-            size = _INT_SIZES[cls]
-            out[:, at] = _INT_TAGS[cls]
-            out[:, at + 1: at + 1 + size] = vals.astype(">i8").view(np.uint8).reshape(
-                len(rows), 8)[:, 8 - size:]
-            at += 1 + size
-        if has_dg[first]:
-            out[:, at], out[:, at + 1] = 0xC4, 16  # bin 8 of 16 bytes
-            out[:, at + 2: at + 18] = np.frombuffer(
-                b"".join([cast(bytes, digests[i]) for i in rows.tolist()]),
-                np.uint8).reshape(len(rows), 16)
-            at += 18
-        else:
-            out[:, at] = 0xC0  # nil
-            at += 1
-        assert at == width
-        if flat is None:
-            raw = out.tobytes()
-            return [raw[i: i + width] for i in range(0, len(raw), width)]
-        flat[starts[rows][:, None] + np.arange(width)] = out
-    assert flat is not None  # set before the loop whenever widths differ
-    raw = flat.tobytes()
-    return [raw[a: b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+        self._pending = []
+        if self._writer is not None:
+            self._writer.abandon()
+            self._writer = None
 
 
 class PartitionLoader:
@@ -274,7 +177,7 @@ class PartitionLoader:
         self._segs = _Segments(os.path.join(staging, "seg"), plan.file_ids,
                                spec.segment_max_bytes, self._tmp)
         self._m_path = os.path.join(staging, "sst", f"p{plan.pid:05d}-m.sst")
-        self._m: SstFileWriter | None = None
+        self._m: SstWriter | None = None
         self._delayed: list[tuple[np.ndarray, np.ndarray]] = []  # (due us, id) per batch
         self._ready: list[tuple[np.ndarray, np.ndarray]] = []  # (priority key, id) per batch
         self._ready_keys: list[bytes] = []  # str priorities: whole keys
@@ -355,7 +258,7 @@ class PartitionLoader:
             else:
                 chunk = np.insert(body, np.repeat(rel, fmt.FRAME_SIZE),
                                   head.view(np.uint8).ravel())
-            fid, at = segs.append_chunk(chunk, k)
+            fid, at = segs.append_chunk(chunk.data, k)
             return fid, at + rel + fmt.FRAME_SIZE * np.arange(k)
         fids, ats = [], []
         length = fmt.LENGTH.pack
@@ -363,6 +266,7 @@ class PartitionLoader:
             fid, at = segs.append(length(n) + length(c), rows.body(i))
             fids.append(fid)
             ats.append(at)
+        segs.flush()
         return fids, ats
 
     def _write(self, rows: Rows, idx: np.ndarray, start: int) -> None:
@@ -381,13 +285,12 @@ class PartitionLoader:
         digests = [None] * k if rows.digests is None else [
             rows.digests[i] for i in idx.tolist()]
         if self._m is None:
-            self._m = _sst_writer(self._m_path + self._tmp)
-        m = self._m
-        raw, width = _fixed_keys(keys.prefix(keys.MESSAGE, qid), mids)  # m qid id, in bulk
-        mkeys = [raw[i: i + width] for i in range(0, len(raw), width)]
-        values = _records(late, prio_arr, fids, ats, lens_arr, when, digests, now)
-        for key, value in zip(mkeys, values, strict=True):
-            m[key] = value
+            self._m = SstWriter(self._m_path + self._tmp)
+        mkeys = keys.split_rows(keys.key_rows(keys.MESSAGE, qid, mids))  # m qid id, in bulk
+        states = np.where(late, records.DELAYED, records.READY)
+        values = records.encode_messages(states, prio_arr, fids, ats, lens_arr, when, digests,
+                                         now)
+        self._m.put_many(zip(mkeys, values, strict=True))
         self._index(mids, late, when, prio_arr, digests)
         self.nbytes += int(lens_arr.sum())
         self.loaded += k
@@ -405,9 +308,7 @@ class PartitionLoader:
         if spec.order == "fifo":
             self._ready.append((np.zeros(0, np.uint64), mids[soon]))
         elif spec.priority_type == "int":
-            # keys.priority_key, vectorised: offset binary, complemented for "max".
-            pk = prios[soon].view(np.uint64) ^ _SIGN
-            self._ready.append((pk if spec.order == "min" else ~pk, mids[soon]))
+            self._ready.append((keys.int_priority_keys(prios[soon], spec.order), mids[soon]))
         else:
             prefix = keys.prefix(keys.READY, spec.qid)
             for p, mid in zip(prios[soon].tolist(), mids[soon].tolist(), strict=True):
@@ -419,32 +320,26 @@ class PartitionLoader:
                                for dg, mid in zip(digests, mids.tolist(), strict=True)
                                if dg is not None)
 
-    def _write_index(self, writer: SstFileWriter) -> None:
+    def _write_index(self, writer: SstWriter) -> None:
         """Every index key of the partition, in key order: d, then k, then r."""
         qid = self.spec.qid
-        empty = b""
         if self._delayed:
             due = np.concatenate([w for w, _ in self._delayed])
             mid = np.concatenate([m for _, m in self._delayed])
             order = np.lexsort((mid, due))
-            raw, width = _fixed_keys(keys.prefix(keys.DELAYED, qid), due[order], mid[order])
-            for i in range(0, len(raw), width):
-                writer[raw[i: i + width]] = empty
-        for k, v in sorted(self._dedup):
-            writer[k] = v
+            writer.put_keys(keys.split_rows(keys.key_rows(keys.DELAYED, qid, due[order],
+                                                          mid[order])))
+        writer.put_many(sorted(self._dedup))
         if self._ready:
             pk = np.concatenate([p for p, _ in self._ready])
             mid = np.concatenate([m for _, m in self._ready])
-            prefix = keys.prefix(keys.READY, qid)
             if len(pk):
                 order = np.lexsort((mid, pk))
-                raw, width = _fixed_keys(prefix, pk[order], mid[order])
+                rows = keys.key_rows(keys.READY, qid, pk[order], mid[order])
             else:  # fifo: the id alone
-                raw, width = _fixed_keys(prefix, np.sort(mid))
-            for i in range(0, len(raw), width):
-                writer[raw[i: i + width]] = empty
-        for k in sorted(self._ready_keys):
-            writer[k] = empty
+                rows = keys.key_rows(keys.READY, qid, np.sort(mid))
+            writer.put_keys(keys.split_rows(rows))
+        writer.put_keys(sorted(self._ready_keys))
 
     def abort(self) -> None:
         """Give up: close open files, publish nothing (a failed task)."""
@@ -475,12 +370,12 @@ class PartitionLoader:
         segments = self._segs.finish()
         ssts = []
         if self._m is not None:
-            self._m.finish()  # SstFileWriter.finish() syncs the file
+            self._m.finish()  # syncs the file
             os.replace(self._m_path + self._tmp, self._m_path)
             ssts.append(os.path.basename(self._m_path))
         if self.loaded:
             x_path = os.path.join(self.staging, "sst", f"p{plan.pid:05d}-x.sst")
-            writer = _sst_writer(x_path + self._tmp)
+            writer = SstWriter(x_path + self._tmp)
             self._write_index(writer)
             writer.finish()
             os.replace(x_path + self._tmp, x_path)
@@ -490,7 +385,7 @@ class PartitionLoader:
             rejects = f"rejects-p{plan.pid:05d}.parquet"
             path = os.path.join(self.staging, "rejects", rejects)
             pq.write_table(pa.Table.from_batches(self._rejects), path + self._tmp)
-            _fsync_file(path + self._tmp)
+            fsync_file(path + self._tmp)
             os.replace(path + self._tmp, path)
         for sub in ("seg", "sst", "rejects"):
             fsync_dir(os.path.join(self.staging, sub))
@@ -501,14 +396,6 @@ class PartitionLoader:
             "min_due_us": self.min_due_us, "segments": segments, "ssts": ssts,
             "rejects": rejects,
         }
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_partition(batches: Iterable[pa.RecordBatch], spec: LoadSpec, plan: PartitionPlan,

@@ -24,8 +24,7 @@ from typing import Any
 import msgpack
 from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
 
-from .._snapshot import write_json_durably
-from ..payload._writer import fsync_dir
+from .._fs import write_file_durably, write_json_durably
 from ._bulk import PartitionPlan, load_partition, scan_partition
 from ._rows import LoadSpec
 
@@ -78,14 +77,8 @@ class _ScanWriter(DataSourceArrowWriter):
         return TaskResult(scan_partition(iterator, self.spec, pid))
 
     def commit(self, messages: list[Any]) -> None:
-        path = os.path.join(self.staging, SCAN_RESULT)
-        with open(path + ".tmp", "wb") as f:
-            f.write(msgpack.packb([m.summary for m in messages if m is not None],
-                                  use_bin_type=True))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-        fsync_dir(self.staging)
+        write_file_durably(os.path.join(self.staging, SCAN_RESULT), msgpack.packb(
+            [m.summary for m in messages if m is not None], use_bin_type=True))
 
     def abort(self, messages: list[Any]) -> None:
         """Nothing to undo: the driver removes the job's staging directory."""

@@ -8,8 +8,9 @@ the two must agree. A fingerprint is the count and the sum (mod 2**64) of a
 depend on order and partial fingerprints of separate tasks add up. Only when
 they differ does the audit look entry by entry, to name the culprits.
 
-Entries the message pass builds with numpy (fixed-width keys: every index
-but the ready index of str-priority queues) never exist as Python bytes.
+Entries the message pass builds with numpy (fixed-width keys from
+``qstore.meta.keys.key_rows``: every index but the ready index of
+str-priority queues) never exist as Python bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ _C0 = np.uint64(0x9E3779B97F4A7C15)
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
 _C2 = np.uint64(0x94D049BB133111EB)
 _S1, _S2, _S3 = np.uint64(30), np.uint64(27), np.uint64(31)
-_SIGN = np.uint64(1 << 63)
 
 
 def fingerprint(entries: Sequence[bytes]) -> tuple[int, int]:
@@ -59,30 +59,6 @@ def _mix(x: np.ndarray) -> np.ndarray:
     x = (x ^ (x >> _S2)) * _C2
     out: np.ndarray = x ^ (x >> _S3)
     return out
-
-
-def fixed_entries(kind: bytes, qid: int, *parts: np.ndarray) -> np.ndarray:
-    """The (n, width) matrix of entries ``kind qid:u32 part...``.
-
-    A 1-d part is a uint64 array written big-endian (as ``qstore.meta.keys``
-    writes integers); a 2-d part is an (n, k) uint8 matrix copied as is.
-    """
-    n = len(parts[0])
-    fields: list[tuple[str, object] | tuple[str, object, tuple[int]]] = [("k", "S1"), ("q", ">u4")]
-    for i, part in enumerate(parts):
-        fields.append((f"f{i}", ">u8") if part.ndim == 1 else (f"f{i}", np.uint8, (part.shape[1],)))
-    rec = np.empty(n, np.dtype(fields))
-    rec["k"] = kind
-    rec["q"] = qid
-    for i, part in enumerate(parts):
-        rec[f"f{i}"] = part
-    return rec.view(np.uint8).reshape(n, rec.dtype.itemsize)
-
-
-def int_priority_keys(priorities: np.ndarray, order: str) -> np.ndarray:
-    """``keys.priority_key`` of int priorities (int64 array) as uint64 values."""
-    u = priorities.astype(np.int64).view(np.uint64) ^ _SIGN  # offset binary
-    return u if order == "min" else ~u
 
 
 def to_signed(h: int) -> int:

@@ -16,7 +16,6 @@ from typing import Any
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
-from rocksdict import ReadOptions
 
 from .._errors import InvalidArgument
 from ..meta import keys, records
@@ -104,9 +103,7 @@ class IndexReader(DataSourceReader):
 def index_fingerprint(snap: Snapshot, qid: int, kind: bytes) -> tuple[int, int]:
     """The fingerprint of the entries (key + value) of one index of one queue."""
     lo = keys.prefix(kind, qid)
-    ro = ReadOptions()
-    ro.set_iterate_upper_bound(keys.prefix_end(lo))  # NOT set_iterate_lower_bound
-    items: Any = snap.meta.raw.items(from_key=lo, read_opt=ro)
+    items = snap.meta.items(lo, keys.prefix_end(lo))
     try:
         return fingerprint([k + v for k, v in items])
     finally:

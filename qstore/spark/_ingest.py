@@ -39,9 +39,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._errors import InvalidArgument, StorageError
-from .._snapshot import write_json_durably
+from .._fs import fsync_dir, write_json_durably
 from ..payload import _format as fmt
-from ..payload._writer import fsync_dir
 
 if TYPE_CHECKING:
     from .._store import Store

@@ -22,7 +22,6 @@ from typing import Any
 import msgpack
 import pyarrow as pa
 import pyarrow.compute as pc
-from rocksdict import ReadOptions
 
 from .._errors import Corruption, StorageError
 from ..meta import keys, records
@@ -89,11 +88,9 @@ def scan_range(snap: Snapshot, rng: ScanRange, *, payload: bool = False, verify:
     builder = _BatchBuilder(snap, rng.qid, schema, payload=payload, verify=verify,
                             check_index=check_index, codes=codes)
     lo, hi = rng.bounds()
-    ro = ReadOptions()
-    ro.set_iterate_upper_bound(hi)  # NOT set_iterate_lower_bound: it sets the upper bound
     ks: list[bytes] = []
     vs: list[bytes] = []
-    items: Any = snap.meta.raw.items(from_key=lo, read_opt=ro)
+    items = snap.meta.items(lo, hi)
     try:
         for k, v in items:
             ks.append(k)

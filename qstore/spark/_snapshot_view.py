@@ -16,15 +16,13 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from rocksdict import ReadOptions
-
 from .._errors import Corruption
 from .._snapshot import read_manifest
 from ..meta import MetaDB, keys, records
-from ..payload import PayloadRef, SegmentReader
+from ..payload import PayloadRef, SegmentCheck, SegmentReader
 from ..payload import _format as fmt
-from ._verify import NOT_IN_MANIFEST, SegmentCheck
 
+NOT_IN_MANIFEST = "segment is not listed in the snapshot manifest"
 ROWS_PER_PARTITION = 100_000  # default partition size when no count is asked for
 MAX_PARTITIONS = 4096
 
@@ -82,36 +80,25 @@ class Snapshot:
 
     def qids_with_keys(self, kind: bytes) -> list[int]:
         """Every queue id that has at least one key of per-queue ``kind`` (one seek each)."""
-        ro = ReadOptions()
-        ro.set_iterate_upper_bound(keys.prefix_end(kind))  # NOT set_iterate_lower_bound
-        it = self.meta.raw.iter(ro)
+        end = keys.prefix_end(kind)
         found: list[int] = []
-        try:
-            it.seek(kind)
-            while it.valid():
-                key = it.key()
-                if len(key) < 5:  # not a per-queue key; step over it
-                    it.next()
-                    continue
-                qid = keys.U32.unpack_from(key, 1)[0]
-                found.append(qid)
-                it.seek(keys.prefix_end(keys.prefix(kind, qid)))
-        finally:
-            del it
+        key = self.meta.first_key(kind, end)
+        while key is not None:
+            if len(key) < 5:  # not a per-queue key; step over it
+                key = self.meta.first_key(key + b"\x00", end)
+                continue
+            qid = keys.U32.unpack_from(key, 1)[0]
+            found.append(qid)
+            key = self.meta.first_key(keys.prefix_end(keys.prefix(kind, qid)), end)
         return found
 
     def id_span(self, qid: int) -> tuple[int, int] | None:
         """The first and last message id of queue ``qid``, or None if it has none."""
         p = keys.prefix(keys.MESSAGE, qid)
         first = self.meta.first_key(p, keys.prefix_end(p))
-        if first is None:
+        last = self.meta.last_key(p, keys.prefix_end(p))
+        if first is None or last is None:
             return None
-        it = self.meta.raw.iter(ReadOptions())
-        try:
-            it.seek_for_prev(keys.prefix_end(p))
-            last = it.key()
-        finally:
-            del it
         return keys.trailing_id(first), keys.trailing_id(last)
 
     def message_count(self, qid: int) -> int | None:
@@ -154,8 +141,10 @@ class Snapshot:
     def _check(self, file_id: int) -> SegmentCheck:
         check = self._checks.get(file_id)
         if check is None:
+            length = self.segment_lengths.get(file_id)
             check = self._checks[file_id] = SegmentCheck(
-                self.segment_path(file_id), file_id, self.segment_lengths.get(file_id))
+                self.segment_path(file_id), file_id, length or 0,
+                NOT_IN_MANIFEST if length is None else None)
         return check
 
     def _open_segment(self, file_id: int) -> SegmentReader | Corruption:

@@ -37,7 +37,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from .._errors import InvalidArgument
-from .._snapshot import write_json_durably
+from .._fs import write_json_durably
 from ..payload import _format as fmt
 from . import _audit_checks as checks
 from ._audit_checks import Finding, MetaFacts

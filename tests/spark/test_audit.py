@@ -10,10 +10,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from rocksdict import Options, Rdict
 
 import qstore
-from qstore.meta import keys, records
+from qstore.meta import MetaDB, keys, new_batch, records
 from qstore.payload._format import segment_name
 from qstore.payload._writer import SegmentWriter, create_segment_file
 from qstore.spark._audit_checks import FINDINGS_SCHEMA
@@ -109,18 +108,22 @@ def damage(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Damage:
     writer.append([b"nobody refers to me"])
     writer.finish()
 
-    db = Rdict(os.path.join(snap, "meta"), Options(raw_mode=True))
+    db = MetaDB(os.path.join(snap, "meta"), readonly=False, store_path=snap)
     qid_jobs, qid_tags = 1, 2
     mover, target = by_seg[segs[3]][0], by_seg[segs[3]][1]
-    rec = records.MessageRecord.decode(db[keys.message_key(qid_jobs, mover["id"])])
+    raw = db.get(keys.message_key(qid_jobs, mover["id"]))
+    assert raw is not None
+    rec = records.MessageRecord.decode(raw)
     rec.offset = target["offset"]
-    db[keys.message_key(qid_jobs, mover["id"])] = rec.encode()
+    damage = new_batch()
+    damage.put(keys.message_key(qid_jobs, mover["id"]), rec.encode())
     unindexed = by_seg[segs[4]][0]
     pkey = keys.priority_key("max", "int", unindexed["priority_int"])
-    del db[keys.ready_key(qid_jobs, pkey, unindexed["id"])]
+    damage.delete(keys.ready_key(qid_jobs, pkey, unindexed["id"]))
     stray = 999_999
-    db[keys.ready_key(qid_jobs, keys.priority_key("max", "int", 5), stray)] = b""
-    db[keys.counts_key(qid_tags)] = records.encode_counts([99, 0, 0, 0, 123])
+    damage.put(keys.ready_key(qid_jobs, keys.priority_key("max", "int", 5), stray), b"")
+    damage.put(keys.counts_key(qid_tags), records.encode_counts([99, 0, 0, 0, 123]))
+    db.write(damage, sync=True)
     db.close()
 
     result = run_audit(snap, spark=spark, quiet=True)

@@ -2,56 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 
-from qstore import Corruption
 from qstore.meta import keys
-from qstore.payload import PayloadRef, SegmentReader
-from qstore.payload._writer import SegmentWriter, create_segment_file
 from qstore.spark import _index_hash as ih
 from qstore.spark._audit_source import bucket_top, size_buckets
-from qstore.spark._verify import SegmentCheck
 
 pytestmark = pytest.mark.spark
-
-
-def test_bulk_check_gives_the_reasons_segment_reader_gives(tmp_path: Any) -> None:
-    path = str(tmp_path / "0000000001.seg")
-    create_segment_file(path, 1)
-    writer = SegmentWriter(path, 1, 24, 1 << 20)
-    writer.reserve(1000)
-    good, flipped, last = writer.append([b"a" * 10, b"b" * 20, b"c" * 30])
-    writer.finish()
-    with open(path, "r+b") as f:
-        f.seek(flipped.offset + 8 + 3)
-        f.write(b"X")
-    end = last.offset + last.frame_bytes
-    refs = [good, flipped, last, good._replace(length=9), good._replace(offset=4),
-            last._replace(length=31)]
-    reader = SegmentReader(path, 1)
-
-    def reason(ref: PayloadRef) -> str | None:
-        try:
-            reader.read(ref, end)
-            return None
-        except Corruption as exc:
-            return exc.reason
-
-    expected = [reason(r) for r in refs]
-    assert expected == [None, "record checksum mismatch", None,
-                        "record length does not match the reference",
-                        "reference points past the end of the segment",
-                        "reference points past the end of the segment"]
-    check = SegmentCheck(path, 1, end)
-    assert check.check([r.offset for r in refs], [r.length for r in refs]) == expected
-    assert SegmentCheck(path, 1, last.offset).check([last.offset], [last.length]) == [
-        "reference points past the end of the segment"]  # the manifest length bounds it
-    assert SegmentCheck(str(tmp_path / "nope.seg"), 2, 100).problem == "segment file is missing"
-    assert SegmentCheck(path, 1, None).problem == "segment is not listed in the snapshot manifest"
-    assert SegmentCheck(path, 7, end).problem == "header file id does not match the file name"
 
 
 @pytest.mark.parametrize("order", ["max", "min", "fifo"])
@@ -61,14 +19,14 @@ def test_numpy_index_entries_are_the_keys_the_store_writes(order: str) -> None:
     um = np.array(mids, np.uint64)
     expected = [keys.ready_key(9, keys.priority_key(order, "int", p), m)
                 for p, m in zip(prios, mids, strict=True)]
-    parts = [um] if order == "fifo" else [ih.int_priority_keys(np.array(prios), order), um]
-    ready = ih.fixed_entries(keys.READY, 9, *parts)
+    parts = [um] if order == "fifo" else [keys.int_priority_keys(np.array(prios), order), um]
+    ready = keys.key_rows(keys.READY, 9, *parts)
     assert [bytes(r) for r in ready] == expected
-    timed = ih.fixed_entries(keys.INFLIGHT, 9, np.array([5, 6], np.uint64), um[:2])
+    timed = keys.key_rows(keys.INFLIGHT, 9, np.array([5, 6], np.uint64), um[:2])
     assert [bytes(r) for r in timed] == [keys.timed_key(keys.INFLIGHT, 9, w, m)
                                          for w, m in ((5, 1), (6, 2))]
     digests = np.frombuffer(bytes(range(32)), np.uint8).reshape(2, 16)
-    dedup = ih.fixed_entries(keys.DEDUP, 9, digests, um[:2])
+    dedup = keys.key_rows(keys.DEDUP, 9, digests, um[:2])
     assert bytes(dedup[1]) == keys.dedup_key(9, bytes(range(16, 32))) + keys.U64.pack(2)
     assert ih.fingerprint(expected) == (5, ih.hash_rows(ready))
 

@@ -1,0 +1,62 @@
+"""MetaDB's bounded iteration, boundary lookups and ingestion of table files."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+
+from qstore import StorageError
+from qstore.meta import MetaDB, SstWriter, new_batch, write_sst
+
+
+def _db(tmp_path: Path, keys: list[bytes]) -> MetaDB:
+    db = MetaDB(str(tmp_path / "meta"), readonly=False, store_path=str(tmp_path))
+    batch = new_batch()
+    for k in keys:
+        batch.put(k, b"v" + k)
+    db.write(batch)
+    return db
+
+
+def test_items_stops_before_hi_even_after_its_options_are_collected(tmp_path: Path) -> None:
+    db = _db(tmp_path, [b"a", b"b1", b"b2", b"b\xff", b"c", b"d"])
+    items = db.items(b"b", b"c")
+    first = next(items)
+    gc.collect()  # the upper bound must live as long as the iterator, not the call
+    assert [first, *items] == [(b"b1", b"vb1"), (b"b2", b"vb2"), (b"b\xff", b"vb\xff")]
+    assert list(db.items(b"x", b"z")) == []
+    del items
+    db.close()
+
+
+def test_first_and_last_key_are_the_ends_of_the_half_open_range(tmp_path: Path) -> None:
+    db = _db(tmp_path, [b"a", b"b1", b"b2", b"c", b"d"])
+    assert (db.first_key(b"b", b"c"), db.last_key(b"b", b"c")) == (b"b1", b"b2")
+    assert db.last_key(b"b", b"d") == b"c"  # hi itself (d) is excluded
+    assert db.last_key(b"a0", b"b") is None
+    assert db.last_key(b"e", b"f") is None
+    assert db.last_key(b"", b"\xff") == b"d"
+    db.close()
+
+
+def test_ingest_adds_every_file_at_once_and_overwrites_existing_keys(tmp_path: Path) -> None:
+    db = _db(tmp_path, [b"a", b"c"])
+    one = SstWriter(str(tmp_path / "one.sst"))
+    one.put_many([(b"b", b"new"), (b"c", b"replaced")])
+    one.finish()
+    write_sst(str(tmp_path / "two.sst"), [(b"e", b"2"), (b"d", b"1")])  # any order
+    db.ingest([str(tmp_path / "one.sst"), str(tmp_path / "two.sst")])
+    assert dict(db.items(b"", b"\xff")) == {
+        b"a": b"va", b"b": b"new", b"c": b"replaced", b"d": b"1", b"e": b"2"}
+    with pytest.raises(StorageError, match="ingesting 1 table files failed"):
+        db.ingest([str(tmp_path / "missing.sst")])
+    db.close()
+
+
+def test_sst_writer_refuses_keys_out_of_order(tmp_path: Path) -> None:
+    writer = SstWriter(str(tmp_path / "x.sst"))
+    writer.put(b"b", b"")
+    with pytest.raises(StorageError, match="x.sst"):
+        writer.put_keys([b"c", b"a"])
