@@ -150,7 +150,11 @@ class ReadyHeads:
             plan.keys.extend(lv.returns[:want])
             want = n - len(plan.keys)
             if want and lv.maybe:
-                found = db.scan_keys(lv.frontier, lv.end, want)
+                if want == 1:  # a single pop: one seek, no list
+                    first = db.first_key(lv.frontier, lv.end)
+                    found = [] if first is None else [first]
+                else:
+                    found = db.scan_keys(lv.frontier, lv.end, want)
                 plan.keys.extend(found)
                 if len(found) < want:
                     plan.drained.append(lv.start)

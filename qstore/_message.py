@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError, dataclass
+from typing import Any
 
 
-@dataclass(frozen=True, slots=True)
+_FIELDS = ("id", "queue", "priority", "payload", "attempts", "enqueued_at", "lease_deadline",
+           "receipt", "state")
+
+
 class Message:
     """One delivered (``pop``) or inspected (``peek``, ``get``) message.
 
     ``receipt`` identifies this delivery; it is None when the message was not
     leased to you. ``lease_deadline`` is set while the message is in flight;
     ``state`` is one of ``ready``, ``delayed``, ``in_flight``, ``dead``.
+
+    Immutable, compared and hashed by its fields. It keeps them in one tuple
+    (built with one store per pop instead of one per field: pops are the hot
+    path) and reads them through properties.
     """
+
+    __slots__ = ("_v", "_lease")
+    _v: tuple[Any, ...]
+    _lease: tuple[int, int, int] | None
 
     id: int
     queue: str
@@ -22,7 +34,39 @@ class Message:
     enqueued_at: float
     lease_deadline: float | None
     receipt: str | None
-    state: str = "in_flight"
+    state: str
+
+    def __init__(self, id: int, queue: str, priority: int | str, payload: bytes, attempts: int,
+                 enqueued_at: float, lease_deadline: float | None, receipt: str | None,
+                 state: str = "in_flight") -> None:
+        _set(self, "_v", (id, queue, priority, payload, attempts, enqueued_at, lease_deadline,
+                          receipt, state))
+        _set(self, "_lease", None)
+
+    @classmethod
+    def _leased(cls, fields: tuple[Any, ...], lease: tuple[int, int, int]) -> Message:
+        """A popped message; ``lease`` is its receipt parsed (qid, id, delivery)."""
+        msg = cls.__new__(cls)
+        _set(msg, "_v", fields)
+        _set(msg, "_lease", lease)
+        return msg
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Message:
+            return NotImplemented
+        return self._v == other._v
+
+    def __hash__(self) -> int:
+        return hash(self._v)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Message, self._v)
 
     def __repr__(self) -> str:
         body = self.payload[:32]
@@ -31,6 +75,15 @@ class Message:
             f"Message(id={self.id}, queue={self.queue!r}, priority={self.priority!r}, "
             f"attempts={self.attempts}, state={self.state!r}, payload={body!r}{more})"
         )
+
+
+def _field(i: int) -> property:
+    return property(lambda self: self._v[i], doc=f"The message's {_FIELDS[i]}.")
+
+
+for _i, _name in enumerate(_FIELDS):
+    setattr(Message, _name, _field(_i))
+_set = object.__setattr__
 
 
 @dataclass(frozen=True, slots=True)

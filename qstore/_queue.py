@@ -66,6 +66,10 @@ _RECEIPT = re.compile(r"([0-9a-f]{1,8})-([0-9a-f]{1,16})-([0-9a-f]{1,16})")
 
 
 def _receipt_parts(item: object) -> tuple[int, int, int]:
+    if type(item) is Message:
+        lease = item._lease  # set by pop: the receipt it made, already parsed
+        if lease is not None:
+            return lease
     receipt = item.receipt if isinstance(item, Message) else item
     if not isinstance(receipt, str):
         raise InvalidArgument(f"expected a Message from pop() or its receipt, not {item!r:.60}")
@@ -87,6 +91,15 @@ def _iterate(items: object, what: str) -> Iterator[Any]:
 
 def make_receipt(qid: int, mid: int, deliveries: int) -> str:
     return f"{qid:x}-{mid:x}-{deliveries:x}"
+
+
+def _popped(qid: int, mid: int, name: str, rec: records.MessageRecord, payload: bytes,
+            deadline: float) -> Message:
+    """The Message a pop returns, with its receipt also kept parsed for ack."""
+    delivery = rec.deliveries
+    return Message._leased(
+        (mid, name, rec.priority, payload, rec.attempts, rec.enqueued_at, deadline,
+         f"{qid:x}-{mid:x}-{delivery:x}", "in_flight"), (qid, mid, delivery))
 
 
 class Queue:
@@ -297,8 +310,7 @@ class Queue:
             mid = keys.trailing_id(rkey)
             payload = read(PayloadRef(rec.file_id, rec.offset, rec.length))
             core.deliver_one(q, rkey, mid, rec, when)
-            out = [Message(mid, name, rec.priority, payload, rec.attempts, rec.enqueued_at,
-                           deadline, make_receipt(qid, mid, rec.deliveries))]
+            out = [_popped(qid, mid, name, rec, payload, deadline)]
         else:
             txn = Txn()
             out = []
@@ -306,9 +318,7 @@ class Queue:
                 mid = keys.trailing_id(rkey)
                 payload = read(PayloadRef(rec.file_id, rec.offset, rec.length))
                 states.deliver(txn, q, rkey, mid, rec, when)
-                out.append(Message(mid, name, rec.priority, payload, rec.attempts,
-                                   rec.enqueued_at, deadline,
-                                   make_receipt(qid, mid, rec.deliveries)))
+                out.append(_popped(qid, mid, name, rec, payload, deadline))
             txn.count(q, READY, -len(out))
             txn.count(q, INFLIGHT, len(out))
             txn.add_event(q, when)
