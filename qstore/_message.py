@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import FrozenInstanceError, dataclass
 from typing import Any
 
-
 _FIELDS = ("id", "queue", "priority", "payload", "attempts", "enqueued_at", "lease_deadline",
            "receipt", "state")
 
