@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TimeE
 from ._message import Message
 from ._queue import Queue
 from ._store import Store, open_store
+from ._tables import print_stats
 
 console = Console()
 PRODUCERS = 3
@@ -201,7 +202,6 @@ def run_demo(directory: str, *, fresh: bool = False, messages: int = 20_000,
     results.append(_check("compaction reclaims space", disk_after < disk_before,
                           f"{disk_before:,} -> {disk_after:,} bytes on disk "
                           f"({len(result.segments_deleted)} segments deleted)"))
-    from .cli import print_stats
 
     print_stats(store.stats(), console)
     # 7. A snapshot, audited with Spark.

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import FrozenInstanceError, dataclass
 from typing import Any
 
+from .payload import HEADER_SIZE
+
 _FIELDS = ("id", "queue", "priority", "payload", "attempts", "enqueued_at", "lease_deadline",
            "receipt", "state")
 
@@ -113,7 +115,6 @@ class SegmentStats:
 
     @property
     def garbage_ratio(self) -> float:
-        from .payload._format import HEADER_SIZE
 
         body = self.size - HEADER_SIZE
         return 0.0 if body <= 0 else max(0.0, (body - self.live_bytes) / body)
@@ -135,7 +136,6 @@ class StoreStats:
     @property
     def garbage_ratio(self) -> float:
         """Dead record bytes over all record bytes (segment headers are not garbage)."""
-        from .payload._format import HEADER_SIZE
 
         body = sum(max(0, s.size - HEADER_SIZE) for s in self.segments)
         return 0.0 if body == 0 else max(0.0, (body - self.live_bytes) / body)

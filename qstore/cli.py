@@ -19,8 +19,10 @@ from rich.console import Console
 from rich.table import Table
 
 from . import _errors as errors
+from ._demo import run_demo
 from ._errors import EXIT_ERROR, EXIT_FOUND, exit_code
 from ._store import Store, open_store
+from ._tables import print_stats
 
 out = Console()
 err = Console(stderr=True)
@@ -105,25 +107,6 @@ def stats(store_path: str, as_json: bool) -> None:
         }, indent=1))
         return
     print_stats(st)
-
-
-def print_stats(st: Any, console: Console = out) -> None:
-    table = Table(title="queues")
-    for col in ("queue", "ready", "delayed", "in flight", "dead", "bytes"):
-        table.add_column(col, justify="left" if col == "queue" else "right")
-    for q in st.queues:
-        table.add_row(q.queue, *(f"{v:,}" for v in (q.ready, q.delayed, q.in_flight, q.dead,
-                                                     q.bytes)))
-    console.print(table)
-    segs = Table(title="payload segments")
-    for col in ("file", "size", "live bytes", "live msgs", "garbage"):
-        segs.add_column(col, justify="right")
-    for s in st.segments:
-        segs.add_row(f"{s.file_id}{' (active)' if s.active else ''}", f"{s.size:,}",
-                     f"{s.live_bytes:,}", f"{s.live_count:,}", f"{s.garbage_ratio:.0%}")
-    console.print(segs)
-    console.print(f"disk {st.disk_bytes:,} bytes, live {st.live_bytes:,}, "
-                  f"garbage {st.garbage_ratio:.0%}")
 
 
 @main.command()
@@ -335,7 +318,6 @@ def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
 @click.option("--no-spark", is_flag=True, help="Skip the Spark snapshot audit at the end.")
 def demo(directory: str, fresh: bool, messages: int, no_spark: bool) -> None:
     """End-to-end workload: producers, consumers, dead letters, a restart, compaction, audit."""
-    from ._demo import run_demo
 
     sys.exit(run_demo(directory, fresh=fresh, messages=messages, spark=not no_spark))
 

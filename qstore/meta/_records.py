@@ -260,3 +260,31 @@ def encode_segment(live_bytes: int, live_count: int, end: int) -> bytes:
 def decode_segment(data: bytes) -> tuple[int, int, int]:
     v = unpack(data, "segment")
     return v[1], v[2], v[3]
+
+
+def decode_messages(ks: list[bytes], vs: list[bytes]) -> list[tuple[Any, ...]]:
+    """The records ``vs`` of message keys ``ks`` as tuples, in the layout of encode_message.
+
+One streaming unpack: about 3x faster than one call each. When a record is
+damaged, they are decoded one by one so that the error names its key.
+"""
+    unpacker = msgpack.Unpacker(raw=False, use_list=False, strict_map_key=False)
+    unpacker.feed(b"".join(vs))
+    try:
+        rows: list[tuple[Any, ...]] = list(unpacker)
+    except Exception:  # msgpack's errors have no common base; the slow path names the key
+        rows = []
+    if (len(rows) == len(vs) and set(map(type, rows)) <= {tuple}
+            and set(map(len, rows)) <= {11} and {row[0] for row in rows} <= {RECORD_VERSION}):
+        return rows
+    # A record is damaged: decode one by one so that the error names its message.
+    out = []
+    for k, v in zip(ks, vs, strict=True):
+        try:
+            rec = MessageRecord.decode(v)
+        except Exception as exc:
+            raise StorageError(f"message key {k.hex()}: undecodable record ({exc})") from None
+        out.append((RECORD_VERSION, rec.state, rec.priority, rec.file_id, rec.offset,
+                    rec.length, rec.attempts, rec.deliveries, rec.enqueued_at, rec.when_us,
+                    rec.digest))
+    return out

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +46,7 @@ import pyarrow.parquet as pq
 from .._fs import fsync_dir, fsync_file
 from ..meta import SstWriter, keys, records
 from ..payload import _format as fmt
+from ..payload import _frames as frames
 from ..payload._writer import SegmentWriter, create_segment_file
 from ._rows import LoadSpec, Rows, parse
 
@@ -182,7 +182,6 @@ class PartitionLoader:
         self._ready: list[tuple[np.ndarray, np.ndarray]] = []  # (priority key, id) per batch
         self._ready_keys: list[bytes] = []  # str priorities: whole keys
         self._dedup: list[tuple[bytes, bytes]] = []
-        self._seeds: dict[int, int] = {}  # body length -> CRC of its 4 length bytes
         self._rejects: list[pa.RecordBatch] = []
         self.rows = self.loaded = self.ready = self.delayed = self.nbytes = 0
         self.duplicates = 0
@@ -213,13 +212,6 @@ class PartitionLoader:
         self._add_rejects(batch, [i for i, r in enumerate(reasons) if r is not None],
                           reasons, start)
 
-    def _seed(self, n: int) -> int:
-        """CRC-32 of the 4 length bytes of an ``n``-byte body (the start of its record CRC)."""
-        seed = self._seeds.get(n)
-        if seed is None:
-            seed = self._seeds[n] = zlib.crc32(fmt.LENGTH.pack(n))
-        return seed
-
     def _frame_records(self, rows: Rows, idx: np.ndarray) -> tuple[Any, Any]:
         """Append the payloads of rows ``idx`` to the segments; (file ids, offsets).
 
@@ -229,41 +221,19 @@ class PartitionLoader:
         offsets = rows.offsets
         starts = offsets[idx]
         lens = offsets[idx + 1] - starts
-        data, crc32 = rows.data, zlib.crc32
+        crcs = frames.record_crcs(rows.data, starts, lens)
         k = len(idx)
-        size = int(lens[0]) if k and lens.min() == lens.max() else -1  # one length for all?
-        # One CRC call per payload (= fmt.record_crc(length, body)), the loop kept tight.
-        if size >= 0:
-            seed = self._seed(size)
-            crcs = [crc32(data[o: o + size], seed) for o in starts.tolist()]
-        else:
-            seeds = {n: self._seed(n) for n in np.unique(lens).tolist()}
-            crcs = [crc32(data[o: o + n], seeds[n])
-                    for o, n in zip(starts.tolist(), lens.tolist(), strict=True)]
         total = int(lens.sum()) + fmt.FRAME_SIZE * k
         segs = self._segs
         if k == rows.n and segs.fits(total):
-            # The whole batch, contiguous in the Arrow buffer: put the 8-byte frame
-            # headers before each body and write it as one chunk.
-            head = np.empty((k, 2), "<u4")
-            head[:, 0] = lens
-            head[:, 1] = crcs
-            rel = offsets[:-1] - offsets[0]
-            body = np.frombuffer(data, np.uint8)[offsets[0]: offsets[-1]]
-            if size >= 0:  # equal lengths: a (k, 8 + size) array, filled column-wise
-                table = np.empty((k, fmt.FRAME_SIZE + size), np.uint8)
-                table[:, : fmt.FRAME_SIZE] = head.view(np.uint8).reshape(k, fmt.FRAME_SIZE)
-                table[:, fmt.FRAME_SIZE:] = body.reshape(k, size)
-                chunk = table.reshape(-1)
-            else:
-                chunk = np.insert(body, np.repeat(rel, fmt.FRAME_SIZE),
-                                  head.view(np.uint8).ravel())
+            # The whole batch, contiguous in the Arrow buffer: one chunk.
+            chunk = frames.frame_contiguous(rows.data, offsets, crcs)
             fid, at = segs.append_chunk(chunk.data, k)
+            rel = offsets[:-1] - offsets[0]
             return fid, at + rel + fmt.FRAME_SIZE * np.arange(k)
         fids, ats = [], []
-        length = fmt.LENGTH.pack
         for i, n, c in zip(idx.tolist(), lens.tolist(), crcs, strict=True):
-            fid, at = segs.append(length(n) + length(c), rows.body(i))
+            fid, at = segs.append(frames.frame_header(n, c), rows.body(i))
             fids.append(fid)
             ats.append(at)
         segs.flush()

@@ -7,12 +7,14 @@ import struct
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qstore.payload import PayloadRef, SegmentSet
 from qstore.payload import _format as fmt
+from qstore.payload import _frames
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "payload-format.md"
 
@@ -207,3 +209,17 @@ def test_doc_worked_example_matches_encoder(tmp_path: Path) -> None:
     segs.close()
     assert refs == [PayloadRef(1, 24, 2), PayloadRef(1, 34, 6)]
     assert (tmp_path / "0000000001.seg").read_bytes() == expected
+
+
+@given(st.lists(st.binary(max_size=300), min_size=1, max_size=40), st.booleans())
+def test_bulk_framing_writes_the_bytes_of_encode_frame(bodies: list[bytes], same: bool) -> None:
+    if same:  # the equal-lengths path
+        bodies = [b.ljust(16, b"x")[:16] for b in bodies]
+    data = b"".join(bodies)
+    offsets = np.cumsum([0] + [len(b) for b in bodies]).astype(np.int64)
+    crcs = _frames.record_crcs(data, offsets[:-1], offsets[1:] - offsets[:-1])
+    expected = b"".join(fmt.encode_frame(b) + b for b in bodies)
+    assert _frames.frame_contiguous(data, offsets, crcs).tobytes() == expected
+    one_by_one = b"".join(_frames.frame_header(len(b), c) + b
+                          for b, c in zip(bodies, crcs, strict=True))
+    assert one_by_one == expected
