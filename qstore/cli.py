@@ -1,7 +1,7 @@
 """The ``qstore`` command line.
 
-Exit codes: 0 success; 1 the command found something (audit findings, an
-empty queue on ``pop``/``peek``, a failed demo check); 2 bad usage; 3 the
+Exit codes: 0 success; 1 the command found something (audit or check
+findings, an empty queue on ``pop``/``peek``, a failed demo check); 2 bad usage; 3 the
 store is locked by another writer; 4 no such queue or message; 5 any other
 qstore error (corruption, storage failure).
 """
@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import _errors as errors
+from ._check import check_path
 from ._errors import EXIT_FOUND, exit_code
 from ._store import Store, open_store
 
@@ -71,7 +72,7 @@ def _parse_priority(store: Store, queue: str, text: str | None) -> int | str | N
 def main() -> None:
     """qstore: a durable, embedded priority work queue.
 
-    Exit codes: 0 ok, 1 found something (audit findings, empty queue),
+    Exit codes: 0 ok, 1 found something (audit/check findings, empty queue),
     2 bad usage, 3 store locked, 4 no such queue/message, 5 other error.
     """
 
@@ -253,6 +254,35 @@ def audit(snapshot_path: str, master: str | None, out_dir: str | None) -> None:
     with _exit_codes():
         result = run_audit(snapshot_path, master=master, out=out_dir)
     sys.exit(result.exit_code)
+
+
+@main.command()
+@click.argument("store_path", metavar="STORE")
+def check(store_path: str) -> None:
+    """Check the integrity of STORE or of a snapshot, in this process.
+
+    Reads every message record and payload (references, frames, CRCs), every
+    index key, the queue counters and the segment records, and the segment
+    files; prints a summary line and a table of findings (docs/check.md).
+    Opens the store read-only, so it works while a writer runs.
+
+    Exit codes: 0 clean, 1 findings, 2 not a store or snapshot, 5 the check
+    could not run (for example metadata missing next to payload segments).
+    """
+    with _exit_codes():
+        report = check_path(store_path)
+    out.print(report.summary(), markup=False, highlight=False)
+    for note in report.notes:
+        out.print(f"note: {note}", markup=False, highlight=False)
+    if report.ok:
+        return
+    table = Table(title="findings")
+    for col in ("kind", "where", "detail"):
+        table.add_column(col, overflow="fold")
+    for f in report.findings:
+        table.add_row(f.kind, f.where(), f.detail)
+    out.print(table)
+    sys.exit(EXIT_FOUND)
 
 
 @main.command()
