@@ -1,4 +1,4 @@
-"""The integrity check of a store or a snapshot, in one process: ``store.check()``, ``qstore check``.
+"""The integrity check of a store or a snapshot in one process: ``store.check()``.
 
 One pass over every message record (streamed: nothing per message is kept
 but small per-queue and per-segment recounts) checks that it decodes, that
@@ -22,8 +22,8 @@ from contextlib import contextmanager
 
 from . import _check_report as k
 from ._check_files import SegmentFiles
-from ._check_segments import check_segments
 from ._check_report import CheckReport, Finding
+from ._check_segments import check_segments
 from ._errors import Corruption, InvalidArgument, StorageError
 from ._snapshot import MANIFEST, read_manifest
 from .meta import MetaDB, keys, records

@@ -18,9 +18,8 @@ import pytest
 from rocksdict import IngestExternalFileOptions, Options, Rdict
 
 import qstore
-from qstore._txn import STATE_COUNTER
-from qstore.meta import keys, records
-from qstore.payload import PayloadRef
+from qstore._check import check_path
+from qstore.meta import records
 from qstore.payload import _format as fmt
 from qstore.spark import _ingest
 from qstore.spark._bulk import PartitionLoader, PartitionPlan
@@ -37,42 +36,14 @@ CHILD = Path(__file__).with_name("_backfill_child.py")
 
 
 def check_consistent(path: Any) -> dict[str, list[int]]:
-    """Assert counters, indexes and segment records equal a recount; every payload reads.
-
-    Returns each queue's counters [ready, delayed, in_flight, dead, bytes].
+    """Assert ``qstore check`` finds nothing (counters, indexes, segment records, every
+    payload, ids below the high-water mark); returns each queue's counters
+    [ready, delayed, in_flight, dead, bytes].
     """
-    out = {}
+    report = check_path(path)
+    assert report.ok, "\n".join(map(str, report.findings))
     with qstore.open(path, readonly=True) as s:
-        meta = s.meta
-        live: dict[int, list[int]] = {}
-        hwm = records.unpack(meta.get(keys.ID_HWM_KEY), "id")[1]
-        for name in s.queues():
-            q = s.queue_states[name]
-            counts = [0, 0, 0, 0, 0]
-            digests = 0
-            lo = keys.prefix(keys.MESSAGE, q.qid)
-            for key, value in meta.scan(lo, keys.prefix_end(lo)):
-                rec = records.MessageRecord.decode(value)
-                assert keys.trailing_id(key) < hwm
-                counts[STATE_COUNTER[rec.state]] += 1
-                counts[4] += rec.length
-                digests += rec.digest is not None
-                seg = live.setdefault(rec.file_id, [0, 0])
-                seg[0] += fmt.FRAME_SIZE + rec.length
-                seg[1] += 1
-                s.payload.read(PayloadRef(rec.file_id, rec.offset, rec.length))  # CRC check
-            assert q.counts == counts, name
-            for kind, n in ((keys.READY, counts[0]), (keys.DELAYED, counts[1]),
-                            (keys.INFLIGHT, counts[2]), (keys.DEAD, counts[3]),
-                            (keys.DEDUP, digests)):
-                p = keys.prefix(kind, q.qid)
-                assert len(meta.scan_keys(p, keys.prefix_end(p))) == n, (name, kind)
-            out[name] = counts
-        for fid, (nbytes, count, end) in s.seg_live.items():
-            assert live.get(fid, [0, 0]) == [nbytes, count], fid
-            assert end <= os.path.getsize(s.payload.path_of(fid))
-        assert set(live) <= set(s.seg_live)
-    return out
+        return {name: list(s.queue_states[name].counts) for name in s.queues()}
 
 
 def drain(path: Any, queue: str) -> list[tuple[int, Any, bytes]]:
