@@ -17,6 +17,7 @@ Architecture, in one page:
   ``qstore`` reads for the audit and backfill jobs (docs/spark.md).
 """
 
+from ._check_report import CheckReport, Finding
 from ._compact import CompactionResult
 from ._config import Config
 from ._errors import (
@@ -41,9 +42,11 @@ from ._store import open_store as open
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckReport",
     "CompactionResult",
     "Config",
     "Corruption",
+    "Finding",
     "InvalidArgument",
     "LeaseExpired",
     "Message",

@@ -1,7 +1,7 @@
 """The ``qstore`` command line.
 
-Exit codes: 0 success; 1 the command found something (audit findings, an
-empty queue on ``pop``/``peek``, a failed demo check); 2 bad usage; 3 the
+Exit codes: 0 success; 1 the command found something (audit or check
+findings, an empty queue on ``pop``/``peek``, a failed demo check); 2 bad usage; 3 the
 store is locked by another writer; 4 no such queue or message; 5 any other
 qstore error (corruption, storage failure) or a failed backfill job.
 """
@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import _errors as errors
+from ._check import check_path
 from ._demo import run_demo
 from ._errors import EXIT_ERROR, EXIT_FOUND, exit_code
 from ._store import Store, open_store
@@ -73,7 +74,7 @@ def _parse_priority(store: Store, queue: str, text: str | None) -> int | str | N
 def main() -> None:
     """qstore: a durable, embedded priority work queue.
 
-    Exit codes: 0 ok, 1 found something (audit findings, empty queue),
+    Exit codes: 0 ok, 1 found something (audit/check findings, empty queue),
     2 bad usage, 3 store locked, 4 no such queue/message, 5 other error.
     """
 
@@ -238,6 +239,35 @@ def audit(snapshot_path: str, master: str | None, out_dir: str | None) -> None:
     sys.exit(result.exit_code)
 
 
+@main.command()
+@click.argument("store_path", metavar="STORE")
+def check(store_path: str) -> None:
+    """Check the integrity of STORE or of a snapshot, in this process.
+
+    Reads every message record and payload (references, frames, CRCs), every
+    index key, the queue counters and the segment records, and the segment
+    files; prints a summary line and a table of findings (docs/check.md).
+    Opens the store read-only, so it works while a writer runs.
+
+    Exit codes: 0 clean, 1 findings, 2 not a store or snapshot, 5 the check
+    could not run (for example metadata missing next to payload segments).
+    """
+    with _exit_codes():
+        report = check_path(store_path)
+    out.print(report.summary(), markup=False, highlight=False)
+    for note in report.notes:
+        out.print(f"note: {note}", markup=False, highlight=False)
+    if report.ok:
+        return
+    table = Table(title="findings")
+    for col in ("kind", "where", "detail"):
+        table.add_column(col, overflow="fold")
+    for f in report.findings:
+        table.add_row(f.kind, f.where(), f.detail)
+    out.print(table)
+    sys.exit(EXIT_FOUND)
+
+
 @main.command(epilog="Exit codes: 0 every row loaded; 1 loaded, some rows rejected (see the "
                "rejects table); 2 bad usage; 3 the store is locked by another writer; 5 the "
                "job failed. Nothing is loaded unless the code is 0 or 1.")
@@ -271,7 +301,7 @@ def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
     The queue options (--order, --priority-type, --max-attempts, --dedup) are
     used only when the queue has to be created; for an existing queue, an
     option given here must match it (exit 2 if not). Also run by
-    `spark-submit spark/backfill.py` and `python -m qstore.spark.backfill`.
+    `spark-submit spark/backfill.py`.
     """
     import logging
 

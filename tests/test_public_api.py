@@ -31,6 +31,15 @@ def test_invalid_argument_is_a_value_error_and_payload_too_large_is_invalid_argu
     assert issubclass(qstore.PayloadTooLarge, qstore.InvalidArgument)
 
 
+def test_check_report_and_finding_are_frozen(store: qstore.Store) -> None:
+    report = store.check()
+    assert isinstance(report, qstore.CheckReport) and report.ok and report.findings == ()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.messages = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        qstore.Finding("crc_mismatch").kind = "x"  # type: ignore[misc]
+
+
 def test_corruption_carries_path_offset_reason() -> None:
     exc = qstore.Corruption("payload/0000000001.seg", 24, "record checksum mismatch")
     assert (exc.path, exc.offset, exc.reason) == ("payload/0000000001.seg", 24,

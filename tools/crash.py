@@ -14,9 +14,9 @@ through every step. After each kill it reopens the store and checks:
   in flight at the kill); no ack that returned is undone;
 - every payload reads back byte-exact (its digest was journaled), and every
   message in the store was pushed (at least attempted) by a child;
-- queue counters and per-segment live counters equal a recount of the
-  metadata, every message is in the index of its state, every segment a
-  message refers to exists;
+- ``store.check()`` finds nothing (every reference, CRC, index, counter and
+  segment record; docs/check.md), and the in-memory counters equal the
+  stored ones;
 - no compaction record is left after open, and after one more ``compact()``
   no sealed segment without live records survives.
 
@@ -64,66 +64,22 @@ def digest(body: bytes) -> str:
 
 
 def recount(store: qstore.Store) -> list[str]:
-    """Problems found comparing every counter with a recount of the metadata."""
-    problems: list[str] = []
-    meta = store.core.meta
-    seg_bytes: Counter[int] = Counter()
-    seg_count: Counter[int] = Counter()
+    """Problems found by ``store.check()``, plus in-memory counters that drifted from disk."""
     with store.core.lock:  # a consistent view: no sweep or pass changes anything meanwhile
         for name in store.queues():
-            stats = store.queue(name).stats()  # promotes due messages first
-            state = store.core.queues[name]
-            qid, rec_q = state.qid, state.rec
-            index: dict[str, int] = {}
-            for kind, label in ((keys.READY, "ready"), (keys.DELAYED, "delayed"),
-                                (keys.INFLIGHT, "in_flight"), (keys.DEAD, "dead")):
-                lo = keys.prefix(kind, qid)
-                index[label] = len(meta.scan_keys(lo, keys.prefix_end(lo)))
-            by_state: Counter[str] = Counter()
-            nbytes = 0
-            expected_keys = []
-            lo = keys.prefix(keys.MESSAGE, qid)
-            for key, value in meta.scan(lo, keys.prefix_end(lo)):
-                mid = keys.trailing_id(key)
-                rec = records.MessageRecord.decode(value)
-                by_state[records.STATE_NAMES[rec.state]] += 1
-                nbytes += rec.length
-                seg_bytes[rec.file_id] += rec.length + 8
-                seg_count[rec.file_id] += 1
-                if rec.state == records.READY:
-                    pkey = keys.priority_key(rec_q.order, rec_q.priority_type, rec.priority)
-                    expected_keys.append(keys.ready_key(qid, pkey, mid))
-                elif rec.state == records.DELAYED:
-                    expected_keys.append(keys.timed_key(keys.DELAYED, qid, rec.when_us, mid))
-                elif rec.state == records.INFLIGHT:
-                    expected_keys.append(keys.timed_key(keys.INFLIGHT, qid, rec.when_us, mid))
-                else:
-                    expected_keys.append(keys.dead_key(qid, mid))
-            missing = sum(1 for raw in meta.multi_get(expected_keys) if raw is None)
-            if missing:
-                problems.append(f"queue {name}: {missing} message(s) missing from their index")
-            counted = {"ready": stats.ready, "delayed": stats.delayed,
-                       "in_flight": stats.in_flight, "dead": stats.dead}
-            for label, got in counted.items():
-                if not got == index[label] == by_state[label]:
-                    problems.append(f"queue {name}: {label} counter {got}, index {index[label]}, "
-                                    f"records {by_state[label]}")
-            if stats.bytes != nbytes:
-                problems.append(f"queue {name}: bytes counter {stats.bytes}, recount {nbytes}")
-        persisted = {keys.segment_id(k): records.decode_segment(v)
-                     for k, v in meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT))}
-        for fid in sorted(set(persisted) | set(seg_count) | set(store.core.segments)):
-            want = (seg_bytes[fid], seg_count[fid])
-            disk = persisted.get(fid, (0, 0, 0))[:2]
-            mem = tuple(store.core.segments.get(fid, [0, 0, 0])[:2])
-            if not disk == mem == want:
-                problems.append(f"segment {fid}: live (bytes, count) stored {disk}, "
-                                f"in memory {mem}, recount {want}")
-        files = set(store.core.payload.file_ids())
-        for fid in sorted(seg_count):
-            if fid not in files or not os.path.exists(store.core.payload.path_of(fid)):
-                problems.append(f"segment {fid} is referenced by {seg_count[fid]} message(s) "
-                                "but does not exist")
+            store.queue(name).stats()  # promotes due messages first
+        problems = [str(f) for f in store.check().findings]
+        for name, state in store.core.queues.items():
+            raw = store.core.meta.get(keys.counts_key(state.qid))
+            if raw is not None and records.decode_counts(raw) != list(state.counts):
+                problems.append(f"queue {name}: in-memory counters {state.counts} differ "
+                                f"from the stored ones")
+        stored = {keys.segment_id(k): list(records.decode_segment(v))
+                  for k, v in store.core.meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT))}
+        for fid in sorted(set(stored) | set(store.core.segments)):
+            if stored.get(fid, [0, 0, 0])[:2] != store.core.segments.get(fid, [0, 0, 0])[:2]:
+                problems.append(f"segment {fid}: live (bytes, count) stored {stored.get(fid)}, "
+                                f"in memory {store.core.segments.get(fid)}")
     return problems
 
 

@@ -9,7 +9,7 @@ Python::
     result = run_backfill(df, into="data/", queue="emails")     # a DataFrame
 
 Command line: ``qstore backfill`` (qstore.cli), which ``spark-submit
-spark/backfill.py`` and ``python -m qstore.spark.backfill`` also run::
+spark/backfill.py`` also runs::
 
     qstore backfill SOURCE... --queue NAME --into STORE [--format parquet|json|csv]
         [--payload-col C] [--priority-col P] [--delay-col D] [--dedup-col K]
@@ -489,9 +489,3 @@ def _read(spark: Any, source: Any, fmt: str) -> Any:
 
 
 __all__ = ["BackfillResult", "run_backfill"]
-
-
-if __name__ == "__main__":  # ``python -m qstore.spark.backfill``: the ``qstore backfill`` command
-    from qstore.cli import backfill
-
-    backfill(prog_name="python -m qstore.spark.backfill")

@@ -12,9 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qstore.payload import PayloadRef, SegmentSet
+from qstore.payload import PayloadRef, SegmentSet, _frames
 from qstore.payload import _format as fmt
-from qstore.payload import _frames
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "payload-format.md"
 

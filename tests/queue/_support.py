@@ -1,21 +1,19 @@
-"""Shared checks of the queue tests: a recount straight from RocksDB, and store dumps.
+"""Shared checks of the queue tests: the store's integrity check, and store dumps.
 
-``recount`` re-derives a queue's counters from its message records and checks
-that every index (ready, delayed, in-flight, dead, dedup) holds exactly the
-keys those records call for, and that the stored and in-memory counters agree.
+``recount`` runs ``store.check()`` (every index, counter, segment record and
+payload against the message records) and also compares the in-memory
+counters with the stored ones, which the check cannot see.
 ``dump`` captures everything a bad call could have changed, so a test can
 assert that it changed nothing.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import astuple, dataclass
 from typing import Any
 
 import qstore
 from qstore.meta import keys, records
-from qstore.payload import PayloadRef
 
 
 @dataclass(frozen=True)
@@ -31,75 +29,32 @@ def stats_counts(stats: qstore.QueueStats) -> Counts:
     return Counts(stats.ready, stats.delayed, stats.in_flight, stats.dead, stats.bytes)
 
 
-def _scan(store: qstore.Store, kind: bytes, qid: int) -> list[tuple[bytes, bytes]]:
-    lo = keys.prefix(kind, qid)
-    return list(store.core.meta.scan(lo, keys.prefix_end(lo)))
-
-
 def recount(store: qstore.Store, name: str) -> Counts:
-    """Count queue ``name`` from RocksDB and check its indexes and counters agree.
+    """Queue ``name``'s counters, after ``store.check()`` found the whole store consistent.
 
-    Does not promote due messages: call ``q.stats()`` first to compare with it.
+    The check recounts every queue and segment from the message records and
+    checks every index; on top, the in-memory counters must equal the stored
+    ones. Does not promote due messages: call ``q.stats()`` first to compare.
     """
     with store.core.lock:
+        report = store.check()
+        assert report.ok, "\n".join(map(str, report.findings))
         state = store.core.queues[name]
-        qid, rec_q = state.qid, state.rec
-        msgs = {keys.trailing_id(k): records.MessageRecord.decode(v)
-                for k, v in _scan(store, keys.MESSAGE, qid)}
-        by_state: dict[int, list[int]] = {s: [] for s in range(4)}
-        for mid, rec in msgs.items():
-            by_state[rec.state].append(mid)
-
-        ready = [k for k, _ in _scan(store, keys.READY, qid)]
-        want_ready = sorted(
-            keys.ready_key(qid, keys.priority_key(rec_q.order, rec_q.priority_type,
-                                                  msgs[m].priority), m)
-            for m in by_state[records.READY]
-        )
-        assert ready == want_ready, f"ready index of {name!r} disagrees with the records"
-        for kind, st in ((keys.DELAYED, records.DELAYED), (keys.INFLIGHT, records.INFLIGHT)):
-            got = [k for k, _ in _scan(store, kind, qid)]
-            want = sorted(keys.timed_key(kind, qid, msgs[m].when_us, m) for m in by_state[st])
-            assert got == want, f"{kind!r} index of {name!r} disagrees with the records"
-        dead = [k for k, _ in _scan(store, keys.DEAD, qid)]
-        assert dead == sorted(keys.dead_key(qid, m) for m in by_state[records.DEAD])
-        dedup = {k: keys.U64.unpack(v)[0] for k, v in _scan(store, keys.DEDUP, qid)}
-        want_dedup = {keys.dedup_key(qid, rec.digest): mid
-                      for mid, rec in msgs.items() if rec.digest is not None}
-        assert dedup == want_dedup, f"dedup index of {name!r} disagrees with the records"
-
-        counted = [len(by_state[s]) for s in range(4)]
-        counted.append(sum(rec.length for rec in msgs.values()))
-        raw = store.core.meta.get(keys.counts_key(qid))
+        raw = store.core.meta.get(keys.counts_key(state.qid))
         assert raw is not None, f"no stored counters for {name!r}"
-        assert records.decode_counts(raw) == counted, f"stored counters of {name!r} drifted"
-        assert list(state.counts) == counted, f"in-memory counters of {name!r} drifted"
-    return Counts(*counted)
-
-
-def check_segments(store: qstore.Store) -> None:
-    """Per-segment live bytes and counts (stored and in memory) equal a recount."""
-    with store.core.lock:
-        live: Counter[int] = Counter()
-        nbytes: Counter[int] = Counter()
-        for _, value in store.core.meta.scan(keys.MESSAGE, keys.prefix_end(keys.MESSAGE)):
-            rec = records.MessageRecord.decode(value)
-            live[rec.file_id] += 1
-            nbytes[rec.file_id] += PayloadRef(rec.file_id, rec.offset, rec.length).frame_bytes
-        stored = {keys.segment_id(k): records.decode_segment(v)
-                  for k, v in store.core.meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT))}
-        for fid in set(stored) | set(live):
-            b, n, _ = stored.get(fid, (0, 0, 0))
-            assert (b, n) == (nbytes[fid], live[fid]), f"segment {fid} live counters drifted"
-            if fid in store.core.segments:
-                assert store.core.segments[fid][:2] == [b, n]
+        stored = records.decode_counts(raw)
+        assert list(state.counts) == stored, f"in-memory counters of {name!r} drifted"
+        for key, value in store.core.meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT)):
+            fid = keys.segment_id(key)
+            assert store.core.segments[fid] == list(records.decode_segment(value)), (
+                f"in-memory live counters of segment {fid} drifted")
+    return Counts(*stored)
 
 
 def assert_consistent(store: qstore.Store, q: qstore.Queue) -> Counts:
-    """``q.stats()`` equals a full recount of the queue's indexes; returns the counts."""
+    """``q.stats()`` equals the stored counters, and ``store.check()`` finds nothing."""
     stats = stats_counts(q.stats())
     assert recount(store, q.name) == stats
-    check_segments(store)
     return stats
 
 

@@ -1,0 +1,342 @@
+"""The integrity check of a store or a snapshot in one process: ``store.check()``.
+
+One pass over every message record (streamed: nothing per message is kept
+but small per-queue and per-segment recounts) checks that it decodes, that
+its payload reference resolves to an intact record (through
+:class:`qstore.payload.SegmentReader`), and that the one index key its state
+implies (``keys.index_key``) and its dedup key exist. A pass over each index
+then checks that every key belongs to a message that implies exactly that key.
+Finally the ``C`` counters and ``S`` segment records are compared with the
+recounts, and the segment files with what refers to them. docs/check.md lists
+every finding kind.
+
+The tests (``tests/queue/_support.py``), ``tools/crash.py`` and the backfill
+tests use this check rather than recounting by hand.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+from . import _check_report as k
+from ._check_files import SegmentFiles
+from ._check_report import CheckReport, Finding
+from ._check_segments import check_segments
+from ._errors import Corruption, InvalidArgument, StorageError
+from ._snapshot import MANIFEST, read_manifest
+from .meta import MetaDB, keys, records
+from .payload import PayloadRef
+from .payload import _format as fmt
+
+BATCH = 1024  # keys per multi_get
+COPYING = "copying"  # phases of M"compaction" (docs/compaction.md)
+PHASES = (COPYING, "repointing", "deleting")
+_INDEX_NAMES = {keys.READY: "ready", keys.DELAYED: "delayed", keys.INFLIGHT: "in_flight",
+                keys.DEAD: "dead", keys.DEDUP: "dedup"}
+
+
+def check_path(path: str | os.PathLike[str]) -> CheckReport:
+    """Check the store or snapshot (a directory with ``MANIFEST.json``) at ``path``.
+
+    Opens the metadata read-only, so it works beside a running writer (it then
+    checks the state of the moment it opened). Raises ``InvalidArgument`` if
+    ``path`` is neither, ``Corruption`` if payload segments lie there without
+    metadata.
+    """
+    path = os.fspath(path)
+    meta_path = os.path.join(path, "meta")
+    payload_dir = os.path.join(path, "payload")
+    lengths: dict[int, int] | None = None
+    active: int | None = None
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        manifest = read_manifest(path)
+        lengths = {int(s["file_id"]): int(s["length"]) for s in manifest["segments"]}
+        active = manifest.get("active_id")
+    if not os.path.isdir(meta_path):
+        if os.path.isdir(payload_dir) and any(
+                fmt.parse_segment_name(n) is not None for n in os.listdir(payload_dir)):
+            raise Corruption(meta_path, 0, "metadata directory is missing")
+        raise InvalidArgument(f"{path!r} is not a qstore store or snapshot")
+    files = SegmentFiles(payload_dir, lengths)  # before the metadata: see _check_files
+    try:
+        if active is None and lengths is None:
+            active = max(files.sizes, default=None)
+        with _readonly_meta(meta_path, path) as meta:
+            return _Check(meta, files, active).run()
+    finally:
+        files.close()
+
+
+@contextmanager
+def _readonly_meta(meta_path: str, store_path: str) -> Iterator[MetaDB]:
+    meta = MetaDB(meta_path, readonly=True, store_path=store_path)
+    try:
+        yield meta
+    finally:
+        meta.close()
+
+
+def run_check(meta: MetaDB, payload_dir: str, lengths: Mapping[int, int] | None = None, *,
+              active_id: int | None = None) -> CheckReport:
+    """Check the store whose metadata is ``meta`` (already open) and payload is ``payload_dir``.
+
+    ``lengths``: a snapshot's segment data lengths (its manifest), or None for
+    a store (bounds are the file sizes). ``active_id``: the segment being
+    appended to, which may hold bytes no record refers to yet (default: the
+    highest id on disk). The caller keeps ``meta`` from changing meanwhile
+    (``Store.check`` holds the writer lock).
+    """
+    files = SegmentFiles(payload_dir, lengths)
+    try:
+        if active_id is None:
+            active_id = max(files.sizes, default=None)
+        return _Check(meta, files, active_id).run()
+    finally:
+        files.close()
+
+
+def decode_message(value: bytes, rec_q: records.QueueRecord | None
+                   ) -> records.MessageRecord | str:
+    """The record, or why it is not a valid message record (for ``rec_q``'s queue)."""
+    try:
+        rec = records.MessageRecord.decode(value)
+    except (StorageError, ValueError, TypeError, IndexError) as exc:
+        return f"message record does not decode: {exc}"
+    ints = (rec.file_id, rec.offset, rec.length, rec.attempts, rec.deliveries, rec.when_us)
+    if type(rec.state) is not int or not 0 <= rec.state <= records.DEAD:
+        return f"unknown state {rec.state!r}"
+    if any(type(v) is not int or not 0 <= v < 2**64 for v in ints):
+        return f"a reference, count or time field is not an unsigned integer: {ints!r}"
+    if rec.digest is not None and (type(rec.digest) is not bytes or len(rec.digest) != 16):
+        return f"dedup digest is not 16 bytes: {rec.digest!r:.60}"
+    ptype = rec_q.priority_type if rec_q is not None else None
+    if ptype == "int" and (type(rec.priority) is not int
+                           or not keys.INT_MIN <= rec.priority <= keys.INT_MAX):
+        return f"priority {rec.priority!r:.60} is not a signed 64-bit int"
+    if ptype == "str" and type(rec.priority) is not str:
+        return f"priority {rec.priority!r:.60} is not a str"
+    return rec
+
+
+class _Check:
+    def __init__(self, meta: MetaDB, files: SegmentFiles, active_id: int | None) -> None:
+        self.meta = meta
+        self.files = files
+        self.active_id = active_id
+        self.findings: list[Finding] = []
+        self.notes: list[Finding] = []
+        self.queues: dict[int, tuple[str, records.QueueRecord]] = {}
+        self.counts: dict[int, list[int]] = {}  # qid -> [ready, delayed, in_flight, dead, bytes]
+        self.segs: dict[int, list[int]] = {}  # fid -> [bytes with frames, count, max end]
+        self.messages = 0
+        self.verified = 0
+        self._pending: list[tuple[bytes, bytes | None, str, int, str]] = []
+
+    def add(self, kind: str, **where: object) -> None:
+        self.findings.append(Finding(kind, **where))  # type: ignore[arg-type]
+
+    def run(self) -> CheckReport:
+        self._read_queues()
+        compaction = self._read_compaction()
+        self._messages()
+        for qid, (name, rec_q) in self.queues.items():
+            for kind in (keys.READY, keys.DELAYED, keys.INFLIGHT, keys.DEAD, keys.DEDUP):
+                self._index(qid, name, rec_q, kind)
+        self._orphan_queue_keys()
+        self._counters()
+        self.findings += check_segments(self.meta, self.files, self.segs, self.active_id,
+                                        compaction)
+        return CheckReport(tuple(sorted(self.findings, key=Finding.sort_key)),
+                           tuple(self.notes), len(self.queues), self.messages,
+                           len(self.files.sizes), self.verified)
+
+    # -- queues and the compaction record -----------------------------------
+
+    def _read_queues(self) -> None:
+        for key, value in self.meta.scan(keys.QUEUE, keys.prefix_end(keys.QUEUE)):
+            name = key[1:].decode("utf-8", "replace")
+            try:
+                rec = records.QueueRecord.decode(value)
+                if type(rec.qid) is not int or rec.qid < 0 or rec.qid >= 2**32:
+                    raise ValueError(f"queue id {rec.qid!r}")
+                keys.priority_key(rec.order, rec.priority_type, 0 if rec.priority_type ==
+                                  "int" else "")
+            except (StorageError, ValueError, TypeError, IndexError) as exc:
+                self.add(k.BAD_QUEUE_RECORD, queue=name, detail=f"Q record: {exc}")
+                continue
+            self.queues[rec.qid] = (name, rec)
+
+    def _read_compaction(self) -> tuple[str, int, list[int]] | None:
+        raw = self.meta.get(keys.COMPACTION_KEY)
+        if raw is None:
+            return None
+        try:
+            _, phase, output, sources = records.unpack(raw, "compaction")[:4]
+            if phase not in PHASES or type(output) is not int or not all(
+                    type(s) is int for s in sources):
+                raise ValueError(f"phase {phase!r}, output {output!r}, sources {sources!r}")
+        except (StorageError, ValueError, TypeError, IndexError) as exc:
+            self.add(k.BAD_COMPACTION_RECORD, detail=f"M compaction: {exc}")
+            return None
+        self.notes.append(Finding(k.COMPACTION_IN_PROGRESS, file_id=output, detail=(
+            f"a compaction pass was interrupted in phase {phase!r} (output {output}, sources "
+            f"{sources}); the next read-write open finishes or rolls it back")))
+        return phase, output, list(sources)
+
+    # -- messages --------------------------------------------------------------
+
+    def _messages(self) -> None:
+        raw_hwm = self.meta.get(keys.ID_HWM_KEY)
+        hwm = records.unpack(raw_hwm, "id")[1] if raw_hwm is not None else None
+        for key, value in self.meta.scan(keys.MESSAGE, keys.prefix_end(keys.MESSAGE)):
+            self.messages += 1
+            if len(key) != keys.QID_ID.size + 1:
+                self.add(k.BAD_RECORD, detail=f"message key {key.hex()} is not m qid:u32 id:u64")
+                continue
+            qid, mid = keys.QID_ID.unpack_from(key, 1)
+            known = self.queues.get(qid)
+            name = known[0] if known is not None else None
+            rec = decode_message(value, known[1] if known is not None else None)
+            if isinstance(rec, str):
+                self.add(k.BAD_RECORD, queue=name, message_id=mid, detail=rec)
+                continue
+            if hwm is not None and mid >= hwm:
+                self.add(k.ID_ABOVE_HWM, queue=name, message_id=mid,
+                         detail=f"ids below {hwm} may have been handed out (M id_hwm)")
+            counts = self.counts.setdefault(qid, [0, 0, 0, 0, 0])
+            counts[rec.state] += 1
+            counts[4] += rec.length
+            ref = PayloadRef(rec.file_id, rec.offset, rec.length)
+            seg = self.segs.setdefault(rec.file_id, [0, 0, 0])
+            seg[0] += ref.frame_bytes
+            seg[1] += 1
+            seg[2] = max(seg[2], rec.offset + ref.frame_bytes)
+            problem = self.files.check(ref)
+            if problem is None:
+                self.verified += rec.length
+            else:
+                self.add(k.REASON_KINDS.get(problem, k.BAD_RECORD), queue=name, message_id=mid,
+                         file_id=rec.file_id, offset=rec.offset, detail=problem)
+            if known is None:
+                self.add(k.MESSAGE_WITHOUT_QUEUE, message_id=mid, file_id=rec.file_id,
+                         offset=rec.offset, detail=f"its queue id {qid} has no Q record")
+                continue
+            rec_q = known[1]
+            pkey = keys.priority_key(rec_q.order, rec_q.priority_type, rec.priority)
+            want = keys.index_key(rec.state, qid, mid, pkey, rec.when_us)
+            self._expect(want, None, name or "", mid, records.STATE_NAMES[rec.state])
+            if rec.digest is not None:  # dead letters keep theirs (as the audit expects)
+                self._expect(keys.dedup_key(qid, rec.digest), keys.U64.pack(mid), name or "",
+                             mid, "dedup")
+        self._flush()
+
+    def _expect(self, key: bytes, value: bytes | None, queue: str, mid: int, index: str) -> None:
+        """Queue the check that ``key`` exists (with ``value``, if given)."""
+        self._pending.append((key, value, queue, mid, index))
+        if len(self._pending) >= BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        got = self.meta.multi_get([p[0] for p in pending])
+        for (key, value, queue, mid, index), raw in zip(pending, got, strict=True):
+            if raw is None:
+                self.add(k.INDEX_MISSING, queue=queue, message_id=mid,
+                         detail=f"its key in the {index} index is missing ({key.hex()})")
+            elif value is not None and raw != value:
+                other = keys.U64.unpack(raw)[0] if len(raw) == 8 else raw.hex()
+                self.add(k.INDEX_MISSING, queue=queue, message_id=mid,
+                         detail=f"its {index} key names message {other}")
+
+    # -- indexes ---------------------------------------------------------------
+
+    def _index(self, qid: int, name: str, rec_q: records.QueueRecord, kind: bytes) -> None:
+        """Every key of one index belongs to a message that implies exactly that key."""
+        lo = keys.prefix(kind, qid)
+        batch: list[tuple[bytes, bytes, int]] = []
+        for key, value in self.meta.scan(lo, keys.prefix_end(lo)):
+            if kind == keys.DEDUP:
+                if len(key) != 21 or len(value) != 8:
+                    self._stray(name, None, kind, key, "not k qid:u32 digest[16] -> id:u64")
+                    continue
+                mid = keys.U64.unpack(value)[0]
+            elif len(key) < 13 or (kind != keys.READY and len(key) != (13 if kind == keys.DEAD
+                                                                        else 21)):
+                self._stray(name, None, kind, key, "malformed key")
+                continue
+            else:
+                mid = keys.trailing_id(key)
+            batch.append((key, value, mid))
+            if len(batch) >= BATCH:
+                self._check_owners(qid, name, rec_q, kind, batch)
+                batch = []
+        self._check_owners(qid, name, rec_q, kind, batch)
+
+    def _check_owners(self, qid: int, name: str, rec_q: records.QueueRecord, kind: bytes,
+                      batch: list[tuple[bytes, bytes, int]]) -> None:
+        if not batch:
+            return
+        owners = self.meta.multi_get([keys.message_key(qid, mid) for _, _, mid in batch])
+        for (key, _, mid), raw in zip(batch, owners, strict=True):
+            if raw is None:
+                self._stray(name, mid, kind, key, "no message owns it")
+                continue
+            rec = decode_message(raw, rec_q)
+            if isinstance(rec, str):
+                continue  # the message is reported as bad_record; its key cannot be judged
+            if kind == keys.DEDUP:
+                if rec.digest != key[5:]:
+                    self._stray(name, mid, kind, key, "its message has another digest")
+                continue
+            pkey = keys.priority_key(rec_q.order, rec_q.priority_type, rec.priority)
+            if keys.index_key(rec.state, qid, mid, pkey, rec.when_us) != key:
+                self._stray(name, mid, kind, key, (
+                    f"its message is {records.STATE_NAMES[rec.state]} and implies another key"))
+
+    def _stray(self, name: str, mid: int | None, kind: bytes, key: bytes, why: str) -> None:
+        self.add(k.STRAY_INDEX_KEY, queue=name, message_id=mid,
+                 detail=f"{_INDEX_NAMES[kind]} index key {key.hex()}: {why}")
+
+    def _orphan_queue_keys(self) -> None:
+        """Per-queue keys (and counters) of queue ids with no Q record, one finding per kind."""
+        for kind in (*keys.PER_QUEUE_KINDS, keys.COUNTS):
+            if kind == keys.MESSAGE:
+                continue  # each such message is a message_without_queue finding
+            lo, hi = kind, keys.prefix_end(kind)
+            while (key := self.meta.first_key(lo, hi)) is not None:
+                if len(key) < 5:  # not a per-queue key: step over it
+                    lo = key + b"\x00"
+                    continue
+                qid = keys.U32.unpack_from(key, 1)[0]
+                if qid not in self.queues:
+                    self.add(k.ORPHAN_QUEUE_KEYS, detail=(
+                        f"keys with prefix {kind.decode()!r} for queue id {qid}, "
+                        "which has no Q record"))
+                lo = keys.prefix_end(keys.prefix(kind, qid))
+
+    # -- counters --------------------------------------------------------------
+
+    def _counters(self) -> None:
+        for qid, (name, _) in sorted(self.queues.items(), key=lambda kv: kv[1][0]):
+            counted = self.counts.get(qid, [0, 0, 0, 0, 0])
+            raw = self.meta.get(keys.counts_key(qid))
+            if raw is None:
+                self.add(k.COUNTER_MISMATCH, queue=name, detail="no C record")
+                continue
+            try:
+                stored = list(records.decode_counts(raw))
+            except (StorageError, ValueError, TypeError) as exc:
+                self.add(k.COUNTER_MISMATCH, queue=name, detail=f"C record: {exc}")
+                continue
+            if stored != counted:
+                diffs = [f"{f}: stored {s}, recount {c}" for f, s, c in
+                         zip(COUNTER_FIELDS, stored, counted, strict=False) if s != c]
+                self.add(k.COUNTER_MISMATCH, queue=name,
+                         detail="; ".join(diffs) or f"stored {stored}, recount {counted}")
+
+
+COUNTER_FIELDS = ("ready", "delayed", "in_flight", "dead", "bytes")

@@ -1,0 +1,120 @@
+"""The integrity check's segment-level part: ``S`` records and segment files against a recount.
+
+Given what the message pass counted per segment (references, their bytes
+with frames, the furthest record end), each segment id known from any side
+(a file, an ``S`` record, a reference, a snapshot manifest) is checked:
+the file is there and its header intact, it is not shorter than the data the
+metadata refers to, its ``S`` record equals the recount, and a file that
+nothing references or accounts for is an orphan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from . import _check_report as k
+from ._check_files import SegmentFiles
+from ._check_report import Finding
+from ._errors import StorageError
+from .meta import MetaDB, keys, records
+from .payload import _format as fmt
+
+COPYING = "copying"
+DELETING = "deleting"
+
+
+def check_segments(meta: MetaDB, files: SegmentFiles, recount: Mapping[int, list[int]],
+                   active_id: int | None, compaction: tuple[str, int, list[int]] | None
+                   ) -> list[Finding]:
+    """Findings about segments. ``recount``: file id -> [bytes with frames, count, max end].
+
+    Not orphans: the active segment (a fresh one has no ``S`` record yet), a
+    file holding no more than a header, the output of a compaction pass still
+    copying (the next open discards it) and the sources of a pass that was
+    deleting them (the next open finishes that).
+    """
+    findings: list[Finding] = []
+    stored: dict[int, tuple[int, int, int]] = {}
+    for key, value in meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT)):
+        if len(key) != 9:
+            findings.append(Finding(k.SEGMENT_RECORD_MISMATCH,
+                                    detail=f"S key {key.hex()} is not S file_id:u64"))
+            continue
+        fid = keys.segment_id(key)
+        try:
+            b, n, end = records.decode_segment(value)
+            if not all(type(v) is int and v >= 0 for v in (b, n, end)):
+                raise ValueError(f"fields {[b, n, end]!r} are not unsigned integers")
+        except (StorageError, ValueError, TypeError, IndexError) as exc:
+            findings.append(Finding(k.SEGMENT_RECORD_MISMATCH, file_id=fid,
+                                    detail=f"S record: {exc}"))
+            stored[fid] = (-1, -1, 0)  # compares unequal to any recount, reported once
+            continue
+        stored[fid] = (b, n, end)
+    lengths = files.lengths
+    phase, output, sources = compaction if compaction is not None else ("", None, [])
+    fids = set(files.sizes) | set(stored) | set(recount) | set(lengths or ())
+    for fid in sorted(fids):
+        findings += _check_one(fid, files, stored.get(fid), recount.get(fid, [0, 0, 0]),
+                               active_id, phase, output, sources)
+    return findings
+
+
+def _check_one(fid: int, files: SegmentFiles, stored: tuple[int, int, int] | None,
+               counted: list[int], active_id: int | None, phase: str, output: int | None,
+               sources: list[int]) -> list[Finding]:
+    out: list[Finding] = []
+    lengths = files.lengths
+    size = files.sizes.get(fid)
+    nbytes, count, max_end = counted
+    listed = lengths is not None and fid in lengths
+    if size is None:
+        if stored is not None or count or listed:
+            why = [f"{count} messages reference it"]
+            if stored is not None:
+                why.append("it has an S record")
+            if listed:
+                why.append("MANIFEST.json lists it")
+            out.append(Finding(k.MISSING_SEGMENT, file_id=fid,
+                               detail=f"no file {fmt.segment_name(fid)}; " + ", ".join(why)))
+    else:
+        problem = files.header_problem(fid)
+        if problem is not None:
+            out.append(Finding(k.BAD_SEGMENT_HEADER, file_id=fid, offset=0, detail=problem))
+        truncated = False
+        if lengths is not None and listed and size < lengths[fid]:
+            truncated = True
+            out.append(Finding(k.SEGMENT_TRUNCATED, file_id=fid, offset=size, detail=(
+                f"file has {size} bytes, the manifest says {lengths[fid]}")))
+        end = stored[2] if stored is not None else 0
+        if not truncated and end > size:
+            out.append(Finding(k.SEGMENT_TRUNCATED, file_id=fid, offset=size, detail=(
+                f"file has {size} bytes, its S record says the data ends at {end}")))
+        elif stored is not None and listed and lengths is not None and end > lengths[fid]:
+            out.append(Finding(k.SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
+                f"S record's data end {end} is past the manifest length {lengths[fid]}")))
+        data = lengths[fid] if lengths is not None and listed else size
+        exempt = (fid == active_id or data <= fmt.HEADER_SIZE
+                  or (phase == COPYING and fid == output)
+                  or (phase == DELETING and fid in sources))
+        if count == 0 and stored is None and not exempt:
+            out.append(Finding(k.ORPHAN_SEGMENT, file_id=fid, detail=(
+                f"{size} bytes that no message references and no S record accounts for")))
+        if lengths is not None and not listed and count:
+            out.append(Finding(k.UNLISTED_SEGMENT, file_id=fid, detail=(
+                f"{count} messages reference it but MANIFEST.json does not list it")))
+    if phase == COPYING and fid == output and count:
+        out.append(Finding(k.BAD_COMPACTION_RECORD, file_id=fid, detail=(
+            f"{count} messages refer to the output of a pass still copying")))
+    if stored is not None and stored[0] < 0:
+        return out  # an S record that does not decode: reported already
+    live_bytes, live_count, end = stored if stored is not None else (0, 0, 0)
+    if (live_bytes, live_count) != (nbytes, count):
+        out.append(Finding(k.SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
+            f"S record says {live_count} live records / {live_bytes} bytes, recount finds "
+            f"{count} / {nbytes}" + ("" if stored is not None else " (no S record)"))))
+    if stored is not None and max_end > end:
+        out.append(Finding(k.SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
+            f"messages refer to records up to offset {max_end}, past the S record's data "
+            f"end {end}")))
+    return out

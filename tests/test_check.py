@@ -1,0 +1,287 @@
+"""The integrity check: a clean store is clean, and each real damage is named exactly."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+import qstore
+from qstore._check import check_path
+from qstore.cli import main
+from qstore.meta import MetaDB, keys, new_batch, records
+from qstore.payload import _format as fmt
+from tests.conftest import FakeClock
+
+SEGMENT_MAX = 4096
+
+
+def build(path: str, clock: FakeClock) -> dict[str, Any]:
+    """A closed store with messages in every state, a dedup queue, and several segments.
+
+    Returns the ids by role and where each lives: {name: (queue, id, file_id, offset)}.
+    """
+    with qstore.open(path, clock=clock, compactor=False, segment_max_bytes=SEGMENT_MAX) as s:
+        a = s.create_queue("a", max_attempts=1)
+        d = s.create_queue("d", dedup=True, order="min", priority_type="str")
+        ids = {f"a{i}": a.push(bytes([65 + i]) * 1900, priority=i) for i in range(8)}
+        ids["delayed"] = a.push(b"later", priority=1, delay=60)
+        ids["dup"] = d.push(b"same", priority="p")
+        ids["keyed"] = d.push(b"other", priority="q", dedup_key="k1")
+        assert d.push(b"same", priority="z") == ids["dup"]  # a dedup hit
+        flight = a.pop(lease=30)
+        assert flight is not None
+        ids["flight"] = flight.id
+        dead = a.pop(lease=1)
+        assert dead is not None
+        ids["dead"] = dead.id
+        clock.advance(2)
+        assert a.stats().dead == 1
+        assert s.check().ok
+        where = {}
+        for role, mid in ids.items():
+            queue = "d" if role in ("dup", "keyed") else "a"
+            raw = s.core.meta.get(keys.message_key(s.core.queues[queue].qid, mid))
+            assert raw is not None
+            rec = records.MessageRecord.decode(raw)
+            where[role] = (queue, mid, rec.file_id, rec.offset)
+        assert len({w[2] for w in where.values()}) >= 3  # several segments
+    return where
+
+
+@pytest.fixture
+def damaged(tmp_path: Any, clock: FakeClock) -> tuple[str, dict[str, Any]]:
+    path = str(tmp_path / "store")
+    return path, build(path, clock)
+
+
+def seg_path(path: str, fid: int) -> str:
+    return os.path.join(path, "payload", fmt.segment_name(fid))
+
+
+def kinds(report: qstore.CheckReport) -> list[tuple[Any, ...]]:
+    return ordered((f.kind, f.queue, f.message_id, f.file_id) for f in report.findings)
+
+
+def ordered(rows: Any) -> list[tuple[Any, ...]]:
+    return sorted(rows, key=lambda r: tuple("" if v is None else str(v) for v in r))
+
+
+def write_meta(path: str, puts: dict[bytes, bytes] | None = None,
+               deletes: list[bytes] | None = None) -> None:
+    meta = MetaDB(os.path.join(path, "meta"), readonly=False, store_path=path)
+    try:
+        batch = new_batch()
+        for k, v in (puts or {}).items():
+            batch.put(k, v)
+        for k in deletes or []:
+            batch.delete(k)
+        meta.write(batch, sync=True)
+    finally:
+        meta.close()
+
+
+def test_clean_store_with_every_state_has_no_findings(damaged: tuple[str, dict[str, Any]],
+                                                      clock: FakeClock) -> None:
+    path, where = damaged
+    report = check_path(path)
+    assert report.ok and report.findings == () and report.notes == ()
+    assert (report.queues, report.messages) == (2, len({w[1] for w in where.values()}))
+    assert report.payload_bytes == 8 * 1900 + len(b"later") + len(b"same") + len(b"other")
+    assert report.segments >= 3
+    with qstore.open(path, clock=clock, compactor=False) as s:
+        assert s.check() == report  # the same answer under the writer lock
+
+
+def test_flipped_payload_byte_is_a_crc_mismatch_of_that_message(
+        damaged: tuple[str, dict[str, Any]]) -> None:
+    path, where = damaged
+    queue, mid, fid, off = where["a3"]
+    with open(seg_path(path, fid), "r+b") as f:
+        f.seek(off + fmt.FRAME_SIZE + 10)
+        byte = f.read(1)
+        f.seek(off + fmt.FRAME_SIZE + 10)
+        f.write(bytes([byte[0] ^ 0x01]))
+    report = check_path(path)
+    assert kinds(report) == [("crc_mismatch", queue, mid, fid)]
+    assert report.findings[0].offset == off and report.findings[0].detail == fmt.BAD_CRC
+    assert not report.ok
+
+
+def test_truncated_sealed_segment_names_the_segment_and_the_cut_messages(
+        damaged: tuple[str, dict[str, Any]]) -> None:
+    path, where = damaged
+    _, _, fid, off = where["a0"]
+    cut = off + fmt.FRAME_SIZE + 100  # inside a0's body
+    size = os.path.getsize(seg_path(path, fid))
+    os.truncate(seg_path(path, fid), cut)
+    inside = sorted((q, m) for q, m, f, o in where.values() if f == fid and o + 8 < size)
+    report = check_path(path)
+    assert kinds(report) == ordered([("out_of_bounds", q, m, fid) for q, m in inside]
+                                   + [("segment_truncated", None, None, fid)])
+
+
+def test_deleted_segment_is_missing_for_the_segment_and_each_message(
+        damaged: tuple[str, dict[str, Any]]) -> None:
+    path, where = damaged
+    fid = where["a2"][2]
+    os.unlink(seg_path(path, fid))
+    in_it = [(q, m) for q, m, f, _ in where.values() if f == fid]
+    report = check_path(path)
+    assert kinds(report) == ordered([("missing_segment", q, m, fid) for q, m in in_it]
+                                   + [("missing_segment", None, None, fid)])
+
+
+def test_stray_index_key_and_deleted_index_key_are_named(
+        damaged: tuple[str, dict[str, Any]]) -> None:
+    path, where = damaged
+    qid = 1  # queue "a", the first created
+    _, flight, _, _ = where["flight"]
+    _, ready, _, _ = where["a5"]
+    stray = keys.timed_key(keys.DELAYED, qid, 123, 999_999)
+    pkey = keys.priority_key("max", "int", 5)
+    write_meta(path, puts={stray: b""}, deletes=[keys.ready_key(qid, pkey, ready)])
+    report = check_path(path)
+    assert kinds(report) == [("index_missing", "a", ready, None),
+                             ("stray_index_key", "a", 999_999, None)]
+    # An index key of the wrong state (the in-flight message also in the dead index).
+    write_meta(path, puts={keys.dead_key(qid, flight): b""},
+               deletes=[stray])
+    report = check_path(path)
+    assert kinds(report) == [("index_missing", "a", ready, None),
+                             ("stray_index_key", "a", flight, None)]
+
+
+def test_dedup_key_pointing_elsewhere_and_missing_dedup_key(
+        damaged: tuple[str, dict[str, Any]]) -> None:
+    path, where = damaged
+    _, dup, _, _ = where["dup"]
+    _, keyed, _, _ = where["keyed"]
+    qid = 2
+    digest_keyed = qstore_digest(path, qid, keyed)
+    write_meta(path, puts={keys.dedup_key(qid, digest_keyed): keys.U64.pack(dup)})
+    report = check_path(path)
+    assert kinds(report) == [("index_missing", "d", keyed, None),
+                             ("stray_index_key", "d", dup, None)]
+
+
+def qstore_digest(path: str, qid: int, mid: int) -> bytes:
+    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
+    try:
+        raw = meta.get(keys.message_key(qid, mid))
+    finally:
+        meta.close()
+    assert raw is not None
+    digest = records.MessageRecord.decode(raw).digest
+    assert digest is not None
+    return digest
+
+
+def test_wrong_counter_and_wrong_segment_record(damaged: tuple[str, dict[str, Any]]) -> None:
+    path, where = damaged
+    fid = where["a0"][2]
+    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
+    try:
+        counts = records.decode_counts(meta.get(keys.counts_key(1)) or b"")
+        seg = records.decode_segment(meta.get(keys.segment_key(fid)) or b"")
+    finally:
+        meta.close()
+    counts[0] += 1
+    write_meta(path, puts={keys.counts_key(1): records.encode_counts(counts),
+                           keys.segment_key(fid): records.encode_segment(seg[0] + 8, *seg[1:])})
+    report = check_path(path)
+    assert kinds(report) == [("counter_mismatch", "a", None, None),
+                             ("segment_record_mismatch", None, None, fid)]
+    assert "ready: stored" in report.findings[0].detail
+
+
+def test_orphan_segment_file_is_found(tmp_path: Any, clock: FakeClock) -> None:
+    path = str(tmp_path / "store")
+    with qstore.open(path, clock=clock, compactor=False, segment_max_bytes=SEGMENT_MAX) as s:
+        q = s.create_queue("q")
+        first = q.push(b"x" * 3000)
+        q.push(b"y" * 3000)  # rotates: segment 1 is sealed
+        msg = q.pop()
+        assert msg is not None and msg.id == first
+        q.ack(msg)
+        s.compact()  # deletes segment 1, which holds nothing live
+        assert 1 not in s.core.payload.file_ids()
+    body = b"lost bytes"
+    with open(seg_path(path, 1), "wb") as f:
+        f.write(fmt.encode_header(1) + fmt.encode_frame(body) + body)
+    report = check_path(path)
+    assert kinds(report) == [("orphan_segment", None, None, 1)]
+
+
+def test_damaged_segment_header_names_the_segment_and_its_messages(
+        damaged: tuple[str, dict[str, Any]]) -> None:
+    path, where = damaged
+    fid = where["a4"][2]
+    with open(seg_path(path, fid), "r+b") as f:
+        f.seek(2)
+        f.write(b"X")
+    in_it = [(q, m) for q, m, f, _ in where.values() if f == fid]
+    report = check_path(path)
+    assert kinds(report) == ordered([("bad_segment_header", q, m, fid) for q, m in in_it]
+                                   + [("bad_segment_header", None, None, fid)])
+    assert {f.detail for f in report.findings} == {fmt.BAD_MAGIC}
+
+
+def test_message_record_that_does_not_decode_is_a_bad_record(
+        damaged: tuple[str, dict[str, Any]]) -> None:
+    path, where = damaged
+    _, mid, _, _ = where["a6"]
+    write_meta(path, puts={keys.message_key(1, mid): b"\xc1garbage"})
+    report = check_path(path)
+    # The message is gone from every recount, so its counters and segment disagree too.
+    assert ("bad_record", "a", mid, None) in kinds(report)
+    assert {f.kind for f in report.findings} == {"bad_record", "counter_mismatch",
+                                                 "segment_record_mismatch"}
+
+
+def test_snapshot_checks_clean_and_a_damaged_one_does_not(tmp_path: Any,
+                                                          clock: FakeClock) -> None:
+    path = str(tmp_path / "store")
+    build(path, clock)
+    snap = str(tmp_path / "snap")
+    with qstore.open(path, clock=clock, compactor=False) as s:
+        s.snapshot(snap)
+        s.queue("a").push(b"after the snapshot")  # the live store moves on
+        report = check_path(snap)
+        assert report.ok, report.findings
+        assert report.messages == 11
+    fid = max(int(n[:10]) for n in os.listdir(os.path.join(snap, "payload")))
+    shutil.copy(seg_path(snap, fid), seg_path(snap, fid) + ".bak")
+    os.unlink(seg_path(snap, fid))
+    assert "missing_segment" in {f.kind for f in check_path(snap).findings}
+
+
+def test_unfinished_compaction_is_a_note_not_a_finding(damaged: tuple[str, dict[str, Any]]
+                                                       ) -> None:
+    path, _ = damaged
+    write_meta(path, puts={keys.COMPACTION_KEY: records.pack([1, "copying", 77, [1]])})
+    report = check_path(path)
+    assert report.ok
+    assert [(n.kind, n.file_id) for n in report.notes] == [("compaction_in_progress", 77)]
+
+
+def test_cli_check_exits_0_clean_and_1_with_a_table_of_findings(
+        damaged: tuple[str, dict[str, Any]], tmp_path: Any) -> None:
+    path, where = damaged
+    runner = CliRunner()
+    clean = runner.invoke(main, ["check", path])
+    assert clean.exit_code == 0, clean.output
+    assert clean.output.startswith("clean: 11 messages in 2 queues")
+    _, mid, fid, off = where["a1"]
+    with open(seg_path(path, fid), "r+b") as f:
+        f.seek(off + fmt.FRAME_SIZE)
+        f.write(b"!")
+    found = runner.invoke(main, ["check", path])
+    assert found.exit_code == 1, found.output
+    assert "1 findings" in found.output and "crc_mismatch" in found.output
+    assert f"message {mid}" in found.output
+    missing = runner.invoke(main, ["check", str(tmp_path / "nothing")])
+    assert missing.exit_code == 2
