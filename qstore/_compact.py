@@ -430,7 +430,7 @@ class Compactor:
                     txn.set_end(output, output_end)
                 chunk = live[start:stop]
                 raws = core.meta.multi_get([key for _, key, _ in chunk])
-                put = txn.batch.put
+                put = txn.put_record
                 released: dict[int, list[int]] = {}
                 n = nbytes = 0
                 for (old, key, scanned), value, new, raw in zip(

@@ -33,9 +33,13 @@ from .payload import FRAME_SIZE, PayloadRef, SegmentSet
 log = logging.getLogger("qstore")
 
 _READY, _INFLIGHT = records.READY, records.INFLIGHT
+_U64 = keys.U64.pack
 
 ID_BLOCK = 4096  # ids reserved per M"id_hwm" write; a restart skips the unused rest
 PROMOTE_BATCH = 1000  # promotions per batch, to bound the time the writer lock is held
+# Message records this process wrote last, kept encoded so that a pop or an ack
+# of a recent message reads no record from RocksDB. Bounded: about 150 bytes each.
+RECORD_CACHE = 65_536
 
 # Store directories open read-write in this process, by (st_dev, st_ino). RocksDB's
 # LOCK file stops other processes, but within one process it only compares path
@@ -99,6 +103,8 @@ class Core:
         self.ready = threading.Condition(self.lock)  # notified when ready keys are added
         self.writing = Writing(self)
         self.closed = False
+        # message key -> its record as last committed by this process (see commit)
+        self._records: dict[bytes, bytes] = {}
         self._writer_key: tuple[int, int] | None = None
         if not config.readonly:
             os.makedirs(path, exist_ok=True)
@@ -258,6 +264,13 @@ class Core:
             batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *synced]))
         self.meta.write(batch)
         self._synced_mark = synced
+        if txn.forget_records:
+            self._records.clear()
+        for key, value in txn.records:
+            if value is None:
+                self._records.pop(key, None)
+            else:
+                self._cache_record(key, value)
         for q, counts in new_counts:
             q.counts = counts
         for fid, seg in new_segs:
@@ -292,11 +305,14 @@ class Core:
         if mid >= self._id_hwm:
             hwm = mid + ID_BLOCK
             batch.put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, hwm]))
-        qid = q.qid
-        rkey = keys.ready_key(qid, q.priority_key(prio), mid)
+        id_bytes = _U64(mid)
+        pkey = q.pkeys.get(prio)
+        rkey = q.ready_prefix + (q.priority_key(prio) if pkey is None else pkey) + id_bytes
         batch.put(rkey, b"")
-        batch.put(keys.message_key(qid, mid), records.encode_message(
-            _READY, prio, fid, offset, length, 0, 0, self.clock(), 0, None))
+        mkey = q.message_prefix + id_bytes
+        record = records.encode_message(_READY, prio, fid, offset, length, 0, 0, self.clock(), 0,
+                                        None)
+        batch.put(mkey, record)
         c = q.counts
         counts = [c[0] + 1, c[1], c[2], c[3], c[4] + length]
         batch.put(q.counts_key, records.encode_counts(counts))
@@ -306,6 +322,7 @@ class Core:
         seg = [frame, 1, end] if old is None else [old[0] + frame, old[1] + 1, max(old[2], end)]
         batch.put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
         self._write_hot(batch)
+        self._cache_record(mkey, record)
         q.counts = counts
         self.segments[fid] = seg
         if hwm is not None:
@@ -325,15 +342,18 @@ class Core:
         rec.attempts += 1
         rec.deliveries += 1
         rec.when_us = deadline_us
-        qid = q.qid
         batch = new_batch()
         batch.delete(ready_key)
-        batch.put(keys.timed_key(keys.INFLIGHT, qid, deadline_us, mid), b"")
-        batch.put(keys.message_key(qid, mid), rec.encode())
+        id_bytes = _U64(mid)
+        batch.put(q.inflight_prefix + _U64(deadline_us) + id_bytes, b"")
+        mkey = q.message_prefix + id_bytes
+        record = rec.encode()
+        batch.put(mkey, record)
         c = q.counts
         counts = [c[0] - 1, c[1], c[2] + 1, c[3], c[4]]
         batch.put(q.counts_key, records.encode_counts(counts))
         self._write_hot(batch)
+        self._cache_record(mkey, record)
         q.counts = counts
         if deadline_us < q.next_event_us:
             q.next_event_us = deadline_us
@@ -346,12 +366,13 @@ class Core:
         The batch :func:`states.remove` plus :meth:`commit` would write, built
         directly (a test compares the two byte for byte).
         """
-        qid = q.qid
         batch = new_batch()
-        batch.delete(keys.timed_key(keys.INFLIGHT, qid, rec.when_us, mid))
+        id_bytes = _U64(mid)
+        batch.delete(q.inflight_prefix + _U64(rec.when_us) + id_bytes)
         if rec.digest is not None:
-            batch.delete(keys.dedup_key(qid, rec.digest))
-        batch.delete(keys.message_key(qid, mid))
+            batch.delete(keys.dedup_key(q.qid, rec.digest))
+        mkey = q.message_prefix + id_bytes
+        batch.delete(mkey)
         length = rec.length
         c = q.counts
         counts = [c[0], c[1], c[2] - 1, c[3], c[4] - length]
@@ -362,8 +383,20 @@ class Core:
         seg = [-frame, -1, 0] if old is None else [old[0] - frame, old[1] - 1, old[2]]
         batch.put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
         self._write_hot(batch)
+        self._records.pop(mkey, None)
         q.counts = counts
         self.segments[fid] = seg
+
+    def _cache_record(self, key: bytes, value: bytes) -> None:
+        cache = self._records
+        cache[key] = value
+        if len(cache) > RECORD_CACHE:
+            del cache[next(iter(cache))]  # the oldest write
+
+    def record(self, key: bytes) -> bytes | None:
+        """The message record at ``key`` (the record cache, else RocksDB)."""
+        value = self._records.get(key)
+        return value if value is not None else self.meta.get(key)
 
     def _write_hot(self, batch: Batch) -> None:
         """The tail every hot-path batch shares with :meth:`commit`: the synced mark."""
@@ -496,7 +529,7 @@ class Core:
         """The message records the index keys of ``q`` name, in order."""
         mids = [keys.trailing_id(k) for k in index_keys]
         if len(mids) == 1:  # a multi-get costs several times a get
-            raws = [self.meta.get(keys.message_key(q.qid, mids[0]))]
+            raws = [self.record(keys.message_key(q.qid, mids[0]))]
         else:
             raws = self.meta.multi_get([keys.message_key(q.qid, m) for m in mids])
         out = []

@@ -334,7 +334,7 @@ class Queue:
         qid, mid, delivery = _receipt_parts(item)
         if qid != q.qid:
             raise InvalidArgument(f"receipt belongs to another queue, not {q.name!r}")
-        raw = self._core.meta.get(keys.message_key(qid, mid))
+        raw = self._core.record(keys.message_key(qid, mid))
         if raw is None:
             raise MessageNotFound(q.name, mid)
         rec = records.MessageRecord.decode(raw)

@@ -38,7 +38,7 @@ def enqueue(txn: Txn, q: QueueState, mid: int, ref: PayloadRef, prio: int | str,
         state = _READY
         txn.add_ready(q, keys.ready_key(qid, q.priority_key(prio), mid))
     txn.count(q, STATE_COUNTER[state], 1)
-    txn.put(keys.message_key(qid, mid), records.encode_message(
+    txn.put_record(keys.message_key(qid, mid), records.encode_message(
         state, prio, ref.file_id, ref.offset, ref.length, 0, 0, now, when, digest))
     txn.count(q, BYTES, ref.length)
     txn.written(ref)
@@ -53,7 +53,7 @@ def deliver(txn: Txn, q: QueueState, ready_key: bytes, mid: int, rec: records.Me
     rec.when_us = deadline_us
     txn.delete(ready_key)
     txn.put(keys.timed_key(keys.INFLIGHT, q.qid, deadline_us, mid), b"")
-    txn.put(keys.message_key(q.qid, mid), rec.encode())
+    txn.put_record(keys.message_key(q.qid, mid), rec.encode())
 
 
 def leave(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> None:
@@ -80,7 +80,7 @@ def requeue(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord, now: 
         rec.state, rec.when_us = _READY, 0
         txn.add_ready(q, keys.ready_key(q.qid, q.priority_key(rec.priority), mid))
     txn.count(q, STATE_COUNTER[rec.state], 1)
-    txn.put(keys.message_key(q.qid, mid), rec.encode())
+    txn.put_record(keys.message_key(q.qid, mid), rec.encode())
 
 
 def extend(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord,
@@ -89,7 +89,7 @@ def extend(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord,
     txn.delete(keys.timed_key(keys.INFLIGHT, q.qid, rec.when_us, mid))
     rec.when_us = deadline_us
     txn.put(keys.timed_key(keys.INFLIGHT, q.qid, deadline_us, mid), b"")
-    txn.put(keys.message_key(q.qid, mid), rec.encode())
+    txn.put_record(keys.message_key(q.qid, mid), rec.encode())
     txn.add_event(q, deadline_us)
 
 
@@ -98,7 +98,7 @@ def remove(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> Non
     txn.delete(q.index_key(mid, rec))
     if rec.digest is not None:
         txn.delete(keys.dedup_key(q.qid, rec.digest))
-    txn.delete(keys.message_key(q.qid, mid))
+    txn.delete_record(keys.message_key(q.qid, mid))
     txn.count(q, STATE_COUNTER[rec.state], -1)
     txn.count(q, BYTES, -rec.length)
     txn.live(PayloadRef(rec.file_id, rec.offset, rec.length), -1)
@@ -111,5 +111,6 @@ def remove_all(txn: Txn, q: QueueState, refs: list[PayloadRef]) -> None:
     for kind in keys.PER_QUEUE_KINDS:
         p = keys.prefix(kind, q.qid)
         txn.batch.delete_range(p, keys.prefix_end(p))
+    txn.forget_records = True
     for i, c in enumerate(q.counts):
         txn.count(q, i, -c)

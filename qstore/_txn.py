@@ -28,7 +28,8 @@ class QueueState:
     """
 
     __slots__ = ("name", "rec", "qid", "counts", "counts_key", "heads", "next_event_us",
-                 "time_floor_us", "deleted", "pkeys", "int_prio")
+                 "time_floor_us", "deleted", "pkeys", "ready_prefix", "message_prefix",
+                 "inflight_prefix")
 
     def __init__(self, name: str, rec: records.QueueRecord, counts: list[int]) -> None:
         self.name = name
@@ -40,7 +41,10 @@ class QueueState:
         self.heads = ReadyHeads(rec.qid)
         self.counts_key = keys.counts_key(rec.qid)
         self.pkeys: dict[int | str, bytes] = {}  # priority -> priority key, a small cache
-        self.int_prio = rec.priority_type == "int"
+        # Key prefixes of the queue's own keys, for the hot paths (see meta.keys).
+        self.ready_prefix = keys.prefix(keys.READY, rec.qid)
+        self.message_prefix = keys.prefix(keys.MESSAGE, rec.qid)
+        self.inflight_prefix = keys.prefix(keys.INFLIGHT, rec.qid)
         # Earliest lease deadline or due time that may need promotion (us).
         self.next_event_us = 0
         # No delayed or in-flight key of the queue has a time below this (us):
@@ -67,7 +71,8 @@ class QueueState:
 class Txn:
     """Built and committed under the writer lock; never shared between threads."""
 
-    __slots__ = ("batch", "queues", "segments", "ready_keys", "events", "id_hwm")
+    __slots__ = ("batch", "queues", "segments", "ready_keys", "events", "id_hwm", "records",
+                 "forget_records")
 
     def __init__(self) -> None:
         self.batch: Batch = new_batch()
@@ -77,6 +82,18 @@ class Txn:
         self.ready_keys: dict[QueueState, list[bytes]] | None = None  # ready keys written
         self.events: dict[QueueState, int] | None = None  # earliest due time/deadline (us)
         self.id_hwm: int | None = None
+        # Message records written (None: deleted), for the core's record cache.
+        self.records: list[tuple[bytes, bytes | None]] = []
+        self.forget_records = False  # a range of records was deleted: drop the cache
+
+    def put_record(self, key: bytes, value: bytes) -> None:
+        """Write a message record (always through here: the core caches records)."""
+        self.batch.put(key, value)
+        self.records.append((key, value))
+
+    def delete_record(self, key: bytes) -> None:
+        self.batch.delete(key)
+        self.records.append((key, None))
 
     def put(self, key: bytes, value: bytes) -> None:
         self.batch.put(key, value)

@@ -189,11 +189,14 @@ class SegmentSet:
         """``append`` for a body already checked with :meth:`check_size` (the hot path)."""
         nbytes = fmt.FRAME_SIZE + len(body)
         with self._lock:
-            writer = self._active_writer()
-            if nbytes > writer.room() and not writer.empty:
-                writer = self._rotate_locked()
-            if writer.reserve(nbytes):
-                self._readers[writer.file_id].remap()
+            writer = self._writer
+            # The common case in one comparison: room in the space already allocated.
+            if writer is None or writer.end + nbytes > writer.fast_limit:
+                writer = self._active_writer()
+                if nbytes > writer.room() and not writer.empty:
+                    writer = self._rotate_locked()
+                if writer.reserve(nbytes):
+                    self._readers[writer.file_id].remap()
             return writer.append_one(body)
 
     def append_many(self, bodies: Sequence[bytes]) -> list[PayloadRef]:

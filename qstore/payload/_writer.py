@@ -9,6 +9,7 @@ already framed (:meth:`~SegmentWriter.append_framed`) to new segments.
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Sequence
 
 from .._fs import Buffer, complete_write, fsync_dir, write_at
@@ -21,6 +22,8 @@ from ._format import PayloadRef
 # (posix_fallocate, see SegmentWriter.reserve), so it takes disk space until
 # the segment is sealed and cut back to its data end.
 GROW_STEP = 8 * 1024 * 1024
+
+_FRAME_PACK, _LENGTH_PACK, _crc32 = fmt.FRAME.pack, fmt.LENGTH.pack, zlib.crc32
 
 __all__ = ["GROW_STEP", "SegmentWriter", "create_segment_file"]
 
@@ -61,6 +64,8 @@ class SegmentWriter:
         self.max_bytes = max_bytes
         self._fd = os.open(path, os.O_RDWR)
         self.allocated = os.fstat(self._fd).st_size
+        # Appends ending at or below this need no rotation and no allocation.
+        self.fast_limit = min(self.allocated, max_bytes)
         self.unsynced = False
         self.synced_end = end  # bytes below this are known to be on stable storage
 
@@ -86,6 +91,7 @@ class SegmentWriter:
         except OSError:  # a filesystem without fallocate: a sparse extension will do
             os.ftruncate(self._fd, size)
         self.allocated = size
+        self.fast_limit = min(size, self.max_bytes)
         return True
 
     def append(self, bodies: Sequence[bytes]) -> list[PayloadRef]:
@@ -113,20 +119,22 @@ class SegmentWriter:
         at = self.end
         self.end = at + write_at(self._fd, parts, at)
         self.allocated = max(self.allocated, self.end)
+        self.fast_limit = min(self.allocated, self.max_bytes)
         self.unsynced = True
         return at
 
     def append_one(self, body: bytes) -> PayloadRef:
         """One record in one pwritev call (space must be reserved)."""
         pos = self.end
-        frame = fmt.encode_frame(body)
-        total = fmt.FRAME_SIZE + len(body)
+        n = len(body)
+        frame = _FRAME_PACK(n, _crc32(body, _crc32(_LENGTH_PACK(n))))  # fmt.encode_frame
+        total = fmt.FRAME_SIZE + n
         written = os.pwritev(self._fd, (frame, body), pos)
         if written < total:  # a short write (rare): finish it
             complete_write(self._fd, (frame, body), pos, written)
         self.end = pos + total
         self.unsynced = True
-        return PayloadRef(self.file_id, pos, len(body))
+        return PayloadRef(self.file_id, pos, n)
 
     def fileno(self) -> int:
         return self._fd
