@@ -486,6 +486,7 @@ class Core:
         txn.put(keys.QID_NEXT_KEY, records.pack([records.RECORD_VERSION, rec.qid + 1]))
         state = QueueState(name, rec, [0, 0, 0, 0, 0])
         state.next_event_us = NO_EVENT_US
+        state.heads = ReadyHeads.of_empty_queue(rec.qid)
         txn.count(state, 0, 0)
         self.queues[name] = state
         try:
@@ -515,7 +516,7 @@ class Core:
         txn = Txn()
         states.remove_all(txn, q, refs)
         self.commit(txn)
-        q.heads = ReadyHeads(q.qid)
+        q.heads = ReadyHeads.of_empty_queue(q.qid)
         q.next_event_us = NO_EVENT_US
         return len(refs)
 

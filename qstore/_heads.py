@@ -15,17 +15,26 @@ So the queue keeps, per priority *level* (one priority-key value):
 - ``returns``: the sorted keys of messages given back below the frontier
   (a nack, an expired lease, a redrive return a message to its own place,
   which is behind the frontier); they are taken from memory, no seek;
-- ``maybe``: keys may exist at or past the frontier.
+- ``maybe``: keys may exist at or past the frontier;
+- ``known``: live keys at or past the frontier that this process committed
+  (pushes, returns, promotions), sorted: a prefix of the level from the
+  frontier on, so a pop takes them without a seek. ``exact`` says that
+  ``known`` is the whole level past the frontier: it becomes true when a
+  seek found the level drained, and false when a key could not be kept
+  (the caps below); a level that is not exact seeks past its known keys.
 
 Levels are learnt lazily: every level whose key prefix is below
 ``known_upto`` is either in ``levels`` or empty; past it, the index is read
 to find the next level. Memory is bounded: at most ``RETURNS_CAP`` returned
 keys per level (past that the frontier drops back to the smallest of them,
-which costs seeks but loses nothing) and at most ``LEVEL_CAP`` levels (empty
-ones are forgotten first; a forgotten empty level is still known empty).
+which costs seeks but loses nothing), at most ``KNOWN_CAP`` known keys in all
+the levels of a queue, and at most ``LEVEL_CAP`` levels (empty ones are
+forgotten first; a forgotten empty level is still known empty).
 
 All of this is touched only under the store's writer lock, and changed only
-after the batch it reflects has been committed.
+after the batch it reflects has been committed. Ready keys leave the index
+only through a pop (:meth:`ReadyHeads.taken`) or a purge (the heads are
+replaced), so nothing known can go stale.
 """
 
 from __future__ import annotations
@@ -41,11 +50,12 @@ if TYPE_CHECKING:
 
 RETURNS_CAP = 65_536
 LEVEL_CAP = 4_096
+KNOWN_CAP = 32_768  # known keys per queue, all levels together (about 1.5 MB)
 _ID_BYTES = 8
 
 
 class Level:
-    __slots__ = ("start", "end", "frontier", "returns", "maybe")
+    __slots__ = ("start", "end", "frontier", "returns", "maybe", "known", "k0", "exact")
 
     def __init__(self, start: bytes) -> None:
         self.start = start
@@ -53,6 +63,9 @@ class Level:
         self.frontier = start
         self.returns: list[bytes] = []
         self.maybe = False
+        self.known: list[bytes] = []  # live keys are known[k0:] (popping from the front is O(1))
+        self.k0 = 0
+        self.exact = False
 
     @property
     def active(self) -> bool:
@@ -76,6 +89,14 @@ class ReadyHeads:
         self.levels: dict[bytes, Level] = {}
         self.active: list[bytes] = []  # sorted starts of active levels
         self.known_upto = self.base
+        self.known_total = 0  # len(known) - k0, summed over the levels
+
+    @classmethod
+    def of_empty_queue(cls, qid: int) -> ReadyHeads:
+        """Heads of a queue whose ready index is empty (new, or just purged)."""
+        heads = cls(qid)
+        heads.known_upto = heads.base_end
+        return heads
 
     # -- learning ---------------------------------------------------------------
 
@@ -85,6 +106,9 @@ class ReadyHeads:
             if len(self.levels) >= LEVEL_CAP:
                 self._forget_inactive()
             lv = self.levels[start] = Level(start)
+            # Below known_upto a level missing from ``levels`` is empty: from now
+            # on it holds exactly what this process adds.
+            lv.exact = start < self.known_upto
         return lv
 
     def _forget_inactive(self) -> None:
@@ -104,20 +128,42 @@ class ReadyHeads:
     def added(self, new_keys: Iterable[bytes]) -> None:
         """Ready keys that were just committed (push, nack, promotion, redrive)."""
         for key in new_keys:
-            lv = self.levels.get(key[:-_ID_BYTES])
-            if lv is not None and lv.maybe and key >= lv.frontier:
-                continue  # already active, nothing to learn: the common push
-            lv = self._level(key[:-_ID_BYTES])
+            start = key[:-_ID_BYTES]
+            lv = self.levels.get(start)
+            if lv is None:
+                lv = self._level(start)
             if key < lv.frontier:
                 insort(lv.returns, key)
                 if len(lv.returns) > RETURNS_CAP:
                     lv.frontier = lv.returns[0]
                     lv.returns.clear()
-                    lv.maybe = True
+                    self._forget_known(lv, lv.frontier)  # keys below the old frontier exist
             else:
+                self._know(lv, key)
                 lv.maybe = True
             self._activate(lv)
 
+    def _know(self, lv: Level, key: bytes) -> None:
+        """Keep ``key`` (at or past the frontier) in ``known`` while that stays a prefix."""
+        known = lv.known
+        if not lv.exact and (len(known) == lv.k0 or key > known[-1]):
+            return  # past what is known of a level that is not exact: a seek finds it
+        if self.known_total >= KNOWN_CAP:
+            self._forget_known(lv, key)
+            return
+        if len(known) == lv.k0 or key > known[-1]:
+            known.append(key)  # the usual push: ids grow
+        else:
+            insort(known, key, lv.k0)
+        self.known_total += 1
+
+    def _forget_known(self, lv: Level, key: bytes) -> None:
+        """Drop the known keys at or past ``key``; the level is no longer exact."""
+        known = lv.known
+        cut = max(lv.k0, bisect_left(known, key, lv.k0))
+        self.known_total -= len(known) - cut
+        del known[cut:]
+        lv.exact = False
     def _discover(self, db: MetaDB) -> bool:
         """Learn the next level past ``known_upto``; False when there is none."""
         first = db.first_key(self.known_upto, self.base_end)
@@ -150,14 +196,24 @@ class ReadyHeads:
             plan.keys.extend(lv.returns[:want])
             want = n - len(plan.keys)
             if want and lv.maybe:
-                if want == 1:  # a single pop: one seek, no list
-                    first = db.first_key(lv.frontier, lv.end)
-                    found = [] if first is None else [first]
-                else:
-                    found = db.scan_keys(lv.frontier, lv.end, want)
-                plan.keys.extend(found)
-                if len(found) < want:
+                known, k0 = lv.known, lv.k0
+                seek_from = lv.frontier
+                if len(known) > k0:  # taken from memory, no seek
+                    got = known[k0: k0 + want]
+                    plan.keys.extend(got)
+                    want -= len(got)
+                    seek_from = got[-1] + b"\x00"
+                if want and lv.exact:
                     plan.drained.append(lv.start)
+                elif want:
+                    if want == 1:  # a single pop: one seek, no list
+                        first = db.first_key(seek_from, lv.end)
+                        found = [] if first is None else [first]
+                    else:
+                        found = db.scan_keys(seek_from, lv.end, want)
+                    plan.keys.extend(found)
+                    if len(found) < want:
+                        plan.drained.append(lv.start)
             i += 1
         return plan
 
@@ -169,11 +225,28 @@ class ReadyHeads:
             j = bisect_left(lv.returns, key)
             if j < len(lv.returns) and lv.returns[j] == key:
                 del lv.returns[j]
-            else:
-                lv.frontier = key + b"\x00"  # the smallest key after it
+                continue
+            lv.frontier = key + b"\x00"  # the smallest key after it
+            known = lv.known
+            if len(known) > lv.k0 and known[lv.k0] == key:
+                lv.k0 += 1
+                self.known_total -= 1
+                if lv.k0 == len(known):
+                    known.clear()
+                    lv.k0 = 0
+                elif lv.k0 >= 1024 and lv.k0 * 2 >= len(known):
+                    del known[: lv.k0]
+                    lv.k0 = 0
         touched = {key[:-_ID_BYTES] for key in plan.keys}
         for start in plan.drained:
-            self.levels[start].maybe = False
+            lv = self.levels[start]
+            lv.maybe = False
+            # Nothing lies past the keys taken: from now on the level is exactly
+            # what this process adds to it.
+            self.known_total -= len(lv.known) - lv.k0
+            lv.known.clear()
+            lv.k0 = 0
+            lv.exact = True
             touched.add(start)
         for start in touched:
             lv = self.levels[start]

@@ -64,9 +64,13 @@ def churn_store(store_path: str, clock: FakeClock) -> Iterator[qstore.Store]:
     s.close()
 
 
+@pytest.mark.parametrize("known_cap", [0, _heads.KNOWN_CAP], ids=["seeking", "known"])
 @pytest.mark.parametrize("order", ["max", "min", "fifo"])
 def test_push_pop_ack_churn_never_crosses_an_acked_key(churn_store: qstore.Store,
-                                                       order: str) -> None:
+                                                       order: str, known_cap: int,
+                                                       monkeypatch: Any) -> None:
+    """With no known keys every pop seeks, past no tombstone; with them, none seeks."""
+    monkeypatch.setattr(_heads, "KNOWN_CAP", known_cap)
     q = churn_store.create_queue("q", order=order)
     log = SeekLog(churn_store, q._q.qid)
     rng = random.Random(7)
@@ -80,12 +84,20 @@ def test_push_pop_ack_churn_never_crosses_an_acked_key(churn_store: qstore.Store
         q.ack(m)
         log.acked(ready_key(q, m))
     assert len(log.dead) == 3000
-    assert max(log.crossed) == 0, "a pop read across acked messages' tombstones"
+    if known_cap:
+        assert log.crossed == [], "a pop of keys this process pushed read the index"
+    else:
+        assert len(log.crossed) >= 3000
+        assert max(log.crossed) == 0, "a pop read across acked messages' tombstones"
     assert q.stats().ready == backlog
 
 
+@pytest.mark.parametrize("known_cap", [0, _heads.KNOWN_CAP], ids=["seeking", "known"])
 def test_returned_messages_are_served_without_crossing_acked_keys(churn_store: qstore.Store,
-                                                                  clock: FakeClock) -> None:
+                                                                  clock: FakeClock,
+                                                                  known_cap: int,
+                                                                  monkeypatch: Any) -> None:
+    monkeypatch.setattr(_heads, "KNOWN_CAP", known_cap)
     q = churn_store.create_queue("q", max_attempts=1000)
     log = SeekLog(churn_store, q._q.qid)
     rng = random.Random(3)
@@ -100,7 +112,8 @@ def test_returned_messages_are_served_without_crossing_acked_keys(churn_store: q
             q.nack(b)  # back to its own place, behind the level's frontier
         else:
             clock.advance(31.0)  # the lease expires: also back to its own place
-    assert max(log.crossed) == 0
+    assert max(log.crossed, default=0) == 0
+    assert (log.crossed == []) == bool(known_cap)
 
 
 def test_order_is_exact_with_tiny_caps(churn_store: qstore.Store, clock: FakeClock,
@@ -108,6 +121,7 @@ def test_order_is_exact_with_tiny_caps(churn_store: qstore.Store, clock: FakeClo
     """Past the caps the heads fall back to seeking; the order never changes."""
     monkeypatch.setattr(_heads, "RETURNS_CAP", 2)
     monkeypatch.setattr(_heads, "LEVEL_CAP", 3)
+    monkeypatch.setattr(_heads, "KNOWN_CAP", 3)
     q = churn_store.create_queue("q", max_attempts=1000)
     rng = random.Random(11)
     model: dict[int, int] = {}  # id -> priority of ready messages
