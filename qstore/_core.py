@@ -99,8 +99,10 @@ class Core:
         self.config = config
         self.clock = config.clock
         self.readonly = config.readonly
+        self.max_payload_bytes = config.max_payload_bytes
         self.lock = threading.RLock()
         self.ready = threading.Condition(self.lock)  # notified when ready keys are added
+        self.waiters = 0  # pops blocked in ready.wait (lock held to change it)
         self.writing = Writing(self)
         self.closed = False
         # message key -> its record as last committed by this process (see commit)
@@ -280,7 +282,8 @@ class Core:
         if txn.ready_keys is not None:
             for q, added in txn.ready_keys.items():
                 q.heads.added(added)
-            self.ready.notify_all()
+            if self.waiters:
+                self.ready.notify_all()
         if txn.events is not None:
             for q, when in txn.events.items():
                 if when < q.next_event_us:
@@ -328,7 +331,8 @@ class Core:
         if hwm is not None:
             self._id_hwm = hwm
         q.heads.added((rkey,))
-        self.ready.notify_all()
+        if self.waiters:
+            self.ready.notify_all()
         return mid
 
     def deliver_one(self, q: QueueState, ready_key: bytes, mid: int,
@@ -471,7 +475,7 @@ class Core:
         if min_due_us is not None:
             q.next_event_us = min(q.next_event_us, min_due_us)
             q.time_floor_us = min(q.time_floor_us, min_due_us)
-        if counts_delta[0]:
+        if counts_delta[0] and self.waiters:
             self.ready.notify_all()
 
     # -- queues ---------------------------------------------------------------

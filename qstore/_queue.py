@@ -34,6 +34,7 @@ from .payload import PayloadRef
 Receipted = Message | str
 
 _ST = records
+INT_MIN, INT_MAX = keys.INT_MIN, keys.INT_MAX
 
 
 def _payload(body: object) -> bytes:
@@ -190,13 +191,15 @@ class Queue:
                 or delay != 0 or type(delay) not in (int, float)):
             return self._push([(payload, priority, delay, dedup_key)])[0]
         # The common case, without the batch machinery: same checks, same keys.
-        prio = self._priority(priority)
+        if not (type(priority) is int and q.int_prio and INT_MIN <= priority <= INT_MAX):
+            priority = self._priority(priority)
         core = self._core
-        core.payload.check_size(payload)
+        if len(payload) > core.max_payload_bytes:
+            core.payload.check_size(payload)  # raises PayloadTooLarge
         with core.writing:
             if q.deleted:
                 raise QueueNotFound(q.name)
-            return core.push_one(q, payload, prio)
+            return core.push_one(q, payload, priority)
 
     def push_many(self, items: Iterable[bytes | Sequence[Any]], *, delay: float = 0.0) -> list[int]:
         """Enqueue many messages in one atomic batch; returns their ids in order.
@@ -265,7 +268,13 @@ class Queue:
         With ``wait`` > 0, block up to that many seconds for a message; a push
         in this process wakes the waiter at once.
         """
-        got = self.pop_many(1, lease=lease, wait=wait)
+        if (type(wait) is float or type(wait) is int) and wait == 0 and type(lease) is float \
+                and 0.0 < lease <= MAX_SECONDS:
+            core = self._core  # the common case, without pop_many's argument checks
+            with core.writing:
+                got = self._pop_locked(1, lease)
+        else:
+            got = self.pop_many(1, lease=lease, wait=wait)
         return got[0] if got else None
 
     def pop_many(self, n: int, lease: float = 30.0, wait: float = 0.0) -> list[Message]:
@@ -284,7 +293,11 @@ class Queue:
                 if got or remaining <= 0 or core.closed:
                     return got
                 until_event = (self._q.next_event_us / 1e6) - core.clock()
-                core.ready.wait(max(0.001, min(remaining, until_event)))
+                core.waiters += 1
+                try:
+                    core.ready.wait(max(0.001, min(remaining, until_event)))
+                finally:
+                    core.waiters -= 1
                 if core.closed:  # close() woke us; the database may be gone already
                     return []
                 got = self._pop_locked(n, lease)

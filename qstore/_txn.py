@@ -29,7 +29,7 @@ class QueueState:
 
     __slots__ = ("name", "rec", "qid", "counts", "counts_key", "heads", "next_event_us",
                  "time_floor_us", "deleted", "pkeys", "ready_prefix", "message_prefix",
-                 "inflight_prefix")
+                 "inflight_prefix", "int_prio")
 
     def __init__(self, name: str, rec: records.QueueRecord, counts: list[int]) -> None:
         self.name = name
@@ -41,6 +41,7 @@ class QueueState:
         self.heads = ReadyHeads(rec.qid)
         self.counts_key = keys.counts_key(rec.qid)
         self.pkeys: dict[int | str, bytes] = {}  # priority -> priority key, a small cache
+        self.int_prio = rec.priority_type == "int"
         # Key prefixes of the queue's own keys, for the hot paths (see meta.keys).
         self.ready_prefix = keys.prefix(keys.READY, rec.qid)
         self.message_prefix = keys.prefix(keys.MESSAGE, rec.qid)
