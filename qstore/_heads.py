@@ -132,6 +132,15 @@ class ReadyHeads:
             lv = self.levels.get(start)
             if lv is None:
                 lv = self._level(start)
+            elif lv.maybe and key >= lv.frontier:  # the usual push: an active level
+                known = lv.known
+                if lv.exact and len(known) > lv.k0 and key > known[-1] \
+                        and self.known_total < KNOWN_CAP:
+                    known.append(key)
+                    self.known_total += 1
+                else:
+                    self._know(lv, key)
+                continue
             if key < lv.frontier:
                 insort(lv.returns, key)
                 if len(lv.returns) > RETURNS_CAP:
