@@ -31,8 +31,7 @@ from .payload import PayloadRef
 from .payload import _format as fmt
 
 BATCH = 1024  # keys per multi_get
-COPYING = "copying"  # phases of M"compaction" (docs/compaction.md)
-PHASES = (COPYING, "repointing", "deleting")
+PHASES = (records.COPYING, records.REPOINTING, records.DELETING)  # of M"compaction"
 _INDEX_NAMES = {keys.READY: "ready", keys.DELAYED: "delayed", keys.INFLIGHT: "in_flight",
                 keys.DEAD: "dead", keys.DEDUP: "dedup"}
 
@@ -173,7 +172,7 @@ class _Check:
         if raw is None:
             return None
         try:
-            _, phase, output, sources = records.unpack(raw, "compaction")[:4]
+            phase, output, sources = records.decode_compaction(raw)
             if phase not in PHASES or type(output) is not int or not all(
                     type(s) is int for s in sources):
                 raise ValueError(f"phase {phase!r}, output {output!r}, sources {sources!r}")

@@ -19,8 +19,7 @@ from ._errors import StorageError
 from .meta import MetaDB, keys, records
 from .payload import _format as fmt
 
-COPYING = "copying"
-DELETING = "deleting"
+COPYING, DELETING = records.COPYING, records.DELETING
 
 
 def check_segments(meta: MetaDB, files: SegmentFiles, recount: Mapping[int, list[int]],

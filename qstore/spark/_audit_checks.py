@@ -115,8 +115,8 @@ def read_meta_facts(snap: Snapshot) -> MetaFacts:
     output = None
     raw = meta.get(keys.COMPACTION_KEY)
     if raw is not None:
-        _, phase, out, _sources = records.unpack(raw, "compaction")
-        output = int(out) if phase == "copying" else None
+        phase, out, _sources = records.decode_compaction(raw)
+        output = int(out) if phase == records.COPYING else None
     files: dict[int, int] = {}
     headers: dict[int, str] = {}
     directory = os.path.join(snap.path, "payload")
