@@ -424,6 +424,7 @@ class Compactor:
             stop = min(start + REPOINT_CHUNK, len(live))
             with core.lock:
                 txn = Txn()
+                txn.cache_records = False
                 if start == 0:
                     txn.put(keys.COMPACTION_KEY,
                             records.encode_compaction(REPOINTING, output, sources))

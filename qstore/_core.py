@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
+from itertools import islice
 
 from . import _states as states
 from ._config import Config
@@ -268,11 +269,14 @@ class Core:
         self._synced_mark = synced
         if txn.forget_records:
             self._records.clear()
+        cache = self._records
         for key, value in txn.records:
             if value is None:
-                self._records.pop(key, None)
-            else:
+                cache.pop(key, None)
+            elif txn.cache_records:
                 self._cache_record(key, value)
+            elif key in cache:
+                cache[key] = value
         for q, counts in new_counts:
             q.counts = counts
         for fid, seg in new_segs:
@@ -395,7 +399,11 @@ class Core:
         cache = self._records
         cache[key] = value
         if len(cache) > RECORD_CACHE:
-            del cache[next(iter(cache))]  # the oldest write
+            # Keep the newer half. (Deleting the oldest key one at a time would
+            # cost O(n) each: a dict's iterator skips every slot deleted before.)
+            newer = list(islice(cache.items(), RECORD_CACHE // 2, None))
+            cache.clear()
+            cache.update(newer)
 
     def record(self, key: bytes) -> bytes | None:
         """The message record at ``key`` (the record cache, else RocksDB)."""

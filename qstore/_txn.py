@@ -73,7 +73,7 @@ class Txn:
     """Built and committed under the writer lock; never shared between threads."""
 
     __slots__ = ("batch", "queues", "segments", "ready_keys", "events", "id_hwm", "records",
-                 "forget_records")
+                 "forget_records", "cache_records")
 
     def __init__(self) -> None:
         self.batch: Batch = new_batch()
@@ -86,6 +86,9 @@ class Txn:
         # Message records written (None: deleted), for the core's record cache.
         self.records: list[tuple[bytes, bytes | None]] = []
         self.forget_records = False  # a range of records was deleted: drop the cache
+        # False: update cached records but cache no new ones (compaction's repoints
+        # must not push the records of hot messages out of the cache).
+        self.cache_records = True
 
     def put_record(self, key: bytes, value: bytes) -> None:
         """Write a message record (always through here: the core caches records)."""

@@ -71,3 +71,26 @@ def test_hot_paths_write_what_the_state_machine_writes(tmp_path: Any,
     finally:
         for s in stores:
             s.close()
+
+
+def test_the_record_cache_stays_bounded_and_right(tmp_path: Any, monkeypatch: Any) -> None:
+    """Past its cap the cache keeps the newer half; every read still sees the database."""
+    from qstore import _core
+
+    monkeypatch.setattr(_core, "RECORD_CACHE", 8)
+    clock = FakeClock()
+    with qstore.open(os.path.join(str(tmp_path), "s"), clock=clock, compactor=False) as s:
+        q = s.create_queue("q")
+        ids = [q.push(b"m%d" % i, i % 3) for i in range(30)]
+        cache = s.core._records
+        assert 4 <= len(cache) <= 8
+        popped = q.pop_many(30, lease=10.0)
+        assert sorted(m.id for m in popped) == ids
+        for m in popped[::2]:
+            q.nack(m)
+        for m in popped[1::2]:
+            q.ack(m)
+        assert len(s.core._records) <= 8
+        for key, value in s.core._records.items():
+            assert s.core.meta.get(key) == value  # nothing cached differs from the database
+        assert s.check().ok
