@@ -204,7 +204,10 @@ def run_demo(directory: str, *, fresh: bool = False, messages: int = 20_000,
                           f"({len(result.segments_deleted)} segments deleted)"))
 
     print_stats(store.stats(), console)
-    # 7. A snapshot, audited with Spark.
+    # 7. The integrity check: every reference, frame, CRC, index, counter and segment record.
+    report = store.check()
+    results.append(_check("store.check(): integrity check", report.ok, report.summary()))
+    # 8. A snapshot, audited with Spark.
     if spark:
         snap = os.path.join(directory, "snapshot")
         shutil.rmtree(snap, ignore_errors=True)
