@@ -20,9 +20,8 @@ this module works around:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator, Iterable, Iterator
-from typing import Any, cast
+from typing import cast
 
 from rocksdict import (
     AccessType,
@@ -196,10 +195,6 @@ class MetaDB:
     def flush(self) -> None:
         self._db.flush()
 
-    def property_int(self, name: str) -> int | None:
-        value: Any = self._db.property_int_value(name)
-        return int(value) if value is not None else None
-
     def close(self) -> None:
         try:
             self._db.close()
@@ -260,6 +255,3 @@ def write_sst(path: str, entries: Iterable[tuple[bytes, bytes]]) -> None:
 def new_batch() -> WriteBatch:
     return WriteBatch(raw_mode=True)
 
-
-def meta_dir(store_path: str) -> str:
-    return os.path.join(store_path, "meta")
