@@ -18,6 +18,7 @@ Architecture, in one page:
 """
 
 from ._check_report import CheckReport, Finding
+from ._client import Client, RemoteQueue, connect
 from ._compact import CompactionResult
 from ._config import Config
 from ._errors import (
@@ -35,6 +36,7 @@ from ._errors import (
     StoreLocked,
 )
 from ._message import Message, QueueStats, SegmentStats, StoreStats
+from ._net_errors import AuthenticationFailed, ConnectionLost, ProtocolError, ServerBusy
 from ._queue import Queue
 from ._store import Store
 from ._store import open_store as open
@@ -42,9 +44,12 @@ from ._store import open_store as open
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthenticationFailed",
     "CheckReport",
+    "Client",
     "CompactionResult",
     "Config",
+    "ConnectionLost",
     "Corruption",
     "Finding",
     "InvalidArgument",
@@ -52,18 +57,22 @@ __all__ = [
     "Message",
     "MessageNotFound",
     "PayloadTooLarge",
+    "ProtocolError",
     "QStoreError",
     "Queue",
     "QueueExists",
     "QueueNotFound",
     "QueueStats",
     "ReadOnlyStore",
+    "RemoteQueue",
     "SegmentStats",
+    "ServerBusy",
     "StorageError",
     "Store",
     "StoreClosed",
     "StoreLocked",
     "StoreStats",
     "__version__",
+    "connect",
     "open",
 ]
