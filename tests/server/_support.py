@@ -45,6 +45,7 @@ class ServerProcess:
             chunk = os.read(self.proc.stdout.fileno(), 1)
             if not chunk:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                self.kill()
                 raise AssertionError(f"server exited: {err}")
             line += chunk
         sel.close()
