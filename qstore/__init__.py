@@ -17,6 +17,7 @@ Architecture, in one page:
   ``qstore`` reads for the audit and backfill jobs (docs/spark.md).
 """
 
+from . import aio
 from ._check_report import CheckReport, Finding
 from ._client import Client, RemoteQueue, connect
 from ._compact import CompactionResult
@@ -73,6 +74,7 @@ __all__ = [
     "StoreLocked",
     "StoreStats",
     "__version__",
+    "aio",
     "connect",
     "open",
 ]
