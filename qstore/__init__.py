@@ -17,7 +17,9 @@ Architecture, in one page:
   ``qstore`` reads for the audit and backfill jobs (docs/spark.md).
 """
 
+from . import aio
 from ._check_report import CheckReport, Finding
+from ._client import Client, RemoteQueue, connect
 from ._compact import CompactionResult
 from ._config import Config
 from ._errors import (
@@ -35,6 +37,7 @@ from ._errors import (
     StoreLocked,
 )
 from ._message import Message, QueueStats, SegmentStats, StoreStats
+from ._net_errors import AuthenticationFailed, ConnectionLost, ProtocolError, ServerBusy
 from ._queue import Queue
 from ._store import Store
 from ._store import open_store as open
@@ -42,9 +45,12 @@ from ._store import open_store as open
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthenticationFailed",
     "CheckReport",
+    "Client",
     "CompactionResult",
     "Config",
+    "ConnectionLost",
     "Corruption",
     "Finding",
     "InvalidArgument",
@@ -52,18 +58,23 @@ __all__ = [
     "Message",
     "MessageNotFound",
     "PayloadTooLarge",
+    "ProtocolError",
     "QStoreError",
     "Queue",
     "QueueExists",
     "QueueNotFound",
     "QueueStats",
     "ReadOnlyStore",
+    "RemoteQueue",
     "SegmentStats",
+    "ServerBusy",
     "StorageError",
     "Store",
     "StoreClosed",
     "StoreLocked",
     "StoreStats",
     "__version__",
+    "aio",
+    "connect",
     "open",
 ]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 
 from . import _states as states
@@ -92,6 +92,23 @@ class Writing:
             core.syncer.wait(ticket)
 
 
+class ReadySignal(threading.Condition):
+    """The condition blocked pops wait on, with one optional listener.
+
+    The server (qstore/server) parks waiting pops without a thread: while it
+    has any, it counts itself in ``Core.waiters`` and sets ``listener``, which
+    is then called (writer lock held, so it must only schedule work) each time
+    ready keys are added.
+    """
+
+    listener: Callable[[], None] | None = None
+
+    def notify_all(self) -> None:
+        super().notify_all()
+        if self.listener is not None:
+            self.listener()
+
+
 class Core:
     """Everything an open store holds, and the only code that commits changes."""
 
@@ -102,7 +119,7 @@ class Core:
         self.readonly = config.readonly
         self.max_payload_bytes = config.max_payload_bytes
         self.lock = threading.RLock()
-        self.ready = threading.Condition(self.lock)  # notified when ready keys are added
+        self.ready = ReadySignal(self.lock)  # notified when ready keys are added
         self.waiters = 0  # pops blocked in ready.wait (lock held to change it)
         self.writing = Writing(self)
         self.closed = False

@@ -19,6 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from . import _errors as errors
+from . import _wire as wire
+from . import server
 from ._check import check_path
 from ._demo import run_demo
 from ._errors import EXIT_ERROR, EXIT_FOUND, exit_code
@@ -350,6 +352,57 @@ def demo(directory: str, fresh: bool, messages: int, no_spark: bool) -> None:
     """End-to-end workload: producers, consumers, dead letters, a restart, compaction, audit."""
 
     sys.exit(run_demo(directory, fresh=fresh, messages=messages, spark=not no_spark))
+
+
+@main.command()
+@click.argument("store_path", metavar="STORE")
+@click.option("--listen", default=None,
+              help="unix:///PATH or tcp://HOST:PORT (default: unix socket STORE/qstore.sock).")
+@click.option("--token-file", type=click.Path(dir_okay=False, exists=True),
+              help="File holding the token every client must send (whitespace stripped).")
+@click.option("--tls-cert", type=click.Path(dir_okay=False, exists=True),
+              help="PEM certificate (chain) for TLS.")
+@click.option("--tls-key", type=click.Path(dir_okay=False, exists=True), help="PEM key for TLS.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve Prometheus metrics on 127.0.0.1:PORT.")
+@click.option("--max-frame", type=click.IntRange(1), default=wire.DEFAULT_MAX_FRAME,
+              show_default=True, help="Largest frame accepted, bytes.")
+@click.option("--max-connections", type=click.IntRange(1), default=1024, show_default=True)
+@click.option("--max-waiting", type=click.IntRange(1), default=10_000, show_default=True,
+              help="Pops parked waiting for a message, over all connections.")
+@click.option("--durability", type=click.Choice(["none", "interval", "always"]),
+              default="interval", show_default=True)
+def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert: str | None,
+          tls_key: str | None, metrics_port: int | None, max_frame: int, max_connections: int,
+          max_waiting: int, durability: str) -> None:
+    """Serve STORE to clients (qstore.connect) until SIGTERM or SIGINT.
+
+    Prints one line, "listening on ADDRESS", once clients can connect.
+    See docs/server.md for operations and security.
+    """
+    if (tls_cert is None) != (tls_key is None):
+        raise click.UsageError("give both --tls-cert and --tls-key, or neither")
+    token = None
+    if token_file is not None:
+        with open(token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+        if not token:
+            raise click.UsageError(f"token file {token_file} is empty")
+    ctx = server.tls_context(tls_cert, tls_key) if tls_cert and tls_key else None
+    limits = server.Limits(max_frame=max_frame, max_connections=max_connections,
+                           max_waiting=max_waiting)
+
+    def ready(address: str) -> None:
+        click.echo(f"listening on {address}")
+        sys.stdout.flush()
+
+    with _exit_codes():
+        store = open_store(store_path, durability=durability)
+        try:
+            server.serve(store, listen, token=token, ssl_context=ctx, limits=limits,
+                         metrics_port=metrics_port, ready=ready)
+        finally:
+            store.close()
 
 
 if __name__ == "__main__":  # pragma: no cover

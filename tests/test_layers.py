@@ -134,5 +134,7 @@ def test_records_are_encoded_in_one_module() -> None:
     # never a record of the store): those two modules are the only others.
     users = {name for name, path in MODULES.items()
              for mod, _, _ in _imports(path) if mod == "msgpack"}
+    # qstore._wire frames the client/server protocol (docs/protocol.md): messages in
+    # flight between processes, never a record of the store.
     assert users == {"qstore.meta._records", "qstore.spark._bulk_source",
-                     "qstore.spark.backfill"}
+                     "qstore.spark.backfill", "qstore._wire"}

@@ -1,0 +1,55 @@
+"""Server addresses: ``unix:///path``, ``tcp://host:port``, or a store directory.
+
+A store directory stands for the unix socket the server makes in it by
+default (``STORE/qstore.sock``). Used by ``qstore serve`` and both clients.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+
+from ._errors import InvalidArgument
+
+SOCKET_NAME = "qstore.sock"
+
+
+@dataclass(frozen=True)
+class Address:
+    kind: str  # "unix" or "tcp"
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+    def __str__(self) -> str:
+        return f"unix://{self.path}" if self.kind == "unix" else f"tcp://{self.host}:{self.port}"
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.kind == "unix":
+            return True
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:
+            return False  # a host name: it may resolve to anything
+
+
+def parse_address(text: str | os.PathLike[str]) -> Address:
+    """An Address from ``unix:///p``, ``tcp://h:p`` or a store directory path."""
+    text = os.fspath(text)
+    if text.startswith("unix://"):
+        path = text[len("unix://"):]
+        if not path:
+            raise InvalidArgument(f"no socket path in {text!r}")
+        return Address("unix", path=path)
+    if text.startswith("tcp://"):
+        host, sep, port = text[len("tcp://"):].rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise InvalidArgument(f"expected tcp://HOST:PORT, not {text!r}")
+        return Address("tcp", host=host.strip("[]"), port=int(port))
+    if "://" in text:
+        raise InvalidArgument(f"unknown address scheme in {text!r}; use unix:// or tcp://")
+    return Address("unix", path=os.path.join(text, SOCKET_NAME))

@@ -1,0 +1,253 @@
+"""``qstore.connect``: the synchronous client of a qstore server.
+
+:class:`Client` and :class:`RemoteQueue` have the methods, arguments, results
+and exceptions of :class:`~qstore.Store` and :class:`~qstore.Queue`; each call
+is one request (batches too) on one socket. A dropped connection raises
+:class:`~qstore.ConnectionLost` for the call in progress, which may or may
+not have taken effect; the next call reconnects. Nothing is retried on its
+own. A client is for one thread at a time (open one per thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import ssl
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from . import _client_base as base
+from . import _wire as wire
+from ._address import Address, parse_address
+from ._compact import CompactionResult
+from ._message import Message, QueueStats, StoreStats
+from ._net_errors import ConnectionLost, ProtocolError
+
+
+class _Link:
+    """One socket to the server, opened on first use and after a drop."""
+
+    def __init__(self, address: Address, token: str | None, timeout: float, keep_leases: bool,
+                 ssl_context: ssl.SSLContext | None, server_hostname: str | None) -> None:
+        self.address = address
+        self._token = token
+        self.timeout = timeout
+        self._keep = keep_leases
+        self._ssl = ssl_context
+        self._hostname = server_hostname
+        self._sock: socket.socket | None = None
+        self._rfile: Any = None
+        self._ids = itertools.count(1)
+        self.welcome: dict[str, Any] = {}
+
+    def _open(self) -> None:
+        a = self.address
+        try:
+            if a.kind == "unix":
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(self.timeout)
+                try:
+                    sock.connect(a.path)
+                except BaseException:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection((a.host, a.port), timeout=self.timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_hostname=self._hostname or a.host
+                                             or None)
+            self._sock = sock
+            self._rfile = sock.makefile("rb", buffering=256 * 1024)
+            sock.sendall(base.hello(self._token, self._keep))
+            self.welcome = base.check_welcome(self._read())
+        except (OSError, EOFError) as exc:
+            self.close()
+            raise ConnectionLost(f"cannot connect to {a}: {exc}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self) -> Any:
+        head = self._rfile.read(4)
+        if len(head) < 4:
+            raise EOFError("connection closed by the server")
+        (n,) = wire.LENGTH.unpack(head)
+        body = self._rfile.read(n)
+        if len(body) < n:
+            raise EOFError("connection closed mid-frame")
+        return wire.unpack(body)
+
+    def call(self, op: str, args: dict[str, Any], wait: float = 0.0) -> Any:
+        if self._sock is None:
+            self._open()
+        sock = self._sock
+        assert sock is not None
+        rid = next(self._ids)
+        frame = base.request(rid, op, args)
+        try:
+            sock.settimeout(self.timeout + wait)
+            sock.sendall(frame)
+            value = self._read()
+        except (OSError, EOFError) as exc:
+            self.close()
+            raise ConnectionLost(f"connection to {self.address} lost during {op}: {exc}; "
+                                 "it may or may not have run") from None
+        except ProtocolError:
+            self.close()
+            raise
+        if isinstance(value, list) and value and value[0] == wire.SERVER_ERROR_ID:
+            self.close()  # the server is closing this connection and says why
+        return base.result(value, rid)
+
+    def close(self) -> None:
+        if self._rfile is not None:
+            self._rfile.close()
+            self._rfile = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+class RemoteQueue:
+    """A queue of a server; the methods of :class:`qstore.Queue`."""
+
+    def __init__(self, link: _Link, info: dict[str, Any]) -> None:
+        self._link = link
+        self.name: str = info["name"]
+        self.order: str = info["order"]
+        self.priority_type: str = info["priority_type"]
+        self.max_attempts: int = info["max_attempts"]
+        self.dedup: bool = info["dedup"]
+
+    def __repr__(self) -> str:
+        return f"<qstore.RemoteQueue {self.name!r} on {self._link.address}>"
+
+    def _call(self, op: str, /, **args: Any) -> Any:
+        args["queue"] = self.name
+        wait = args.get("wait", 0.0)
+        extra = wait if isinstance(wait, (int, float)) and 0 <= wait < 1e9 else 0.0
+        return self._link.call(op, args, extra)
+
+    def push(self, payload: bytes, priority: int | str | None = None, delay: float = 0.0,
+             dedup_key: str | bytes | None = None) -> int:
+        return int(self._call("push", payload=payload, priority=priority, delay=delay,
+                              dedup_key=dedup_key))
+
+    def push_many(self, items: Iterable[bytes | Sequence[Any]], *, delay: float = 0.0) -> list[int]:
+        return list(self._call("push_many", items=base.listed(items, "push_many"), delay=delay))
+
+    def pop(self, lease: float = 30.0, wait: float = 0.0) -> Message | None:
+        return base.maybe_message(self._call("pop", lease=lease, wait=wait))
+
+    def pop_many(self, n: int, lease: float = 30.0, wait: float = 0.0) -> list[Message]:
+        return base.messages(self._call("pop_many", n=n, lease=lease, wait=wait))
+
+    def ack(self, item: Message | str) -> None:
+        self._call("ack", receipt=base.receipt_of(item))
+
+    def ack_many(self, items: Iterable[Message | str]) -> int:
+        return int(self._call("ack_many", receipts=base.receipts_of(items)))
+
+    def nack(self, item: Message | str, delay: float = 0.0) -> None:
+        self._call("nack", receipt=base.receipt_of(item), delay=delay)
+
+    def extend(self, item: Message | str, lease: float = 30.0) -> Message:
+        return wire.decode_message(self._call("extend", receipt=base.receipt_of(item),
+                                              lease=lease))
+
+    def peek(self, n: int = 1) -> list[Message]:
+        return base.messages(self._call("peek", n=n))
+
+    def get(self, message_id: int) -> Message:
+        return wire.decode_message(self._call("get", message_id=message_id))
+
+    def dead_letters(self, n: int = 10) -> list[Message]:
+        return base.messages(self._call("dead_letters", n=n))
+
+    def redrive(self, n: int = 100) -> int:
+        return int(self._call("redrive", n=n))
+
+    def purge(self) -> int:
+        return int(self._call("purge"))
+
+    def stats(self) -> QueueStats:
+        return wire.decode_stats(self._call("stats"))
+
+    def __len__(self) -> int:
+        return self.stats().total
+
+
+class Client:
+    """A connection to a qstore server with the methods of :class:`qstore.Store`."""
+
+    def __init__(self, link: _Link) -> None:
+        self._link = link
+        self.path = str(link.address)
+
+    def create_queue(self, name: str, *, order: str = "max", priority_type: str = "int",
+                     max_attempts: int = 5, dedup: bool = False,
+                     exist_ok: bool = False) -> RemoteQueue:
+        info = self._link.call("create_queue", {
+            "name": name, "order": order, "priority_type": priority_type,
+            "max_attempts": max_attempts, "dedup": dedup, "exist_ok": exist_ok})
+        return RemoteQueue(self._link, info)
+
+    def queue(self, name: str) -> RemoteQueue:
+        return RemoteQueue(self._link, self._link.call("queue", {"queue": name}))
+
+    def queues(self) -> list[str]:
+        return list(self._link.call("queues", {}))
+
+    def delete_queue(self, name: str) -> None:
+        self._link.call("delete_queue", {"name": name})
+
+    def stats(self) -> StoreStats:
+        return wire.decode_store_stats(self._link.call("store_stats", {}))
+
+    def compact(self, *, threshold: float | None = None,
+                max_bytes: int | None = None) -> CompactionResult:
+        """One compaction pass in the server (no progress callback over the wire)."""
+        args: dict[str, Any] = {}
+        if threshold is not None:
+            args["threshold"] = threshold
+        if max_bytes is not None:
+            args["max_bytes"] = max_bytes
+        return wire.decode_compaction(self._link.call("compact", args, wait=3600.0))
+
+    def snapshot(self, dest: str) -> str:
+        """A snapshot taken by the server at ``dest`` (a path on the server's machine)."""
+        return str(self._link.call("snapshot", {"dest": os.path.abspath(dest)}, wait=3600.0))
+
+    def ping(self) -> None:
+        self._link.call("ping", {})
+
+    def close(self) -> None:
+        self._link.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<qstore.Client {self._link.address}>"
+
+
+def connect(address: str | os.PathLike[str], *, token: str | None = None,
+            timeout: float = base.DEFAULT_TIMEOUT, keep_leases: bool = False,
+            tls: bool | ssl.SSLContext = False, cafile: str | None = None,
+            server_hostname: str | None = None) -> Client:
+    """Connect to the server at ``address`` (``unix:///p``, ``tcp://h:p`` or a store path).
+
+    ``keep_leases=True`` keeps this connection's leases until their deadline
+    when it closes (by default they go back to ready at once). ``tls=True``
+    (trusting ``cafile`` or the system's CAs) or an ``ssl.SSLContext`` for TLS.
+    """
+    ctx = tls if isinstance(tls, ssl.SSLContext) else (
+        base.client_tls(cafile) if tls or cafile else None)
+    link = _Link(parse_address(address), token, timeout, keep_leases, ctx, server_hostname)
+    link.call("ping", {})  # connect now: a wrong address or token fails here, not later
+    return Client(link)

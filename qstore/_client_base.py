@@ -1,0 +1,86 @@
+"""What the sync and asyncio clients share: the handshake, request encoding, results.
+
+Both clients speak docs/protocol.md through these functions, so they cannot
+encode a request or decode a result differently.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Iterable
+from typing import Any
+
+from . import _wire as wire
+from ._errors import InvalidArgument
+from ._message import Message
+from ._net_errors import AuthenticationFailed, ProtocolError
+
+DEFAULT_TIMEOUT = 30.0
+
+
+def hello(token: str | None, keep_leases: bool) -> bytes:
+    return wire.pack({"qstore": wire.PROTOCOL_VERSION, "token": token,
+                      "keep_leases": keep_leases})
+
+
+def check_welcome(value: Any) -> dict[str, Any]:
+    """The server's handshake answer, or the error it sent instead."""
+    if isinstance(value, list) and len(value) == 3 and value[1] == wire.ERR:
+        raise wire.decode_error(value[2])
+    if not isinstance(value, dict) or value.get("qstore") != wire.PROTOCOL_VERSION:
+        raise ProtocolError(f"unexpected handshake answer {value!r:.80}")
+    return value
+
+
+def request(rid: int, op: str, args: dict[str, Any]) -> bytes:
+    try:
+        return wire.pack([rid, op, args])
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgument(f"{op}: an argument cannot be sent: {exc}") from None
+
+
+def result(value: Any, rid: int) -> Any:
+    """The result of response ``value`` to request ``rid`` (or its error, raised)."""
+    if not (isinstance(value, list) and len(value) == 3 and type(value[0]) is int):
+        raise ProtocolError(f"malformed response {value!r:.80}")
+    if value[1] == wire.ERR:
+        raise wire.decode_error(value[2])
+    if value[0] != rid:
+        raise ProtocolError(f"response to request {value[0]}, expected {rid}")
+    return value[2]
+
+
+def receipt_of(item: object) -> object:
+    return item.receipt if isinstance(item, Message) else item
+
+
+def receipts_of(items: Iterable[object]) -> list[object]:
+    try:
+        return [receipt_of(i) for i in items]
+    except TypeError:
+        raise InvalidArgument(f"ack_many takes an iterable, not {type(items).__name__}") \
+            from None
+
+
+def listed(items: object, what: str) -> list[Any]:
+    try:
+        out: list[Any] = list(items)  # type: ignore[call-overload]
+        return out
+    except TypeError:
+        raise InvalidArgument(f"{what} takes an iterable, not {type(items).__name__}") from None
+
+
+def messages(value: list[Any]) -> list[Message]:
+    return [wire.decode_message(v) for v in value]
+
+
+def maybe_message(value: Any) -> Message | None:
+    return None if value is None else wire.decode_message(value)
+
+
+def client_tls(cafile: str | None) -> ssl.SSLContext:
+    """A client TLS context trusting ``cafile`` (or the system's CAs)."""
+    return ssl.create_default_context(cafile=cafile)
+
+
+__all__ = ["AuthenticationFailed", "DEFAULT_TIMEOUT"]

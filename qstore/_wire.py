@@ -1,0 +1,127 @@
+"""The wire protocol shared by the server and both clients (docs/protocol.md).
+
+A frame is a 4-byte big-endian length followed by that many bytes of one
+msgpack value. The first frame each way is the handshake (a map); after it,
+a request is ``[id, op, args]`` and its response ``[id, 0, result]`` or
+``[id, 1, [class_name, message, fields]]``. Values that cross the wire
+(messages, stats, errors) are encoded and decoded here and nowhere else, so
+the server and the clients cannot disagree.
+
+msgpack because it is already a dependency, carries bytes without escaping
+(payloads are bytes), and packs a small request in about a microsecond.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from typing import Any
+
+import msgpack
+
+from . import _errors as errors
+from . import _net_errors as net_errors
+from ._compact import CompactionResult
+from ._message import Message, QueueStats, SegmentStats, StoreStats
+
+PROTOCOL_VERSION = 1  # never reuse a number; a server refuses versions it does not speak
+LENGTH = struct.Struct(">I")
+OK, ERR = 0, 1
+DEFAULT_MAX_FRAME = 80 * 1024 * 1024  # above the default max_payload_bytes (64 MiB)
+SERVER_ERROR_ID = 0  # id of an error about the connection itself, not one request
+
+# Operations on a queue take the queue name as args["queue"].
+QUEUE_OPS = frozenset({
+    "push", "push_many", "pop", "pop_many", "ack", "ack_many", "nack", "extend", "peek",
+    "get", "dead_letters", "redrive", "purge", "stats", "queue",
+})
+STORE_OPS = frozenset({
+    "create_queue", "queues", "delete_queue", "store_stats", "compact", "snapshot", "ping",
+})
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+def pack(value: Any) -> bytes:
+    """One frame: length prefix and msgpack body."""
+    body: bytes = _packer.pack(value)
+    return LENGTH.pack(len(body)) + body
+
+
+def unpack(body: bytes) -> Any:
+    """The value of a frame body; raises ProtocolError on anything malformed."""
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise net_errors.ProtocolError(f"malformed frame: {exc}") from None
+
+
+# -- values -------------------------------------------------------------------
+
+
+def encode_message(m: Message) -> list[Any]:
+    return [m.id, m.queue, m.priority, m.payload, m.attempts, m.enqueued_at, m.lease_deadline,
+            m.receipt, m.state]
+
+
+def decode_message(v: list[Any]) -> Message:
+    return Message(*v)
+
+
+def encode_stats(s: QueueStats) -> dict[str, Any]:
+    return dataclasses.asdict(s)
+
+
+def decode_stats(v: dict[str, Any]) -> QueueStats:
+    return QueueStats(**v)
+
+
+def encode_store_stats(s: StoreStats) -> dict[str, Any]:
+    return {"queues": [encode_stats(q) for q in s.queues],
+            "segments": [dataclasses.asdict(g) for g in s.segments]}
+
+
+def decode_store_stats(v: dict[str, Any]) -> StoreStats:
+    return StoreStats(tuple(decode_stats(q) for q in v["queues"]),
+                      tuple(SegmentStats(**g) for g in v["segments"]))
+
+
+def encode_compaction(r: CompactionResult) -> dict[str, Any]:
+    return dataclasses.asdict(r)
+
+
+def decode_compaction(v: dict[str, Any]) -> CompactionResult:
+    fields: dict[str, Any] = {k: tuple(x) if isinstance(x, list) else x for k, x in v.items()}
+    return CompactionResult(**fields)
+
+
+# -- errors -------------------------------------------------------------------
+
+ERROR_CLASSES: dict[str, type[errors.QStoreError]] = {
+    cls.__name__: cls
+    for module in (errors, net_errors) for cls in vars(module).values()
+    if isinstance(cls, type) and issubclass(cls, errors.QStoreError)
+}
+
+
+def encode_error(exc: BaseException) -> list[Any]:
+    """[class name, message, fields] of a qstore error (fields: the attributes it carries)."""
+    if not isinstance(exc, errors.QStoreError):
+        return ["StorageError", f"server error: {type(exc).__name__}: {exc}", {}]
+    fields = {k: v for k, v in vars(exc).items()
+              if not k.startswith("_") and isinstance(v, (str, int, float, bool, type(None)))}
+    return [type(exc).__name__, str(exc), fields]
+
+
+def decode_error(v: Any) -> errors.QStoreError:
+    """The same class with the same message and fields the server raised."""
+    if not (isinstance(v, list) and len(v) == 3 and isinstance(v[0], str)
+            and isinstance(v[1], str) and isinstance(v[2], dict)):
+        return net_errors.ProtocolError(f"malformed error value {v!r:.80}")
+    cls = ERROR_CLASSES.get(v[0], errors.QStoreError)
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, v[1])
+    for key, value in v[2].items():
+        if isinstance(key, str):
+            setattr(exc, key, value)
+    return exc

@@ -1,0 +1,70 @@
+"""The qstore server: one process owns a store, clients reach it over a socket.
+
+``qstore serve STORE`` runs :func:`serve`; the protocol is docs/protocol.md,
+operations and security docs/server.md. Layers: :mod:`._server` (asyncio
+connections, the handshake, waiting pops) calls :mod:`._ops` (what each
+request does to the :class:`~qstore.Store`) through :mod:`._worker` (the one
+store thread); :mod:`._metrics` exports Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import ssl
+import sys
+from collections.abc import Callable
+
+from .._address import Address, parse_address
+from .._store import Store
+from ._metrics import Metrics
+from ._server import Limits, Server
+
+__all__ = ["Limits", "Server", "serve", "tls_context"]
+
+
+def tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """A server TLS context from a PEM certificate (chain) and key."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def serve(store: Store, listen: str | None = None, *, token: str | None = None,
+          ssl_context: ssl.SSLContext | None = None, limits: Limits | None = None,
+          metrics_port: int | None = None,
+          ready: Callable[[str], None] | None = None) -> None:
+    """Serve ``store`` until SIGTERM or SIGINT; closes the store before returning.
+
+    ``ready`` is called with the address clients use once the server listens.
+    """
+    address: Address = parse_address(listen if listen is not None else store.path)
+    metrics = Metrics(store) if metrics_port is not None else None
+    server = Server(store, address, token=token, ssl_context=ssl_context,
+                    limits=limits or Limits(),
+                    metrics=metrics)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await server.start()
+        except BaseException:
+            await server.shutdown()
+            raise
+        if metrics is not None and metrics_port is not None:
+            metrics.serve(metrics_port)
+        if ready is not None:
+            ready(server.listening_on)
+        await stop.wait()
+        await server.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        if not store.core.closed:
+            store.close()
+        sys.stdout.flush()

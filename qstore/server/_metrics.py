@@ -1,0 +1,74 @@
+"""Prometheus metrics of a running server (``qstore serve --metrics-port P``).
+
+Through ``prometheus_client``, on a registry of the server's own (never the
+process-global one), served over HTTP by the library's own thread:
+
+- ``qstore_requests_total{op,outcome}`` and ``qstore_request_seconds{op}``
+  (a histogram: a waiting pop counts from its arrival to its answer);
+- ``qstore_connections`` (open now);
+- ``qstore_queue_messages{queue,state}`` and ``qstore_queue_bytes{queue}``,
+  read from the store at each scrape;
+- ``qstore_syncs_total`` (durability syncs), ``qstore_disk_bytes``,
+  ``qstore_live_bytes`` and ``qstore_garbage_ratio`` (what compaction works on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .._store import Store
+
+_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+            0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _StoreCollector(Collector):
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        store = self._store
+        if store.core.closed:
+            return
+        stats = store.stats()
+        depth = GaugeMetricFamily("qstore_queue_messages", "Messages by queue and state",
+                                  labels=["queue", "state"])
+        size = GaugeMetricFamily("qstore_queue_bytes", "Payload bytes by queue",
+                                 labels=["queue"])
+        for q in stats.queues:
+            for state in ("ready", "delayed", "in_flight", "dead"):
+                depth.add_metric([q.queue, state], getattr(q, state))
+            size.add_metric([q.queue], q.bytes)
+        yield depth
+        yield size
+        yield CounterMetricFamily("qstore_syncs", "Durability syncs (WAL and payload)",
+                                  value=store.core.syncer.syncs)
+        yield GaugeMetricFamily("qstore_disk_bytes", "Payload segment bytes on disk",
+                                value=stats.disk_bytes)
+        yield GaugeMetricFamily("qstore_live_bytes", "Payload bytes still referenced",
+                                value=stats.live_bytes)
+        yield GaugeMetricFamily("qstore_garbage_ratio", "Dead over all payload bytes",
+                                value=stats.garbage_ratio)
+
+
+class Metrics:
+    def __init__(self, store: Store) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("qstore_requests", "Requests answered", ["op", "outcome"],
+                                registry=r)
+        self.latency = Histogram("qstore_request_seconds", "Request time in the server",
+                                 ["op"], buckets=_BUCKETS, registry=r)
+        self.connections = Gauge("qstore_connections", "Open client connections", registry=r)
+        r.register(_StoreCollector(store))
+
+    def request(self, op: str, seconds: float, ok: bool) -> None:
+        self.requests.labels(op, "ok" if ok else "error").inc()
+        self.latency.labels(op).observe(seconds)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        """Serve /metrics over HTTP on ``host:port`` (a daemon thread of prometheus_client)."""
+        start_http_server(port, addr=host, registry=self.registry)

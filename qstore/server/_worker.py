@@ -1,0 +1,77 @@
+"""The store thread: every store call of the server runs here, off the event loop.
+
+One thread owns the calls, in the order the event loop submitted them, so
+the requests of one connection take effect in the order they arrived. The
+thread takes every call queued since its last round and hands all the
+results back to the loop with one ``call_soon_threadsafe``: under load a
+thread hop is paid per round, not per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_Work = tuple[Callable[[], Any], "asyncio.Future[Any]"]
+_STOP: Any = None
+ROUND_MAX = 512  # calls per round: bounds the latency a round adds to the first call in it
+
+
+class StoreThread:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._work: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="qstore-server-store",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._work.put((fn, fut))
+        return fut
+
+    def stop(self) -> None:
+        """Finish every call submitted so far, then end the thread."""
+        self._work.put(_STOP)
+        self._thread.join()
+
+    def _run(self) -> None:
+        work = self._work
+        while True:
+            item = work.get()
+            batch = []
+            stop = item is None
+            if item is not None:
+                batch.append(item)
+            while not stop and len(batch) < ROUND_MAX:
+                try:
+                    item = work.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                else:
+                    batch.append(item)
+            done: list[tuple[asyncio.Future[Any], bool, Any]] = []
+            for fn, fut in batch:
+                try:
+                    done.append((fut, True, fn()))
+                except BaseException as exc:  # handed to the request's own future
+                    done.append((fut, False, exc))
+            if done:
+                self._loop.call_soon_threadsafe(_settle, done)
+            if stop:
+                return
+
+
+def _settle(done: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
+    for fut, ok, value in done:
+        if fut.cancelled():
+            continue
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)

@@ -1,0 +1,141 @@
+"""One contract, three ways: the embedded store, and a client of a real server
+process over a unix socket and over TCP (fixture ``store`` in conftest.py).
+
+Every test here must pass unchanged against all three, so the client cannot
+drift from the embedded API: same results, same exception classes and fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import qstore
+
+
+def test_push_pop_ack_in_priority_order(store: Any) -> None:
+    q = store.create_queue("q", order="max")
+    ids = [q.push(b"low", priority=1), q.push(b"high", priority=9), q.push(b"mid", priority=5)]
+    assert ids == sorted(ids)
+    got = [q.pop(lease=30.0) for _ in range(3)]
+    assert [m.payload for m in got] == [b"high", b"mid", b"low"]
+    assert [m.priority for m in got] == [9, 5, 1]
+    assert all(m.state == "in_flight" and m.attempts == 1 and m.receipt for m in got)
+    assert q.pop() is None
+    for m in got:
+        q.ack(m)
+    assert q.stats() == qstore.QueueStats("q", 0, 0, 0, 0, 0)
+
+
+def test_batches_are_one_call_each(store: Any) -> None:
+    q = store.create_queue("b", order="fifo")
+    ids = q.push_many([b"a", (b"b",), (b"c", None, 0.0)])
+    assert len(ids) == 3
+    msgs = q.pop_many(10)
+    assert [m.payload for m in msgs] == [b"a", b"b", b"c"]
+    assert q.ack_many(msgs) == 3
+    assert q.stats().total == 0
+
+
+def test_ack_many_is_all_or_nothing(store: Any) -> None:
+    q = store.create_queue("a")
+    q.push_many([b"1", b"2"])
+    m1, m2 = q.pop_many(2)
+    q.ack(m1)
+    with pytest.raises(qstore.MessageNotFound) as info:
+        q.ack_many([m2, m1])
+    assert info.value.queue == "a" and info.value.message_id == m1.id
+    assert q.stats().in_flight == 1
+
+
+def test_nack_extend_and_stale_receipt(store: Any) -> None:
+    q = store.create_queue("n", max_attempts=3)
+    q.push(b"x")
+    first = q.pop(lease=30.0)
+    q.nack(first)
+    again = q.pop(lease=30.0)
+    assert again.id == first.id and again.attempts == 2 and again.receipt != first.receipt
+    with pytest.raises(qstore.LeaseExpired):
+        q.ack(first.receipt)
+    longer = q.extend(again, lease=60.0)
+    assert longer.receipt == again.receipt and longer.lease_deadline > again.lease_deadline
+    q.ack(again.receipt)
+    with pytest.raises(qstore.MessageNotFound):
+        q.get(first.id)
+
+
+def test_dead_letters_and_redrive(store: Any) -> None:
+    q = store.create_queue("d", max_attempts=1)
+    mid = q.push(b"poison")
+    q.nack(q.pop())
+    assert q.stats().dead == 1
+    [dead] = q.dead_letters(5)
+    assert dead.id == mid and dead.state == "dead" and dead.receipt is None
+    assert q.redrive(10) == 1
+    assert q.pop().attempts == 1
+    assert q.purge() == 1
+
+
+def test_peek_get_and_delayed(store: Any) -> None:
+    q = store.create_queue("p", priority_type="str", order="min")
+    q.push(b"b", priority="b")
+    q.push(b"a", priority="a")
+    later = q.push(b"later", priority="0", delay=3600.0)
+    assert [m.payload for m in q.peek(5)] == [b"a", b"b"]
+    assert q.get(later).state == "delayed"
+    assert q.stats().delayed == 1 and len(q) == 3
+
+
+def test_dedup(store: Any) -> None:
+    q = store.create_queue("u", dedup=True)
+    a = q.push(b"same")
+    assert q.push(b"same") == a
+    assert q.push(b"other", dedup_key="k") == q.push(b"third", dedup_key="k")
+
+
+def test_store_methods(store: Any) -> None:
+    store.create_queue("one")
+    q = store.create_queue("one", exist_ok=True)
+    assert q.name == "one" and q.order == "max" and q.max_attempts == 5
+    with pytest.raises(qstore.QueueExists) as exists:
+        store.create_queue("one")
+    assert exists.value.name == "one"
+    with pytest.raises(qstore.InvalidArgument):
+        store.create_queue("one", order="min", exist_ok=True)
+    store.create_queue("two").push(b"12345")
+    assert store.queues() == ["one", "two"]
+    stats = store.stats()
+    assert [s.queue for s in stats.queues] == ["one", "two"] and stats.queues[1].bytes == 5
+    store.delete_queue("two")
+    with pytest.raises(qstore.QueueNotFound) as missing:
+        store.queue("two")
+    assert missing.value.name == "two"
+    assert store.compact().messages_moved >= 0
+
+
+@pytest.mark.parametrize("call", [
+    lambda q: q.push("text"),
+    lambda q: q.push(b"x", priority=2**63),
+    lambda q: q.push(b"x", delay=-1),
+    lambda q: q.pop(lease=0),
+    lambda q: q.pop(wait=float("nan")),
+    lambda q: q.pop_many(0),
+    lambda q: q.ack("not-a-receipt"),
+    lambda q: q.push_many(5),
+    lambda q: q.get(-1),
+])
+def test_bad_arguments_raise_invalid_argument(store: Any, call: Any) -> None:
+    q = store.create_queue("bad")
+    with pytest.raises(qstore.InvalidArgument):
+        call(q)
+    assert q.push(b"still fine") >= 0
+
+
+def test_payload_too_large_keeps_the_connection(store: Any) -> None:
+    q = store.create_queue("big")
+    with pytest.raises(qstore.PayloadTooLarge) as info:
+        q.push(b"x" * (64 * 1024 * 1024 + 1))
+    assert info.value.size == 64 * 1024 * 1024 + 1 and info.value.limit == 64 * 1024 * 1024
+    q.push(b"after")
+    assert q.pop().payload == b"after"

@@ -1,0 +1,101 @@
+"""Many processes on one server: exactly once, dead consumers, dead and stopped servers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+import qstore
+
+from ._support import ServerProcess, env, running
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _consumer(address: str, queue: str, mode: str, count: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "_consumer.py"), address,
+                             queue, mode, str(count)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env())
+
+
+def test_producers_and_consumers_each_message_exactly_once(server: ServerProcess) -> None:
+    with qstore.connect(server.address) as client:
+        q = client.create_queue("work")
+        bodies = [os.urandom(16 + i % 700) for i in range(600)]
+        for i in range(0, 600, 50):  # several batches and single pushes
+            q.push_many(bodies[i:i + 25])
+            for b in bodies[i + 25:i + 50]:
+                q.push(b)
+        procs = [_consumer(server.address, "work", "ack", 600) for _ in range(3)]
+        outs = [p.communicate(timeout=60)[0].decode().split() for p in procs]
+        assert all(p.returncode == 0 for p in procs)
+        got = [bytes.fromhex(h) for out in outs for h in out]
+        assert sorted(got) == sorted(bodies)  # every one, exact bytes, none twice
+        assert q.stats().total == 0
+
+
+def test_a_killed_consumers_leases_go_back_at_once(server: ServerProcess) -> None:
+    with qstore.connect(server.address) as client:
+        q = client.create_queue("jobs")
+        q.push_many([b"a", b"b", b"c"])
+        holder = _consumer(server.address, "jobs", "hold", 2)
+        assert holder.stdout is not None
+        assert holder.stdout.readline().split() == [b"held", b"2"]
+        assert q.stats().in_flight == 2
+        holder.kill()
+        holder.wait(30)
+        holder.stdout.close()
+        holder.stdin.close()  # type: ignore[union-attr]
+        # The leases were for an hour: only the closed connection can bring them back.
+        got = q.pop_many(3, wait=10.0)
+        while len(got) < 3:
+            more = q.pop_many(3, wait=10.0)
+            assert more, "leases of the dead consumer were not released"
+            got += more
+        assert sorted(m.payload for m in got) == [b"a", b"b", b"c"]
+        assert sorted(m.attempts for m in got) == [1, 2, 2]  # attempts kept
+
+
+def test_keep_leases_outlive_the_connection(server: ServerProcess) -> None:
+    with qstore.connect(server.address) as client:
+        client.create_queue("k").push(b"x")
+    with qstore.connect(server.address, keep_leases=True) as holder:
+        assert holder.queue("k").pop(lease=3600.0) is not None
+    with qstore.connect(server.address) as client:
+        assert client.queue("k").stats().in_flight == 1
+
+
+def test_killed_server_loses_nothing_that_returned_and_clients_reconnect(tmp_path: Any) -> None:
+    path = str(tmp_path / "store")
+    srv = ServerProcess(path)
+    try:
+        client = qstore.connect(srv.address)
+        q = client.create_queue("d")
+        ids = q.push_many([b"m%d" % i for i in range(100)]) + [q.push(b"last")]
+        srv.kill()
+        with pytest.raises(qstore.ConnectionLost):
+            q.push(b"lost?")
+        srv = ServerProcess(path)
+        assert q.stats().ready == 101  # the same client object reconnected
+        assert [m.id for m in q.pop_many(200)] == ids
+        client.close()
+    finally:
+        srv.kill()
+
+
+def test_sigterm_shuts_down_cleanly_and_the_store_opens_embedded(tmp_path: Any) -> None:
+    path = str(tmp_path / "store")
+    with running(path) as srv:
+        with qstore.connect(srv.address) as client:
+            q = client.create_queue("t")
+            q.push_many([b"1", b"2"])
+            q.pop()  # leased when the server stops: goes back to ready
+        assert srv.terminate() == 0
+        assert not os.path.exists(os.path.join(path, "qstore.sock"))
+    with qstore.open(path) as store:
+        assert store.queue("t").stats().ready == 2
+        assert store.check().ok

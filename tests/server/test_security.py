@@ -1,0 +1,159 @@
+"""Tokens, TLS, non-loopback refusal, and frames that break the protocol."""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import struct
+import subprocess
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qstore
+
+from ._support import ServerProcess, running
+
+
+def _token_file(tmp_path: Any) -> str:
+    path = tmp_path / "token"
+    path.write_text("s3cret-token\n")
+    return str(path)
+
+
+def test_wrong_token_is_refused_and_right_token_accepted(tmp_path: Any) -> None:
+    with running(str(tmp_path / "s"), "--listen", "tcp://127.0.0.1:0",
+                 "--token-file", _token_file(tmp_path)) as srv:
+        with pytest.raises(qstore.AuthenticationFailed):
+            qstore.connect(srv.address, token="wrong")
+        with pytest.raises(qstore.AuthenticationFailed):
+            qstore.connect(srv.address)
+        with qstore.connect(srv.address, token="s3cret-token") as client:
+            assert client.create_queue("q").push(b"x") >= 0
+
+
+def test_non_loopback_tcp_without_token_refuses_to_start(tmp_path: Any) -> None:
+    with pytest.raises(AssertionError, match="token"):
+        ServerProcess(str(tmp_path / "s"), "--listen", "tcp://0.0.0.0:0")
+
+
+def test_unix_socket_is_mode_0600(server: ServerProcess) -> None:
+    mode = os.stat(server.address[len("unix://"):]).st_mode & 0o777
+    assert mode == 0o600
+
+
+def _make_cert(tmp_path: Any) -> tuple[str, str]:
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
+                    "-out", cert, "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_tls_round_trip_with_a_throwaway_certificate(tmp_path: Any) -> None:
+    cert, key = _make_cert(tmp_path)
+    with running(str(tmp_path / "s"), "--listen", "tcp://127.0.0.1:0",
+                 "--tls-cert", cert, "--tls-key", key) as srv:
+        with qstore.connect(srv.address, cafile=cert) as client:
+            q = client.create_queue("tls")
+            q.push(b"\x00secret\xff")
+            assert q.pop().payload == b"\x00secret\xff"
+        with pytest.raises(qstore.ConnectionLost):  # plain TCP to a TLS server
+            qstore.connect(srv.address, timeout=5.0)
+        with pytest.raises(qstore.ConnectionLost):  # a certificate nobody vouched for
+            qstore.connect(srv.address, tls=ssl.create_default_context(), timeout=5.0)
+
+
+def _raw(address: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(address[len("unix://"):])
+    return s
+
+
+def _frame(value: Any) -> bytes:
+    body = msgpack.packb(value, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+def _closed_with_error(s: socket.socket) -> Any:
+    """The last frame the server sent (its error) before it closed the connection."""
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    frames = []
+    while data:
+        n = struct.unpack(">I", data[:4])[0]
+        frames.append(msgpack.unpackb(data[4:4 + n], raw=False))
+        data = data[4 + n:]
+    return frames[-1]
+
+
+def test_oversized_malformed_and_unauthenticated_frames_close_only_that_connection(
+        server: ServerProcess) -> None:
+    with qstore.connect(server.address) as good:
+        q = good.create_queue("q")
+        bad = _raw(server.address)
+        bad.sendall(struct.pack(">I", 2**31))  # oversized
+        assert _closed_with_error(bad)[2][0] == "ProtocolError"
+        bad = _raw(server.address)
+        bad.sendall(_frame([1, "push", {"queue": "q", "payload": b"x"}]))  # no handshake
+        assert _closed_with_error(bad)[2][0] == "ProtocolError"
+        bad = _raw(server.address)
+        bad.sendall(_frame({"qstore": 1}) + b"\x00\x00\x00\x02\xc1\xc1")  # malformed body
+        error = _closed_with_error(bad)
+        assert error[0] == 0 and error[2][0] == "ProtocolError"
+        bad = _raw(server.address)
+        bad.sendall(_frame({"qstore": 99}))  # unknown version
+        assert "version" in _closed_with_error(bad)[2][1]
+        bad = _raw(server.address)
+        bad.sendall(b"\x00\x00\x01\x00abc")  # truncated, then gone
+        bad.close()
+        q.push(b"fine")
+        assert q.pop().payload == b"fine"
+
+
+def test_many_idle_connections_do_not_block_a_working_client(server: ServerProcess) -> None:
+    idle = [_raw(server.address) for _ in range(100)]
+    try:
+        with qstore.connect(server.address) as client:
+            q = client.create_queue("q")
+            assert q.push_many([b"%d" % i for i in range(10)]) == list(range(1, 11))
+    finally:
+        for s in idle:
+            s.close()
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(junk=st.one_of(
+    st.binary(max_size=64),
+    st.builds(lambda v: _frame(v), st.recursive(
+        st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.text(max_size=8)
+        | st.binary(max_size=8),
+        lambda inner: st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)),
+), handshake=st.booleans())
+def test_fuzzed_frames_never_harm_the_server(server: ServerProcess, junk: bytes,
+                                             handshake: bool) -> None:
+    s = _raw(server.address)
+    try:
+        s.sendall((_frame({"qstore": 1}) if handshake else b"") + junk)
+        s.shutdown(socket.SHUT_WR)
+        while s.recv(65536):
+            pass
+    except OSError:
+        pass
+    finally:
+        s.close()
+    with qstore.connect(server.address) as client:
+        q = client.create_queue("fz", exist_ok=True)
+        q.push(b"alive")
+        assert q.pop().payload == b"alive"
+    assert server.proc.poll() is None
