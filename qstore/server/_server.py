@@ -86,6 +86,8 @@ class Server:
         self._waiting = WaitingPops(limits.max_waiting)
         self._listening = False
         self._wake_pending = False
+        self._round_running = False  # a retry round of parked pops is in the store thread
+        self._again = False  # a wake came while it ran: run another round after it
         self._server: asyncio.base_events.Server | None = None
         self._thread: StoreThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -336,9 +338,15 @@ class Server:
 
     def _retry(self) -> None:
         self._wake_pending = False
+        if self._round_running:
+            # A wake while a round runs: that round may have tried its queues
+            # before the push that woke us, so run another once it ends.
+            self._again = True
+            return
         waiters = self._waiting.round()
         if not waiters or self._thread is None:
             return
+        self._round_running = True
         store = self.store
 
         def attempt(w: Waiter) -> Any:
@@ -349,6 +357,10 @@ class Server:
         fut.add_done_callback(self._retried)
 
     def _retried(self, fut: asyncio.Future[Any]) -> None:
+        self._round_running = False
+        if self._again:
+            self._again = False
+            self._wake()
         if fut.cancelled() or fut.exception() is not None:
             return
         for w, ok, got in fut.result():
