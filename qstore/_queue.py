@@ -376,6 +376,8 @@ class Queue:
         if raw is None:
             raise MessageNotFound(q.name, mid)
         rec = records.MessageRecord.decode(raw)
+        if 0 < rec.expires_us <= now_us and q.rec.on_expire == "drop":
+            raise MessageNotFound(q.name, mid)  # expired: as good as gone already
         if (rec.state != _ST.INFLIGHT or rec.deliveries != delivery or rec.when_us <= now_us
                 or 0 < rec.expires_us <= now_us):
             raise LeaseExpired(f"the lease of message {mid} in {q.name!r} expired or was "
