@@ -19,10 +19,11 @@ earliest head may be due (the queue's next event), not on every pop.
 Guarantee. With ``aging_cap`` unset, a message of priority ``p`` pushed at
 ``t`` sits at level ``p + k`` (order "max") from ``t + k*a`` on, and a level
 is popped in id order: it pops before every message pushed after ``t`` at a
-priority below ``p + k``. So if the highest priority pushed is ``P``, it
-pops no later than the moment it reaches ``P + 1`` (``t + (P + 1 - p) * a``)
-plus the time consumers need to pop the messages already ahead of it at
-that level (older ids, at most the backlog present when it was pushed).
+priority up to ``p + k``. So if the highest priority pushed is ``P``, it
+pops no later than the moment it reaches ``P`` (``t + (P - p) * a``) plus
+the time consumers need to pop the messages already ahead of it at that
+level (older ids: at most the backlog of level ``P`` present at ``t``, plus
+older messages that aged into ``P`` too).
 With a cap ``c`` it reaches ``p + c`` and no further: it may starve behind
 a steady stream above ``p + c``.
 """
