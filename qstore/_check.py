@@ -4,7 +4,8 @@ One pass over every message record (streamed: nothing per message is kept
 but small per-queue and per-segment recounts) checks that it decodes, that
 its payload reference resolves to an intact record (through
 :class:`qstore.payload.SegmentReader`), and that the one index key its state
-implies (``keys.index_key``) and its dedup key exist. A pass over each index
+implies (``keys.index_key``), its dedup key and, with a TTL, its expiry key
+(``keys.expiry_key``) exist. A pass over each index
 then checks that every key belongs to a message that implies exactly that key.
 Finally the ``C`` counters and ``S`` segment records are compared with the
 recounts, and the segment files with what refers to them. docs/check.md lists
@@ -33,7 +34,7 @@ from .payload import _format as fmt
 BATCH = 1024  # keys per multi_get
 PHASES = (records.COPYING, records.REPOINTING, records.DELETING)  # of M"compaction"
 _INDEX_NAMES = {keys.READY: "ready", keys.DELAYED: "delayed", keys.INFLIGHT: "in_flight",
-                keys.DEAD: "dead", keys.DEDUP: "dedup"}
+                keys.DEAD: "dead", keys.DEDUP: "dedup", keys.EXPIRY: "expiry"}
 
 
 def check_path(path: str | os.PathLike[str]) -> CheckReport:
@@ -110,6 +111,11 @@ def decode_message(value: bytes, rec_q: records.QueueRecord | None
         return f"a reference, count or time field is not an unsigned integer: {ints!r}"
     if rec.digest is not None and (type(rec.digest) is not bytes or len(rec.digest) != 16):
         return f"dedup digest is not 16 bytes: {rec.digest!r:.60}"
+    if any(type(v) is not int or not 0 <= v < 2**64 for v in (rec.expires_us, rec.aged)):
+        return f"expiry or aging field is not an unsigned integer: {rec.expires_us!r:.30}, " \
+            f"{rec.aged!r:.30}"
+    if rec.expires_us and rec.state == records.DEAD:
+        return "a dead letter has an expiry time (dead letters do not expire)"
     ptype = rec_q.priority_type if rec_q is not None else None
     if ptype == "int" and (type(rec.priority) is not int
                            or not keys.INT_MIN <= rec.priority <= keys.INT_MAX):
@@ -141,7 +147,8 @@ class _Check:
         compaction = self._read_compaction()
         self._messages()
         for qid, (name, rec_q) in self.queues.items():
-            for kind in (keys.READY, keys.DELAYED, keys.INFLIGHT, keys.DEAD, keys.DEDUP):
+            for kind in (keys.READY, keys.DELAYED, keys.INFLIGHT, keys.DEAD, keys.DEDUP,
+                         keys.EXPIRY):
                 self._index(qid, name, rec_q, kind)
         self._orphan_queue_keys()
         self._counters()
@@ -229,6 +236,9 @@ class _Check:
             if rec.digest is not None:  # dead letters keep theirs (as the audit expects)
                 self._expect(keys.dedup_key(qid, rec.digest), keys.U64.pack(mid), name or "",
                              mid, "dedup")
+            if rec.expires_us:
+                self._expect(keys.expiry_key(qid, rec.expires_us, mid), None, name or "", mid,
+                             "expiry")
         self._flush()
 
     def _expect(self, key: bytes, value: bytes | None, queue: str, mid: int, index: str) -> None:
@@ -291,6 +301,10 @@ class _Check:
                 if rec.digest != key[5:]:
                     self._stray(name, mid, kind, key, "its message has another digest")
                 continue
+            if kind == keys.EXPIRY:
+                if not rec.expires_us or keys.expiry_key(qid, rec.expires_us, mid) != key:
+                    self._stray(name, mid, kind, key, "its message has another expiry time")
+                continue
             pkey = keys.priority_key(rec_q.order, rec_q.priority_type, rec.priority)
             if keys.index_key(rec.state, qid, mid, pkey, rec.when_us) != key:
                 self._stray(name, mid, kind, key, (
@@ -302,7 +316,7 @@ class _Check:
 
     def _orphan_queue_keys(self) -> None:
         """Per-queue keys (and counters) of queue ids with no Q record, one finding per kind."""
-        for kind in (*keys.PER_QUEUE_KINDS, keys.COUNTS):
+        for kind in (*keys.PER_QUEUE_KINDS, keys.COUNTS, keys.TOTALS):
             if kind == keys.MESSAGE:
                 continue  # each such message is a message_without_queue finding
             lo, hi = kind, keys.prefix_end(kind)

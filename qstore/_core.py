@@ -16,17 +16,21 @@ number read-only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
+from typing import Any
 
+from . import _aging as aging
 from . import _states as states
 from ._config import Config
 from ._durability import Syncer
 from ._errors import ReadOnlyStore, StorageError, StoreClosed, StoreLocked
 from ._heads import ReadyHeads
+from ._rate import TokenBucket
 from ._txn import NO_EVENT_US, STATE_COUNTER, QueueState, Txn, apply_counts
 from .meta import Batch, MetaDB, keys, new_batch, records, write_sst
 from .payload import FRAME_SIZE, PayloadRef, SegmentSet
@@ -170,6 +174,9 @@ class Core:
             raw = self.meta.get(keys.counts_key(rec.qid))
             counts = records.decode_counts(raw) if raw else [0, 0, 0, 0, 0]
             state = QueueState(key[1:].decode("utf-8"), rec, counts)
+            totals = self.meta.get(keys.totals_key(rec.qid))
+            state.expired = records.decode_totals(totals) if totals else 0
+            self.set_options(state, rec)
             self.queues[state.name] = state
             self.refresh_next_event(state)
         # file_id -> [live bytes, live count, end]: what the S records say.
@@ -396,6 +403,8 @@ class Core:
         batch.delete(q.inflight_prefix + _U64(rec.when_us) + id_bytes)
         if rec.digest is not None:
             batch.delete(keys.dedup_key(q.qid, rec.digest))
+        if rec.expires_us:
+            batch.delete(keys.expiry_key(q.qid, rec.expires_us, mid))
         mkey = q.message_prefix + id_bytes
         batch.delete(mkey)
         length = rec.length
@@ -506,16 +515,18 @@ class Core:
     # -- queues ---------------------------------------------------------------
 
     def add_queue(self, name: str, order: str, priority_type: str, max_attempts: int,
-                  dedup: bool) -> QueueState:
-        """Create queue ``name`` (writer lock held; the caller checked it is new)."""
+                  dedup: bool, **options: Any) -> QueueState:
+        """Create queue ``name`` (writer lock held; the caller checked it is new and
+        validated ``options``, the QueueRecord fields of contract section 10)."""
         rec = records.QueueRecord(self._next_qid, order, priority_type, max_attempts, dedup,
-                                  self.clock())
+                                  self.clock(), **options)
         txn = Txn()
         txn.put(keys.queue_key(name), rec.encode())
         txn.put(keys.QID_NEXT_KEY, records.pack([records.RECORD_VERSION, rec.qid + 1]))
         state = QueueState(name, rec, [0, 0, 0, 0, 0])
         state.next_event_us = NO_EVENT_US
         state.heads = ReadyHeads.of_empty_queue(rec.qid)
+        self.set_options(state, rec)
         txn.count(state, 0, 0)
         self.queues[name] = state
         try:
@@ -526,6 +537,25 @@ class Core:
         self._next_qid += 1
         return state
 
+    def set_options(self, q: QueueState, rec: records.QueueRecord) -> None:
+        """Bring the in-memory state of ``q`` in line with its (new) record."""
+        old = q.rec
+        q.rec = rec
+        if rec.rate is None:
+            q.bucket = None
+        elif q.bucket is None or old.rate != rec.rate:
+            q.bucket = TokenBucket(rec.rate[0], rec.rate[1], self.clock())
+        q.aging_next_us = 0 if rec.aging is not None else NO_EVENT_US
+        q.next_event_us = min(q.next_event_us, q.aging_next_us)
+
+    def configure_queue(self, q: QueueState, options: dict[str, Any]) -> None:
+        """Change the options of ``q`` (validated by the caller; writer lock held)."""
+        rec = dataclasses.replace(q.rec, **options)
+        txn = Txn()
+        txn.put(keys.queue_key(q.name), rec.encode())
+        self.commit(txn)
+        self.set_options(q, rec)
+
     def drop_queue(self, q: QueueState) -> None:
         """Delete a queue with every message in it, in one batch (writer lock held)."""
         txn = Txn()
@@ -535,6 +565,7 @@ class Core:
         # drop q's deltas, the key goes with the queue.
         del txn.queues[q]
         txn.delete(q.counts_key)
+        txn.delete(keys.totals_key(q.qid))
         self.commit(txn)
         q.deleted = True
         del self.queues[q.name]
@@ -573,9 +604,9 @@ class Core:
 
     def refresh_next_event(self, q: QueueState) -> None:
         """Recompute the earliest due time or lease deadline from the indexes."""
-        earliest = NO_EVENT_US
+        earliest = q.aging_next_us
         floor = keys.U64.pack(q.time_floor_us)
-        for kind in (keys.DELAYED, keys.INFLIGHT):
+        for kind in (keys.DELAYED, keys.INFLIGHT, keys.EXPIRY):
             base = keys.prefix(kind, q.qid)
             first = self.meta.first_key(base + floor, keys.prefix_end(base))
             if first is not None:
@@ -588,7 +619,7 @@ class Core:
         The scan and the batch happen under the writer lock, so nothing can ack
         or extend a message between the look and the action.
         """
-        moved = 0
+        moved = self._expire(q, now_us)
         for kind in (keys.INFLIGHT, keys.DELAYED):
             base = keys.prefix(kind, q.qid)
             # Start at the time floor, not at the prefix: everything before it was
@@ -613,7 +644,70 @@ class Core:
         # Nothing due at or before now is left in either index; a later write of an
         # earlier time (a clock that went back) lowers the floor in commit().
         q.time_floor_us = max(q.time_floor_us, now_us + 1)
+        if q.rec.aging is not None:
+            moved += self._age(q, now_us)
         self.refresh_next_event(q)
+        return moved
+
+    def _expire(self, q: QueueState, now_us: int) -> int:
+        """Expire the messages of ``q`` whose TTL ran out by ``now_us``, in batches.
+
+        Read through the expiry index from the time floor: nothing else of the
+        backlog is read. Counts them in the ``E`` totals key, in the same batch.
+        """
+        base = keys.prefix(keys.EXPIRY, q.qid)
+        lo = base + keys.U64.pack(q.time_floor_us)
+        hi = base + keys.U64.pack(now_us + 1)
+        expired = 0
+        while True:
+            due = self.meta.scan_keys(lo, hi, PROMOTE_BATCH)
+            if not due:
+                break
+            txn = Txn()
+            gone = []
+            for key, rec in zip(due, self.records_of(q, due), strict=True):
+                mid = keys.trailing_id(key)
+                if rec.state == _READY:
+                    gone.append(q.index_key(mid, rec))
+                states.expire(txn, q, mid, rec)
+            total = q.expired + len(due)
+            txn.put(keys.totals_key(q.qid), records.encode_totals(total))
+            self.commit(txn)
+            q.expired = total
+            q.heads.removed(gone)
+            expired += len(due)
+            if len(due) < PROMOTE_BATCH:
+                break
+            lo = due[-1] + b"\x00"
+        return expired
+
+    def _age(self, q: QueueState, now_us: int) -> int:
+        """Re-key the ready messages of ``q`` that gained levels by aging (see _aging.py)."""
+        rec_q = q.rec
+        assert rec_q.aging is not None
+        now = now_us / 1e6
+        next_us = NO_EVENT_US
+        moved = 0
+        for start in q.heads.discover_all(self.meta):
+            front = q.heads.front(self.meta, start, aging.SCAN)
+            if not front:
+                continue
+            recs = self.records_of(q, front)
+            plan = aging.plan(rec_q, recs, now)
+            next_us = min(next_us, plan.next_us)
+            if len(plan.moves) == len(front) == aging.SCAN:
+                next_us = now_us  # the level may hold more that are due: go on next time
+            for i in range(0, len(plan.moves), PROMOTE_BATCH):
+                txn = Txn()
+                gone = []
+                for j, priority, aged in plan.moves[i:i + PROMOTE_BATCH]:
+                    mid = keys.trailing_id(front[j])
+                    states.age(txn, q, front[j], mid, recs[j], priority, aged)
+                    gone.append(front[j])
+                self.commit(txn)
+                q.heads.removed(gone)
+                moved += len(gone)
+        q.aging_next_us = max(next_us, now_us + 1)
         return moved
 
     def promote_due(self) -> None:

@@ -33,8 +33,9 @@ forgotten first; a forgotten empty level is still known empty).
 
 All of this is touched only under the store's writer lock, and changed only
 after the batch it reflects has been committed. Ready keys leave the index
-only through a pop (:meth:`ReadyHeads.taken`) or a purge (the heads are
-replaced), so nothing known can go stale.
+through a pop (:meth:`ReadyHeads.taken`), a purge (the heads are replaced),
+or expiry and aging, which report the keys they deleted to
+:meth:`ReadyHeads.removed`; so nothing known can go stale.
 """
 
 from __future__ import annotations
@@ -173,6 +174,58 @@ class ReadyHeads:
         self.known_total -= len(known) - cut
         del known[cut:]
         lv.exact = False
+
+    def removed(self, gone: Iterable[bytes]) -> None:
+        """Ready keys that were just deleted other than by a pop (expiry, aging).
+
+        A returned or known key is forgotten; when it was the first live key
+        of its level the frontier moves past it, so the next seek does not
+        step over its tombstone.
+        """
+        for key in gone:
+            start = key[:-_ID_BYTES]
+            lv = self.levels.get(start)
+            if lv is None:
+                continue  # a level not learnt yet: a seek finds what is live
+            j = bisect_left(lv.returns, key)
+            if j < len(lv.returns) and lv.returns[j] == key:
+                del lv.returns[j]
+            elif key >= lv.frontier:
+                known = lv.known
+                j = bisect_left(known, key, lv.k0)
+                if j < len(known) and known[j] == key:
+                    if j == lv.k0:  # known[k0] is the first live key past the frontier
+                        lv.frontier = key + b"\x00"
+                        lv.k0 += 1
+                        if lv.k0 == len(known):
+                            known.clear()
+                            lv.k0 = 0
+                    else:
+                        del known[j]
+                    self.known_total -= 1
+            if lv.exact and not lv.returns and len(lv.known) == lv.k0:
+                lv.maybe = False  # exactly what this process added, and all of it is gone
+            if not lv.active:
+                self._deactivate(lv)
+
+    def discover_all(self, db: MetaDB) -> list[bytes]:
+        """Learn every level (one seek each); the starts of the active ones, in pop order."""
+        while self.known_upto < self.base_end and self._discover(db):
+            pass
+        return list(self.active)
+
+    def front(self, db: MetaDB, start: bytes, n: int) -> list[bytes]:
+        """Up to ``n`` live keys from the head of one active level, in key order."""
+        lv = self.levels[start]
+        out = lv.returns[:n]
+        if len(out) < n and lv.maybe:
+            got = lv.known[lv.k0: lv.k0 + n - len(out)]
+            out += got
+            if len(out) < n and not lv.exact:
+                seek_from = got[-1] + b"\x00" if got else lv.frontier
+                out += db.scan_keys(seek_from, lv.end, n - len(out))
+        return out
+
     def _discover(self, db: MetaDB) -> bool:
         """Learn the next level past ``known_upto``; False when there is none."""
         first = db.first_key(self.known_upto, self.base_end)

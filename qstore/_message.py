@@ -8,7 +8,7 @@ from typing import Any
 from .payload import HEADER_SIZE
 
 _FIELDS = ("id", "queue", "priority", "payload", "attempts", "enqueued_at", "lease_deadline",
-           "receipt", "state")
+           "receipt", "state", "expires_at", "dead_reason")
 
 
 class Message:
@@ -17,6 +17,8 @@ class Message:
     ``receipt`` identifies this delivery; it is None when the message was not
     leased to you. ``lease_deadline`` is set while the message is in flight;
     ``state`` is one of ``ready``, ``delayed``, ``in_flight``, ``dead``.
+    ``expires_at`` is when its TTL runs out (None: no TTL; set by ``peek`` and
+    ``get``); ``dead_reason`` is ``"expired"`` for a dead letter its TTL made.
 
     Immutable, compared and hashed by its fields. It keeps them in one tuple
     (built with one store per pop instead of one per field: pops are the hot
@@ -36,12 +38,18 @@ class Message:
     lease_deadline: float | None
     receipt: str | None
     state: str
+    expires_at: float | None
+    dead_reason: str | None
 
     def __init__(self, id: int, queue: str, priority: int | str, payload: bytes, attempts: int,
                  enqueued_at: float, lease_deadline: float | None, receipt: str | None,
-                 state: str = "in_flight") -> None:
-        _set(self, "_v", (id, queue, priority, payload, attempts, enqueued_at, lease_deadline,
-                          receipt, state))
+                 state: str = "in_flight", *, expires_at: float | None = None,
+                 dead_reason: str | None = None) -> None:
+        fields: tuple[Any, ...] = (id, queue, priority, payload, attempts, enqueued_at,
+                                   lease_deadline, receipt, state)
+        if expires_at is not None or dead_reason is not None:
+            fields += (expires_at, dead_reason)
+        _set(self, "_v", fields)
         _set(self, "_lease", None)
 
     @classmethod
@@ -67,6 +75,8 @@ class Message:
         return hash(self._v)
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if len(self._v) > 9:
+            return (_rebuild, self._v)
         return (Message, self._v)
 
     def __repr__(self) -> str:
@@ -79,7 +89,14 @@ class Message:
 
 
 def _field(i: int) -> property:
+    if i >= 9:  # kept only when set (a pop builds the first nine alone)
+        return property(lambda self: self._v[i] if len(self._v) > i else None,
+                        doc=f"The message's {_FIELDS[i]}.")
     return property(lambda self: self._v[i], doc=f"The message's {_FIELDS[i]}.")
+
+
+def _rebuild(*v: Any) -> Message:
+    return Message(*v[:9], expires_at=v[9], dead_reason=v[10])
 
 
 for _i, _name in enumerate(_FIELDS):
@@ -97,6 +114,12 @@ class QueueStats:
     in_flight: int
     dead: int
     bytes: int
+    expired: int = 0  # messages expired by their TTL, ever (a purge keeps this count)
+    ttl: float | None = None  # the queue's options (contract section 10)
+    on_expire: str = "drop"
+    aging: float | None = None
+    aging_cap: int | None = None
+    rate: tuple[int, float] | None = None
 
     @property
     def total(self) -> int:

@@ -184,12 +184,17 @@ class Queue:
     # -- push -----------------------------------------------------------------
 
     def push(self, payload: bytes, priority: int | str | None = None, delay: float = 0.0,
-             dedup_key: str | bytes | None = None) -> int:
-        """Enqueue one message; returns its id (the existing id for a dedup hit)."""
+             dedup_key: str | bytes | None = None, ttl: float | None = None) -> int:
+        """Enqueue one message; returns its id (the existing id for a dedup hit).
+
+        ``ttl``: seconds after which the message expires if not acked (default:
+        the queue's ``ttl``, if any).
+        """
         q = self._q
         if (dedup_key is not None or q.rec.dedup or type(payload) is not bytes
-                or delay != 0 or type(delay) not in (int, float)):
-            return self._push([(payload, priority, delay, dedup_key)])[0]
+                or delay != 0 or type(delay) not in (int, float) or ttl is not None
+                or q.rec.ttl is not None or q.rec.aging is not None):
+            return self._push([(payload, priority, delay, dedup_key, ttl)])[0]
         # The common case, without the batch machinery: same checks, same keys.
         if not (type(priority) is int and q.int_prio and INT_MIN <= priority <= INT_MAX):
             priority = self._priority(priority)
@@ -201,34 +206,38 @@ class Queue:
                 raise QueueNotFound(q.name)
             return core.push_one(q, payload, priority)
 
-    def push_many(self, items: Iterable[bytes | Sequence[Any]], *, delay: float = 0.0) -> list[int]:
+    def push_many(self, items: Iterable[bytes | Sequence[Any]], *, delay: float = 0.0,
+                  ttl: float | None = None) -> list[int]:
         """Enqueue many messages in one atomic batch; returns their ids in order.
 
         Each item is a payload, or a ``(payload, priority)`` or
-        ``(payload, priority, delay)`` or ``(payload, priority, delay, dedup_key)`` tuple.
+        ``(payload, priority, delay)`` or ``(payload, priority, delay, dedup_key)``
+        or ``(payload, priority, delay, dedup_key, ttl)`` tuple; ``delay`` and
+        ``ttl`` are the defaults of items that do not give theirs.
         """
-        defaults = (None, None, delay, None)
+        defaults = (None, None, delay, None, ttl)
         rows = []
         for item in _iterate(items, "push_many"):
             if isinstance(item, (bytes, bytearray, memoryview)):
-                rows.append((item, None, delay, None))
-            elif isinstance(item, (tuple, list)) and 1 <= len(item) <= 4:
+                rows.append((item, None, delay, None, ttl))
+            elif isinstance(item, (tuple, list)) and 1 <= len(item) <= 5:
                 rows.append(tuple(item) + defaults[len(item):])
             else:
                 raise InvalidArgument(f"push_many item must be bytes or a tuple, not {item!r:.60}")
         return self._push(rows) if rows else []
 
-    def _push(self, rows: list[tuple[Any, Any, Any, Any]]) -> list[int]:
+    def _push(self, rows: list[tuple[Any, ...]]) -> list[int]:
         core = self._core
         bodies = []
         prepared = []
-        for body, priority, delay, dedup_key in rows:
+        for body, priority, delay, dedup_key, ttl in rows:
             body = _payload(body)
             core.payload.check_size(body)
             prio = self._priority(priority)
             d = _seconds(delay, "delay")
+            t = None if ttl is None else _seconds(ttl, "ttl", positive=True)
             bodies.append(body)
-            prepared.append((prio, d, self._digest(body, dedup_key)))
+            prepared.append((prio, d, self._digest(body, dedup_key), t))
         ids = [0] * len(rows)
         with core.writing:
             q = self._state()
@@ -236,7 +245,7 @@ class Queue:
             fresh: list[int] = []  # rows really enqueued
             first_of: dict[bytes, int] = {}  # dedup digest -> first row in this batch
             dup_of: dict[int, int] = {}  # row -> earlier row with the same digest
-            for i, (_, _, digest) in enumerate(prepared):
+            for i, (_, _, digest, _) in enumerate(prepared):
                 if digest is not None:
                     if digest in first_of:
                         dup_of[i] = first_of[digest]
@@ -251,10 +260,14 @@ class Queue:
                 refs = core.payload.append_many([bodies[i] for i in fresh])
                 now = core.clock()
                 txn = Txn()
+                default_ttl = q.rec.ttl
                 for i, ref in zip(fresh, refs, strict=True):
-                    prio, delay, digest = prepared[i]
+                    prio, delay, digest, ttl = prepared[i]
                     ids[i] = mid = core.alloc_id(txn)
-                    states.enqueue(txn, q, mid, ref, prio, delay, digest, now)
+                    if ttl is None:
+                        ttl = default_ttl
+                    expires_us = 0 if ttl is None else keys.to_us(now + ttl)
+                    states.enqueue(txn, q, mid, ref, prio, delay, digest, now, expires_us)
                 core.commit(txn)
             for i, j in dup_of.items():
                 ids[i] = ids[j]
@@ -292,7 +305,12 @@ class Queue:
                 remaining = deadline - time.monotonic()
                 if got or remaining <= 0 or core.closed:
                     return got
-                until_event = (self._q.next_event_us / 1e6) - core.clock()
+                now = core.clock()
+                until_event = (self._q.next_event_us / 1e6) - now
+                bucket = self._q.bucket
+                if bucket is not None and bucket.available(now) == 0:
+                    # Wake when a token is due (on time, not by polling the store).
+                    until_event = bucket.wait_time(now)
                 core.waiters += 1
                 try:
                     core.ready.wait(max(0.001, min(remaining, until_event)))
@@ -309,6 +327,11 @@ class Queue:
         now_us = keys.to_us(now)
         if q.next_event_us <= now_us:
             core.promote(q, now_us)
+        bucket = q.bucket
+        if bucket is not None:
+            n = min(n, bucket.available(now))
+            if n == 0:
+                return []
         plan = q.heads.plan(core.meta, n)
         ready_keys = plan.keys
         if not ready_keys:
@@ -337,6 +360,8 @@ class Queue:
             txn.add_event(q, when)
             core.commit(txn)
         q.heads.taken(plan)
+        if bucket is not None:
+            bucket.take(now, len(out))
         return out
 
     # -- ack / nack / extend --------------------------------------------------
@@ -351,7 +376,10 @@ class Queue:
         if raw is None:
             raise MessageNotFound(q.name, mid)
         rec = records.MessageRecord.decode(raw)
-        if rec.state != _ST.INFLIGHT or rec.deliveries != delivery or rec.when_us <= now_us:
+        if 0 < rec.expires_us <= now_us and q.rec.on_expire == "drop":
+            raise MessageNotFound(q.name, mid)  # expired: as good as gone already
+        if (rec.state != _ST.INFLIGHT or rec.deliveries != delivery or rec.when_us <= now_us
+                or 0 < rec.expires_us <= now_us):
             raise LeaseExpired(f"the lease of message {mid} in {q.name!r} expired or was "
                                "superseded by a later delivery; nothing was changed")
         return mid, rec
@@ -436,7 +464,9 @@ class Queue:
         payload = self._core.payload.read(PayloadRef(rec.file_id, rec.offset, rec.length))
         deadline = rec.when_us / 1e6 if rec.state == _ST.INFLIGHT else None
         return Message(mid, q.name, rec.priority, payload, rec.attempts, rec.enqueued_at,
-                       deadline, None, _ST.STATE_NAMES[rec.state])
+                       deadline, None, _ST.STATE_NAMES[rec.state],
+                       expires_at=rec.expires_us / 1e6 if rec.expires_us else None,
+                       dead_reason=rec.reason)
 
     def peek(self, n: int = 1) -> list[Message]:
         """The first ``n`` ready messages in pop order, without leasing them."""
@@ -485,6 +515,7 @@ class Queue:
                 mid = keys.trailing_id(dkey)
                 states.leave(txn, q, mid, rec)
                 rec.attempts = 0
+                rec.reason = None
                 states.requeue(txn, q, mid, rec, now, 0.0)
             core.commit(txn)
             return len(dead)
@@ -500,7 +531,10 @@ class Queue:
         with self._core.lock:
             q = self._maybe_promote()
             c = q.counts
-            return QueueStats(q.name, c[READY], c[DELAYED], c[INFLIGHT], c[DEAD], c[BYTES])
+            r = q.rec
+            return QueueStats(q.name, c[READY], c[DELAYED], c[INFLIGHT], c[DEAD], c[BYTES],
+                              expired=q.expired, ttl=r.ttl, on_expire=r.on_expire,
+                              aging=r.aging, aging_cap=r.aging_cap, rate=r.rate)
 
     def __len__(self) -> int:
         return self.stats().total

@@ -8,6 +8,11 @@ implies (:meth:`QueueState.index_key`, built by ``keys.index_key``)::
       └─> delayed ─(due)─┘     │  └─ nack/expiry, attempts left ──> ready | delayed
                                └──── nack/expiry, attempts used ──> dead ──redrive──> ready
 
+A message with a TTL also has a key in the expiry index (``e qid expires_us
+id``) from its push until it leaves: acked, expired (:func:`expire`: dropped,
+or moved to the dead letters with the reason "expired"), or dead (dead letters
+do not expire). Aging (:func:`age`) moves a ready message to a better level.
+
 Each function adds the keys, records and counter deltas of one transition to
 a :class:`~qstore._txn.Txn`; nothing here writes to the database or changes
 in-memory state: :meth:`qstore._core.Core.commit` does both.
@@ -23,8 +28,11 @@ _READY, _DELAYED, _INFLIGHT, _DEAD = records.READY, records.DELAYED, records.INF
 
 
 def enqueue(txn: Txn, q: QueueState, mid: int, ref: PayloadRef, prio: int | str, delay: float,
-            digest: bytes | None, now: float) -> None:
-    """A new message (payload already written at ``ref``): ready, or delayed by ``delay``."""
+            digest: bytes | None, now: float, expires_us: int = 0) -> None:
+    """A new message (payload already written at ``ref``): ready, or delayed by ``delay``.
+
+    ``expires_us`` (0: none) is when its TTL runs out.
+    """
     qid = q.qid
     if digest is not None:
         txn.put(keys.dedup_key(qid, digest), keys.U64.pack(mid))
@@ -38,8 +46,17 @@ def enqueue(txn: Txn, q: QueueState, mid: int, ref: PayloadRef, prio: int | str,
         state = _READY
         txn.add_ready(q, keys.ready_key(qid, q.priority_key(prio), mid))
     txn.count(q, STATE_COUNTER[state], 1)
-    txn.put_record(keys.message_key(qid, mid), records.encode_message(
-        state, prio, ref.file_id, ref.offset, ref.length, 0, 0, now, when, digest))
+    if expires_us:
+        txn.put(keys.expiry_key(qid, expires_us, mid), b"")
+        txn.add_event(q, expires_us)
+        record = records.encode_message_v2(state, prio, ref.file_id, ref.offset, ref.length, 0,
+                                           0, now, when, digest, expires_us, 0, None)
+    else:
+        record = records.encode_message(state, prio, ref.file_id, ref.offset, ref.length, 0, 0,
+                                        now, when, digest)
+    if q.rec.aging is not None:
+        txn.add_event(q, keys.to_us(now + q.rec.aging))
+    txn.put_record(keys.message_key(qid, mid), record)
     txn.count(q, BYTES, ref.length)
     txn.written(ref)
 
@@ -72,6 +89,9 @@ def requeue(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord, now: 
     if rec.state == _INFLIGHT and rec.attempts >= q.rec.max_attempts:
         rec.state, rec.when_us = _DEAD, 0
         txn.put(keys.dead_key(q.qid, mid), b"")
+        if rec.expires_us:  # dead letters do not expire
+            txn.delete(keys.expiry_key(q.qid, rec.expires_us, mid))
+            rec.expires_us = 0
     elif delay > 0:
         rec.state, rec.when_us = _DELAYED, keys.to_us(now + delay)
         txn.put(keys.timed_key(keys.DELAYED, q.qid, rec.when_us, mid), b"")
@@ -79,6 +99,8 @@ def requeue(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord, now: 
     else:
         rec.state, rec.when_us = _READY, 0
         txn.add_ready(q, keys.ready_key(q.qid, q.priority_key(rec.priority), mid))
+        if q.rec.aging is not None:  # it may be due for a level already
+            txn.add_event(q, keys.to_us(rec.enqueued_at + (rec.aged + 1) * q.rec.aging))
     txn.count(q, STATE_COUNTER[rec.state], 1)
     txn.put_record(keys.message_key(q.qid, mid), rec.encode())
 
@@ -98,10 +120,41 @@ def remove(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> Non
     txn.delete(q.index_key(mid, rec))
     if rec.digest is not None:
         txn.delete(keys.dedup_key(q.qid, rec.digest))
+    if rec.expires_us:
+        txn.delete(keys.expiry_key(q.qid, rec.expires_us, mid))
     txn.delete_record(keys.message_key(q.qid, mid))
     txn.count(q, STATE_COUNTER[rec.state], -1)
     txn.count(q, BYTES, -rec.length)
     txn.live(PayloadRef(rec.file_id, rec.offset, rec.length), -1)
+
+
+def expire(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> None:
+    """Its TTL ran out: drop the message, or make it a dead letter (``on_expire="dead"``).
+
+    Either way it leaves its index and the expiry index, and a receipt of it
+    stops working (its record is gone, or no longer in flight).
+    """
+    if q.rec.on_expire == "dead" and rec.state != _DEAD:
+        leave(txn, q, mid, rec)
+        txn.delete(keys.expiry_key(q.qid, rec.expires_us, mid))
+        rec.state, rec.when_us, rec.expires_us = _DEAD, 0, 0
+        rec.reason = records.EXPIRED_REASON
+        txn.put(keys.dead_key(q.qid, mid), b"")
+        txn.count(q, STATE_COUNTER[_DEAD], 1)
+        txn.put_record(keys.message_key(q.qid, mid), rec.encode())
+    else:
+        remove(txn, q, mid, rec)
+
+
+def age(txn: Txn, q: QueueState, ready_key: bytes, mid: int, rec: records.MessageRecord,
+        priority: int, aged: int) -> bytes:
+    """Re-key a ready message at ``priority`` (``aged`` levels gained in all); the new key."""
+    txn.delete(ready_key)
+    rec.priority, rec.aged = priority, aged
+    new_key = keys.ready_key(q.qid, q.priority_key(priority), mid)
+    txn.add_ready(q, new_key)
+    txn.put_record(keys.message_key(q.qid, mid), rec.encode())
+    return new_key
 
 
 def remove_all(txn: Txn, q: QueueState, refs: list[PayloadRef]) -> None:

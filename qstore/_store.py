@@ -9,6 +9,7 @@ change is one WriteBatch, written after the payload bytes it refers to.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from typing import Any
@@ -20,8 +21,9 @@ from ._config import Config
 from ._core import Core
 from ._errors import InvalidArgument, QueueExists, QueueNotFound
 from ._message import SegmentStats, StoreStats
-from ._queue import Queue
+from ._queue import MAX_SECONDS, Queue
 from ._snapshot import take_snapshot
+from .meta import records
 
 log = logging.getLogger("qstore")
 
@@ -69,7 +71,14 @@ class Store:
         max_attempts: int = 5,
         dedup: bool = False,
         exist_ok: bool = False,
+        ttl: float | None = None,
+        on_expire: str = "drop",
+        aging: float | None = None,
+        aging_cap: int | None = None,
+        rate: tuple[int, float] | None = None,
     ) -> Queue:
+        """Create queue ``name``; the options after ``exist_ok`` are those of
+        :meth:`configure_queue` (an existing queue must have the same ones)."""
         _check_queue_name(name)
         if order not in ("max", "min", "fifo"):
             raise InvalidArgument(f"order must be 'max', 'min' or 'fifo', not {order!r}")
@@ -79,23 +88,50 @@ class Store:
             raise InvalidArgument(f"max_attempts must be an int >= 1, not {max_attempts!r}")
         if not isinstance(dedup, bool):
             raise InvalidArgument("dedup must be a bool")
+        options = check_options(order, priority_type, {
+            "ttl": ttl, "on_expire": on_expire, "aging": aging, "aging_cap": aging_cap,
+            "rate": rate})
         core = self._core
         with core.writing:
             existing = core.queues.get(name)
             if existing is None:
                 return Queue(core, core.add_queue(name, order, priority_type, max_attempts,
-                                                  dedup))
+                                                  dedup, **options))
             if not exist_ok:
                 raise QueueExists(name)
-            want = (order, priority_type, max_attempts, dedup)
-            have = (existing.rec.order, existing.rec.priority_type,
-                    existing.rec.max_attempts, existing.rec.dedup)
+            r = existing.rec
+            want = (order, priority_type, max_attempts, dedup, *options.values())
+            have = (r.order, r.priority_type, r.max_attempts, r.dedup,
+                    *(getattr(r, f) for f in options))
             if want != have:
                 raise InvalidArgument(
                     f"queue {name!r} exists with order, priority_type, max_attempts, "
-                    f"dedup = {have}, not {want}"
+                    f"dedup, {', '.join(options)} = {have}, not {want}"
                 )
             return Queue(core, existing)
+
+    def configure_queue(self, name: str, **options: Any) -> Queue:
+        """Change options of queue ``name``; the others keep their values.
+
+        Options (contract section 10): ``ttl`` (seconds, or None: messages
+        pushed from now on expire that long after their push unless they give
+        their own), ``on_expire`` ("drop" or "dead"), ``aging`` (seconds per
+        priority level gained; int-priority "max"/"min" queues), ``aging_cap``
+        (most levels gained, or None), ``rate`` ((n, per_seconds) or None).
+        They persist with the queue. A TTL already given to a message stays.
+        """
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise InvalidArgument(f"unknown queue option(s) {unknown}; known: {OPTION_NAMES}")
+        core = self._core
+        with core.writing:
+            state = core.queues.get(name)
+            if state is None:
+                raise QueueNotFound(name)
+            r = state.rec
+            merged = {f: options.get(f, getattr(r, f)) for f in OPTION_NAMES}
+            core.configure_queue(state, check_options(r.order, r.priority_type, merged))
+            return Queue(core, state)
 
     def queue(self, name: str) -> Queue:
         self._core.check_open()
@@ -191,6 +227,40 @@ class Store:
         with core.lock:
             return run_check(core.meta, os.path.join(self.path, "payload"),
                              active_id=core.payload.active_id)
+
+
+OPTION_NAMES = ("ttl", "on_expire", "aging", "aging_cap", "rate")
+
+
+def _positive_seconds(value: object, what: str) -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value <= 0 or value > MAX_SECONDS):
+        raise InvalidArgument(f"{what} must be a number of seconds in (0, {MAX_SECONDS}], "
+                              f"not {value!r}")
+    return float(value)
+
+
+def check_options(order: str, priority_type: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The queue options of contract section 10, validated and normalised."""
+    ttl, on_expire, aging, cap, rate = (options[f] for f in OPTION_NAMES)
+    if ttl is not None:
+        ttl = _positive_seconds(ttl, "ttl")
+    if on_expire not in records.ON_EXPIRE:
+        raise InvalidArgument(f"on_expire must be 'drop' or 'dead', not {on_expire!r}")
+    if aging is not None:
+        aging = _positive_seconds(aging, "aging")
+        if priority_type != "int" or order == "fifo":
+            raise InvalidArgument("aging needs an int-priority queue of order 'max' or 'min'")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise InvalidArgument(f"aging_cap must be an int >= 1 or None, not {cap!r}")
+    if rate is not None:
+        if not isinstance(rate, (tuple, list)) or len(rate) != 2:
+            raise InvalidArgument(f"rate must be a pair (n, per_seconds), not {rate!r}")
+        n, per = rate
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidArgument(f"rate needs n, an int >= 1, not {n!r}")
+        rate = (n, _positive_seconds(per, "rate's per_seconds"))
+    return {"ttl": ttl, "on_expire": on_expire, "aging": aging, "aging_cap": cap, "rate": rate}
 
 
 def _check_queue_name(name: object) -> None:

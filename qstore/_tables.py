@@ -8,15 +8,29 @@ from rich.console import Console
 from rich.table import Table
 
 
+def _options(q: Any) -> str:
+    """The queue options of contract section 10 that are set, e.g. ``ttl=30s dead``."""
+    out = []
+    if q.ttl is not None:
+        out.append(f"ttl={q.ttl:g}s" + (" dead" if q.on_expire == "dead" else ""))
+    if q.aging is not None:
+        cap = "" if q.aging_cap is None else f" cap={q.aging_cap}"
+        out.append(f"aging={q.aging:g}s{cap}")
+    if q.rate is not None:
+        out.append(f"rate={q.rate[0]}/{q.rate[1]:g}s")
+    return " ".join(out) or "-"
+
+
 def print_stats(st: Any, console: Console | None = None) -> None:
     """Tables of a StoreStats: per queue, per payload segment, and the totals."""
     console = console or Console()
     table = Table(title="queues")
-    for col in ("queue", "ready", "delayed", "in flight", "dead", "bytes"):
-        table.add_column(col, justify="left" if col == "queue" else "right")
+    for col in ("queue", "ready", "delayed", "in flight", "dead", "bytes", "expired",
+                "options"):
+        table.add_column(col, justify="left" if col in ("queue", "options") else "right")
     for q in st.queues:
         table.add_row(q.queue, *(f"{v:,}" for v in (q.ready, q.delayed, q.in_flight, q.dead,
-                                                     q.bytes)))
+                                                     q.bytes, q.expired)), _options(q))
     console.print(table)
     segs = Table(title="payload segments")
     for col in ("file", "size", "live bytes", "live msgs", "garbage"):

@@ -10,6 +10,7 @@ of the core: it knows keys and records, nothing above it.
 from __future__ import annotations
 
 from ._heads import ReadyHeads
+from ._rate import TokenBucket
 from .meta import Batch, keys, new_batch, records
 from .payload import FRAME_SIZE, PayloadRef
 
@@ -29,7 +30,7 @@ class QueueState:
 
     __slots__ = ("name", "rec", "qid", "counts", "counts_key", "heads", "next_event_us",
                  "time_floor_us", "deleted", "pkeys", "ready_prefix", "message_prefix",
-                 "inflight_prefix", "int_prio")
+                 "inflight_prefix", "int_prio", "expired", "bucket", "aging_next_us")
 
     def __init__(self, name: str, rec: records.QueueRecord, counts: list[int]) -> None:
         self.name = name
@@ -52,6 +53,10 @@ class QueueState:
         # their indexes are read from here, past the tombstones of earlier ones.
         self.time_floor_us = 0
         self.deleted = False
+        self.expired = 0  # messages expired by their TTL, ever (the E totals key)
+        self.bucket: TokenBucket | None = None  # the rate limit's tokens (set by the core)
+        # When the next ready message may gain a level by aging (us); NO_EVENT_US: none.
+        self.aging_next_us = NO_EVENT_US
 
     def priority_key(self, priority: int | str) -> bytes:
         pkey = self.pkeys.get(priority)

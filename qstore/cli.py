@@ -100,7 +100,10 @@ def stats(store_path: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({
             "queues": [{"queue": q.queue, "ready": q.ready, "delayed": q.delayed,
-                        "in_flight": q.in_flight, "dead": q.dead, "bytes": q.bytes}
+                        "in_flight": q.in_flight, "dead": q.dead, "bytes": q.bytes,
+                        "expired": q.expired, "ttl": q.ttl, "on_expire": q.on_expire,
+                        "aging": q.aging, "aging_cap": q.aging_cap,
+                        "rate": None if q.rate is None else list(q.rate)}
                        for q in st.queues],
             "segments": [{"file_id": s.file_id, "size": s.size, "live_bytes": s.live_bytes,
                           "live_count": s.live_count, "garbage_ratio": s.garbage_ratio,

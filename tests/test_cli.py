@@ -76,11 +76,18 @@ def test_stats_json_matches_store(runner: CliRunner, store_path: str) -> None:
         q = store.create_queue("a")
         q.push_many([b"1", b"22", b"333"])
         q.pop()
+        store.create_queue("t", ttl=30, on_expire="dead", aging=5, aging_cap=2, rate=(3, 1))
     r = runner.invoke(main, ["stats", store_path, "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
-    assert data["queues"] == [{"queue": "a", "ready": 2, "delayed": 0, "in_flight": 1,
-                               "dead": 0, "bytes": 6}]
+    plain = {"expired": 0, "ttl": None, "on_expire": "drop", "aging": None, "aging_cap": None,
+             "rate": None}
+    assert data["queues"] == [
+        {"queue": "a", "ready": 2, "delayed": 0, "in_flight": 1, "dead": 0, "bytes": 6, **plain},
+        {"queue": "t", "ready": 0, "delayed": 0, "in_flight": 0, "dead": 0, "bytes": 0,
+         "expired": 0, "ttl": 30.0, "on_expire": "dead", "aging": 5.0, "aging_cap": 2,
+         "rate": [3, 1.0]}]
+
     assert sum(s["live_bytes"] for s in data["segments"]) == data["live_bytes"] == 3 * 8 + 6
 
 

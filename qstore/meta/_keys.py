@@ -34,7 +34,10 @@ DELAYED = b"d"  # d qid:u32 due_us:u64 id:u64         -> b""
 INFLIGHT = b"i"  # i qid:u32 deadline_us:u64 id:u64    -> b""
 DEAD = b"x"  # x qid:u32 id:u64                   -> b""
 DEDUP = b"k"  # k qid:u32 digest[16]               -> id:u64
-PER_QUEUE_KINDS = (MESSAGE, READY, DELAYED, INFLIGHT, DEAD, DEDUP)
+EXPIRY = b"e"  # e qid:u32 expires_us:u64 id:u64     -> b"" (messages with a TTL)
+PER_QUEUE_KINDS = (MESSAGE, READY, DELAYED, INFLIGHT, DEAD, DEDUP, EXPIRY)
+# Per-queue totals that outlive the messages they count (not cleared by a purge).
+TOTALS = b"E"  # E qid:u32                           -> [1, expired]
 
 U32 = struct.Struct(">I")
 U64 = struct.Struct(">Q")
@@ -53,6 +56,15 @@ def queue_key(name: str) -> bytes:
 
 def counts_key(qid: int) -> bytes:
     return COUNTS + U32.pack(qid)
+
+
+def totals_key(qid: int) -> bytes:
+    return TOTALS + U32.pack(qid)
+
+
+def expiry_key(qid: int, expires_us: int, mid: int) -> bytes:
+    """The expiry index key of a message that expires at ``expires_us``."""
+    return EXPIRY + U32.pack(qid) + U64x2.pack(expires_us, mid)
 
 
 def segment_key(file_id: int) -> bytes:

@@ -17,6 +17,14 @@ import numpy as np
 from .._errors import StorageError
 
 RECORD_VERSION = 1  # never change the meaning of 1
+# Version 2 of a message record: version 1's fields plus [expires_us, aged, reason]
+# (written only for a message with a TTL, an aged priority or a dead-letter reason);
+# version 2 of a queue record: version 1's fields plus a map of queue options.
+RECORD_VERSION_2 = 2
+_V1 = (RECORD_VERSION,)
+_V12 = (RECORD_VERSION, RECORD_VERSION_2)
+ON_EXPIRE = ("drop", "dead")  # what expiry does to a message (queue option on_expire)
+EXPIRED_REASON = "expired"  # the reason of a message moved to the dead letters by its TTL
 STORE_FORMAT = 1  # value of the M"format" key
 
 # Message states (never change).
@@ -34,9 +42,9 @@ def pack(value: Any) -> bytes:
     return data
 
 
-def unpack(data: bytes, what: str) -> list[Any]:
+def unpack(data: bytes, what: str, versions: tuple[int, ...] = _V1) -> list[Any]:
     value = msgpack.unpackb(data, use_list=True, raw=False)
-    if not isinstance(value, list) or not value or value[0] != RECORD_VERSION:
+    if not isinstance(value, list) or not value or value[0] not in versions:
         raise StorageError(f"unsupported {what} record version: {value!r:.80}")
     return value
 
@@ -50,19 +58,30 @@ def encode_message(state: int, priority: int | str, file_id: int, offset: int, l
     return data
 
 
+def encode_message_v2(state: int, priority: int | str, file_id: int, offset: int, length: int,
+                      attempts: int, deliveries: int, enqueued_at: float, when_us: int,
+                      digest: bytes | None, expires_us: int, aged: int,
+                      reason: str | None) -> bytes:
+    """A version 2 message record: ``expires_us`` (0: no TTL), the priority levels
+    ``aged`` gained by aging (``priority`` is the aged one), the dead-letter ``reason``."""
+    data: bytes = _pack([RECORD_VERSION_2, state, priority, file_id, offset, length, attempts,
+                         deliveries, enqueued_at, when_us, digest, expires_us, aged, reason])
+    return data
+
+
 # Where a message record keeps its payload reference (file_id, offset, length).
 # Only this module knows field positions; the compactor scans and repoints
 # millions of records through message_ref / repoint without building objects.
 
 def message_ref(data: bytes) -> tuple[int, int, int]:
     """(file_id, offset, length) of an encoded message record."""
-    v = unpack(data, "message")
+    v = unpack(data, "message", _V12)
     return v[3], v[4], v[5]
 
 
 def repoint(data: bytes, file_id: int, offset: int) -> bytes:
     """The encoded message record ``data`` with its payload moved to (file_id, offset)."""
-    v = unpack(data, "message")
+    v = unpack(data, "message", _V12)
     v[3], v[4] = file_id, offset
     return pack(v)
 
@@ -177,12 +196,13 @@ class MessageRecord:
 
     __slots__ = (
         "state", "priority", "file_id", "offset", "length", "attempts",
-        "deliveries", "enqueued_at", "when_us", "digest",
+        "deliveries", "enqueued_at", "when_us", "digest", "expires_us", "aged", "reason",
     )
 
     def __init__(
         self, state: int, priority: int | str, file_id: int, offset: int, length: int,
         attempts: int, deliveries: int, enqueued_at: float, when_us: int, digest: bytes | None,
+        expires_us: int = 0, aged: int = 0, reason: str | None = None,
     ) -> None:
         self.state = state
         self.priority = priority
@@ -194,34 +214,80 @@ class MessageRecord:
         self.enqueued_at = enqueued_at
         self.when_us = when_us
         self.digest = digest
+        self.expires_us = expires_us  # 0: no TTL
+        self.aged = aged  # priority levels gained by aging
+        self.reason = reason  # why it is a dead letter, when not its attempts
 
     def encode(self) -> bytes:
+        if self.expires_us or self.aged or self.reason is not None:
+            return encode_message_v2(self.state, self.priority, self.file_id, self.offset,
+                                     self.length, self.attempts, self.deliveries,
+                                     self.enqueued_at, self.when_us, self.digest,
+                                     self.expires_us, self.aged, self.reason)
         return encode_message(self.state, self.priority, self.file_id, self.offset, self.length,
                               self.attempts, self.deliveries, self.enqueued_at, self.when_us,
                               self.digest)
 
     @classmethod
     def decode(cls, data: bytes) -> MessageRecord:
-        v = unpack(data, "message")
+        v = unpack(data, "message", _V12)
+        if v[0] == RECORD_VERSION_2:
+            return cls(v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11],
+                       v[12], v[13])
         return cls(v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10])
 
 
 @dataclass(frozen=True)
 class QueueRecord:
+    """A queue's settings. The options after ``created_at`` (section 10 of the
+    contract) are written as a version 2 record, and only when one is set."""
+
     qid: int
     order: str
     priority_type: str
     max_attempts: int
     dedup: bool
     created_at: float
+    ttl: float | None = None  # default TTL of its messages (seconds)
+    on_expire: str = "drop"  # "drop" or "dead"
+    aging: float | None = None  # seconds a ready message waits per priority level gained
+    aging_cap: int | None = None  # most levels aging may add
+    rate: tuple[int, float] | None = None  # at most n pops per `per` seconds
+
+    def options(self) -> dict[str, Any]:
+        """The options that differ from their defaults (the version 2 map)."""
+        out: dict[str, Any] = {}
+        if self.ttl is not None:
+            out["ttl"] = self.ttl
+        if self.on_expire != "drop":
+            out["on_expire"] = self.on_expire
+        if self.aging is not None:
+            out["aging"] = self.aging
+        if self.aging_cap is not None:
+            out["aging_cap"] = self.aging_cap
+        if self.rate is not None:
+            out["rate"] = list(self.rate)
+        return out
 
     def encode(self) -> bytes:
-        return pack([RECORD_VERSION, self.qid, self.order, self.priority_type,
-                     self.max_attempts, self.dedup, self.created_at])
+        head = [self.qid, self.order, self.priority_type, self.max_attempts, self.dedup,
+                self.created_at]
+        options = self.options()
+        if options:
+            return pack([RECORD_VERSION_2, *head, options])
+        return pack([RECORD_VERSION, *head])
 
     @classmethod
     def decode(cls, data: bytes) -> QueueRecord:
-        v = unpack(data, "queue")
+        v = unpack(data, "queue", _V12)
+        if v[0] == RECORD_VERSION_2:
+            o = v[7]
+            if not isinstance(o, dict):
+                raise StorageError(f"queue options are not a map: {o!r:.80}")
+            rate = o.get("rate")
+            return cls(v[1], v[2], v[3], v[4], v[5], v[6], o.get("ttl"),
+                       o.get("on_expire", "drop"), o.get("aging"), o.get("aging_cap"),
+                       None if rate is None else (rate[0], rate[1]))
         return cls(v[1], v[2], v[3], v[4], v[5], v[6])
 
 
@@ -251,6 +317,15 @@ def decode_counts(data: bytes) -> list[int]:
     return unpack(data, "counters")[1:6]
 
 
+def encode_totals(expired: int) -> bytes:
+    """A queue's lifetime totals (key E): [expired]."""
+    return pack([RECORD_VERSION, expired])
+
+
+def decode_totals(data: bytes) -> int:
+    return int(unpack(data, "totals")[1])
+
+
 def encode_segment(live_bytes: int, live_count: int, end: int) -> bytes:
     """Live record bytes (frames included), live record count, and data end offset."""
     data: bytes = _pack([RECORD_VERSION, live_bytes, live_count, end])
@@ -265,6 +340,9 @@ def decode_segment(data: bytes) -> tuple[int, int, int]:
 def decode_messages(ks: list[bytes], vs: list[bytes]) -> list[tuple[Any, ...]]:
     """The records ``vs`` of message keys ``ks`` as tuples, in the layout of encode_message.
 
+A version 2 record's tuple has 14 fields: the 11 of version 1, then
+expires_us, aged and reason (encode_message_v2); the first 11 mean the same.
+
 One streaming unpack: about 3x faster than one call each. When a record is
 damaged, they are decoded one by one so that the error names its key.
 """
@@ -275,7 +353,8 @@ damaged, they are decoded one by one so that the error names its key.
     except Exception:  # msgpack's errors have no common base; the slow path names the key
         rows = []
     if (len(rows) == len(vs) and set(map(type, rows)) <= {tuple}
-            and set(map(len, rows)) <= {11} and {row[0] for row in rows} <= {RECORD_VERSION}):
+            and {(len(row), row[0]) for row in rows} <= {(11, RECORD_VERSION),
+                                                         (14, RECORD_VERSION_2)}):
         return rows
     # A record is damaged: decode one by one so that the error names its message.
     out = []
@@ -284,7 +363,10 @@ damaged, they are decoded one by one so that the error names its key.
             rec = MessageRecord.decode(v)
         except Exception as exc:
             raise StorageError(f"message key {k.hex()}: undecodable record ({exc})") from None
-        out.append((RECORD_VERSION, rec.state, rec.priority, rec.file_id, rec.offset,
-                    rec.length, rec.attempts, rec.deliveries, rec.enqueued_at, rec.when_us,
-                    rec.digest))
+        row: tuple[Any, ...] = (RECORD_VERSION, rec.state, rec.priority, rec.file_id, rec.offset,
+               rec.length, rec.attempts, rec.deliveries, rec.enqueued_at, rec.when_us,
+               rec.digest)
+        if v[:1] == b"\x9e":  # a fixarray of 14: version 2 (its extra fields follow)
+            row = (RECORD_VERSION_2, *row[1:], rec.expires_us, rec.aged, rec.reason)
+        out.append(row)
     return out

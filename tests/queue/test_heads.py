@@ -181,3 +181,47 @@ def test_promotion_reads_each_acked_lease_tombstone_at_most_once(churn_store: qs
             q.stats()  # promotes the expired lease
     assert len(log.crossed) >= 100
     assert sum(log.crossed) <= len(log.dead), "promotions re-read old tombstones"
+
+
+def test_expired_and_aged_keys_leave_the_heads_in_exact_order(churn_store: qstore.Store,
+                                                              clock: FakeClock) -> None:
+    """Expiry and aging delete ready keys behind the heads' back: ReadyHeads.removed.
+
+    The pops after them return exactly the model's order, and no pop crosses
+    the tombstone of a key that expiry or aging deleted.
+    """
+    q = churn_store.create_queue("q", aging=100)
+    log = SeekLog(churn_store, q._q.qid)
+    rng = random.Random(11)
+    live: dict[int, tuple[int, float]] = {}  # id -> (priority, pushed at)
+    for round_ in range(40):
+        for _ in range(20):
+            p = rng.randrange(4)
+            ttl = rng.choice([None, None, 5.0, 50.0])
+            mid = q.push(b"x", priority=p, ttl=ttl)
+            live[mid] = (p, clock.now)
+        clock.advance(rng.choice([1.0, 10.0, 60.0]))
+        q.stats()  # expiry and aging passes
+        for mid in list(live):
+            try:
+                m = q.get(mid)
+            except qstore.MessageNotFound:  # expired: its key is a tombstone now
+                log.acked(keys.ready_key(q._q.qid, keys.priority_key("max", "int",
+                                                                       live[mid][0]), mid))
+                del live[mid]
+                continue
+            key = ready_key(q, m)
+            if m.priority != live[mid][0]:  # aged: its old key is a tombstone now
+                log.acked(keys.ready_key(q._q.qid, keys.priority_key("max", "int",
+                                                                       live[mid][0]), mid))
+                live[mid] = (int(m.priority), live[mid][1])
+            assert key
+        want = sorted(live, key=lambda i: (-live[i][0], i))[:5]
+        got = q.pop_many(5)
+        assert [m.id for m in got] == want, f"round {round_}"
+        for m in got:
+            q.ack(m)
+            log.acked(ready_key(q, m))
+            del live[m.id]
+    assert max(log.crossed, default=0) == 0, "a read crossed a deleted key"
+    assert q.stats().expired > 0

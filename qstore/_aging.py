@@ -1,0 +1,83 @@
+"""Priority aging: which ready messages gain levels, read from the head of each level.
+
+A queue created with ``aging=a`` (int priorities, order "max" or "min")
+raises a ready message one priority level for every ``a`` seconds since it
+was pushed (``enqueued_at``), up to ``aging_cap`` levels (default: no
+bound), and never past the int64 range. The pop order stays plain key order
+of the ready index: aging re-keys a message (delete its ready key, write one
+at the better level, record the new priority and the levels gained in its
+record, version 2) in batches under the writer lock (``Core._age``).
+
+Cost. A pass reads, per priority level holding ready messages, one seek (the
+ready heads remember the levels) and the messages at the head of the level
+up to the first one pushed less than ``a`` seconds ago: every message after
+it in key order has a larger id, so it was pushed later and is not due
+either. Messages that reached ``aging_cap`` stay at the head and are read
+again by each pass, at most ``SCAN`` per level. Passes run when the
+earliest head may be due (the queue's next event), not on every pop.
+
+Guarantee. With ``aging_cap`` unset, a message of priority ``p`` pushed at
+``t`` sits at level ``p + k`` (order "max") from ``t + k*a`` on, and a level
+is popped in id order: it pops before every message pushed after ``t`` at a
+priority up to ``p + k``. So if the highest priority pushed is ``P``, it
+pops no later than the moment it reaches ``P`` (``t + (P - p) * a``) plus
+the time consumers need to pop the messages already ahead of it at that
+level (older ids: at most the backlog of level ``P`` present at ``t``, plus
+older messages that aged into ``P`` too).
+With a cap ``c`` it reaches ``p + c`` and no further: it may starve behind
+a steady stream above ``p + c``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ._txn import NO_EVENT_US
+from .meta import keys, records
+
+SCAN = 1000  # messages read from the head of one level per pass
+
+
+class Plan:
+    __slots__ = ("moves", "next_us")
+
+    def __init__(self) -> None:
+        self.moves: list[tuple[int, int, int]] = []  # (index, new priority, levels gained)
+        self.next_us = NO_EVENT_US  # when the next of these messages gains a level
+
+
+def levels_gained(rec_q: records.QueueRecord, enqueued_at: float, now: float) -> int:
+    """How many levels a message pushed at ``enqueued_at`` has gained by ``now``."""
+    assert rec_q.aging is not None
+    waited = now - enqueued_at
+    gained = int(waited / rec_q.aging + 1e-9) if waited > 0 else 0
+    return gained if rec_q.aging_cap is None else min(gained, rec_q.aging_cap)
+
+
+def aged_priority(rec_q: records.QueueRecord, priority: int, old_gain: int,
+                  new_gain: int) -> int:
+    """``priority`` (which includes ``old_gain`` levels) with ``new_gain`` levels instead."""
+    if rec_q.order == "min":
+        return max(keys.INT_MIN, priority + old_gain - new_gain)
+    return min(keys.INT_MAX, priority - old_gain + new_gain)
+
+
+def plan(rec_q: records.QueueRecord, recs: Sequence[records.MessageRecord], now: float) -> Plan:
+    """The moves for the head of one level (``recs`` in key order) at ``now``."""
+    assert rec_q.aging is not None
+    a = rec_q.aging
+    cap = rec_q.aging_cap
+    out = Plan()
+    for i, rec in enumerate(recs):
+        if now - rec.enqueued_at < a - 1e-9:
+            out.next_us = min(out.next_us, keys.to_us(rec.enqueued_at + a))
+            break  # every later message of the level was pushed later
+        gain = levels_gained(rec_q, rec.enqueued_at, now)
+        if gain > rec.aged:
+            assert isinstance(rec.priority, int)
+            new = aged_priority(rec_q, rec.priority, rec.aged, gain)
+            if new != rec.priority:
+                out.moves.append((i, new, gain))
+        if cap is None or gain < cap:
+            out.next_us = min(out.next_us, keys.to_us(rec.enqueued_at + (gain + 1) * a))
+    return out

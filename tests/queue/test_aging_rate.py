@@ -1,0 +1,151 @@
+"""Priority aging and rate limits (contract section 10), driven by the injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+import qstore
+from qstore import _aging
+from tests.conftest import FakeClock
+
+from ._support import assert_consistent
+
+
+def test_a_waiting_message_gains_one_level_per_period(store: qstore.Store,
+                                                      clock: FakeClock) -> None:
+    q = store.create_queue("q", aging=10)
+    low = q.push(b"low", priority=1)
+    clock.advance(9)
+    assert q.get(low).priority == 1
+    clock.advance(1)
+    assert q.peek()[0].priority == 2
+    clock.advance(25)
+    assert q.get(low).priority == 4  # 35 s: three levels
+    q.push(b"new", priority=4)  # pushed later at the same level: pops after
+    assert [m.payload for m in q.pop_many(2)] == [b"low", b"new"]
+    assert_consistent(store, q)
+
+
+def test_the_cap_bounds_the_levels_gained_and_min_order_ages_down(store: qstore.Store,
+                                                                   clock: FakeClock) -> None:
+    q = store.create_queue("q", order="min", aging=1, aging_cap=2)
+    mid = q.push(b"x", priority=10)
+    clock.advance(100)
+    assert q.get(mid).priority == 8
+    m = q.pop()
+    assert m is not None
+    q.nack(m)  # back at its aged place; it keeps the levels it gained
+    clock.advance(100)
+    assert q.get(mid).priority == 8
+    assert_consistent(store, q)
+
+
+def _starve(store: qstore.Store, clock: FakeClock, aging: float | None) -> int | None:
+    """A steady stream of priority-9 pushes, one pop a second; when the old low pops."""
+    q = store.create_queue("s", aging=aging)
+    q.push(b"old", priority=0)
+    for second in range(1, 200):
+        q.push(b"high", priority=9)
+        clock.advance(1)
+        m = q.pop()
+        assert m is not None
+        q.ack(m)
+        if m.payload == b"old":
+            return second
+    return None
+
+
+def test_aging_ends_starvation_within_the_documented_bound(store: qstore.Store,
+                                                           clock: FakeClock) -> None:
+    # Documented bound (qstore/_aging.py): it reaches the top level P = 9 at
+    # t + (P - p) * a and pops then, ahead of every later push at 9 (nothing older
+    # is left at 9: one pop a second keeps up with one push a second).
+    popped = _starve(store, clock, aging=5)
+    assert popped == 9 * 5
+    assert store.queue("s").stats().ready == 1  # the one high pushed in that second
+
+
+def test_without_aging_the_old_message_starves(store: qstore.Store, clock: FakeClock) -> None:
+    assert _starve(store, clock, aging=None) is None
+
+
+def test_aging_reads_the_heads_of_levels_not_the_backlog(store: qstore.Store,
+                                                         clock: FakeClock) -> None:
+    q = store.create_queue("q", aging=60)
+    old = q.push_many([(b"old", p) for p in range(5)])
+    clock.advance(30)
+    q.push_many([(b"young", p) for p in range(5) for _ in range(200)])
+    clock.advance(30)
+    meta = store.core.meta
+    read = 0
+    scan_keys = meta.scan_keys
+
+    def logged(lo: bytes, hi: bytes, limit: int | None = None) -> list[bytes]:
+        nonlocal read
+        found = scan_keys(lo, hi, limit)
+        read += len(found)
+        return found
+
+    meta.scan_keys = logged  # type: ignore[method-assign]
+    q.stats()  # runs the aging pass: the five old ones each gain a level
+    meta.scan_keys = scan_keys  # type: ignore[method-assign]
+    assert read <= 2 * 5 + 5  # per level: its old head and the first young one
+    assert [q.get(i).priority for i in old] == [1, 2, 3, 4, 5]
+    assert_consistent(store, q)
+
+
+def test_aging_plan_stops_at_the_first_message_not_old_enough() -> None:
+    from qstore.meta import records
+
+    rec_q = records.QueueRecord(1, "max", "int", 5, False, 0.0, aging=10)
+    recs = [records.MessageRecord(0, 3, 1, 0, 1, 0, 0, at, 0, None) for at in (0.0, 5.0, 1.0)]
+    plan = _aging.plan(rec_q, recs, 12.0)
+    assert plan.moves == [(0, 4, 1)]  # the third is never looked at
+    assert plan.next_us == 15_000_000
+
+
+def test_a_rate_limit_hands_out_tokens_over_time(store: qstore.Store, clock: FakeClock) -> None:
+    q = store.create_queue("q", rate=(2, 1.0))
+    q.push_many([b"m"] * 10)
+    assert len(q.pop_many(5)) == 2  # the bucket starts full: two tokens
+    assert q.pop() is None
+    clock.advance(0.5)
+    assert q.pop() is not None
+    assert q.pop() is None
+    clock.advance(10)  # at most n tokens pile up
+    assert len(q.pop_many(10)) == 2
+    store.configure_queue("q", rate=None)
+    assert len(q.pop_many(10)) == 5
+    assert_consistent(store, q)
+
+
+def test_a_rate_limited_pop_waits_for_its_token_not_for_the_store(store_path: str) -> None:
+    clock = FakeClock()
+    waits: list[float] = []
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        q = s.create_queue("q", rate=(1, 4.0))
+        q.push_many([b"a", b"b"])
+        assert q.pop() is not None
+        cond = s.core.ready
+        real_wait = cond.wait
+
+        def wait(timeout: float | None = None) -> bool:
+            waits.append(timeout if timeout is not None else -1)
+            clock.advance(timeout or 0)  # the fake time passes as long as asked
+            return real_wait(0)
+
+        cond.wait = wait  # type: ignore[method-assign]
+        m = q.pop(wait=60)
+        assert m is not None and m.payload == b"b"
+    assert waits == [pytest.approx(4.0)]
+
+
+def test_rate_bucket_arithmetic() -> None:
+    from qstore._rate import TokenBucket
+
+    b = TokenBucket(3, 3.0, 100.0)
+    assert b.available(100.0) == 3
+    b.take(100.0, 3)
+    assert b.wait_time(100.0) == pytest.approx(1.0)
+    assert b.available(101.0) == 1
+    assert b.available(99.0) == 1  # a clock that went back takes nothing away

@@ -1,0 +1,235 @@
+"""TTL (contract section 10): expiry in every state, through the expiry index.
+
+The injected clock drives every expiry; ``store.check()`` (through
+``assert_consistent``) verifies the expiry index and the counters after each
+scenario, and a damaged expiry index is reported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import qstore
+from qstore.meta import keys, new_batch
+from tests.conftest import FakeClock
+
+from ._support import assert_consistent
+
+
+def test_a_ready_message_is_dropped_at_its_ttl(store: qstore.Store, clock: FakeClock) -> None:
+    q = store.create_queue("q")
+    keep = q.push(b"keep")
+    gone = q.push(b"gone", ttl=10)
+    assert q.get(gone).expires_at == clock.now + 10
+    clock.advance(9.5)
+    assert q.stats().ready == 2
+    clock.advance(0.5)
+    st = q.stats()
+    assert (st.ready, st.expired) == (1, 1)
+    with pytest.raises(qstore.MessageNotFound):
+        q.get(gone)
+    assert q.pop().id == keep  # type: ignore[union-attr]
+    assert_consistent(store, q)
+
+
+def test_delayed_and_in_flight_messages_expire(store: qstore.Store, clock: FakeClock) -> None:
+    q = store.create_queue("q", max_attempts=9)
+    delayed = q.push(b"d", delay=100, ttl=5)
+    q.push(b"f", ttl=5)
+    leased = q.pop(lease=60)
+    assert leased is not None
+    clock.advance(5)
+    # The pop itself sees the expiry: nothing is delivered, the receipt is dead.
+    assert q.pop() is None
+    with pytest.raises(qstore.MessageNotFound):  # dropped (on_expire="drop")
+        q.ack(leased)
+    with pytest.raises(qstore.MessageNotFound):
+        q.extend(leased, 10)
+    for mid in (delayed, leased.id):
+        with pytest.raises(qstore.MessageNotFound):
+            q.get(mid)
+    st = q.stats()
+    assert (st.total, st.expired) == (0, 2)
+    assert_consistent(store, q)
+
+
+@pytest.mark.parametrize(("on_expire", "error"), [("drop", qstore.MessageNotFound),
+                                                  ("dead", qstore.LeaseExpired)])
+def test_a_receipt_stops_working_before_the_sweep_ran(store: qstore.Store, clock: FakeClock,
+                                                      on_expire: str, error: type) -> None:
+    q = store.create_queue("q", on_expire=on_expire)
+    q.push(b"x", ttl=3)
+    m = q.pop(lease=30)
+    assert m is not None
+    clock.advance(3)
+    with pytest.raises(error):  # no stats()/pop ran the expiry yet
+        q.nack(m)
+    with pytest.raises(error):  # and the same once it ran
+        q.stats()
+        q.ack(m)
+    assert q.stats().expired == 1
+
+
+def test_on_expire_dead_keeps_the_message_with_its_reason(store: qstore.Store,
+                                                          clock: FakeClock) -> None:
+    q = store.create_queue("q", ttl=10, on_expire="dead")
+    mid = q.push(b"x")
+    plain = q.push(b"y", ttl=1000)
+    clock.advance(10)
+    st = q.stats()
+    assert (st.ready, st.dead, st.expired, st.ttl, st.on_expire) == (1, 1, 1, 10.0, "dead")
+    (letter,) = q.dead_letters()
+    assert (letter.id, letter.dead_reason, letter.expires_at) == (mid, "expired", None)
+    assert q.redrive() == 1  # a redriven letter is ready again, without its reason or TTL
+    m = q.get(mid)
+    assert (m.state, m.dead_reason, m.expires_at) == ("ready", None, None)
+    clock.advance(10_000)
+    assert q.stats().expired == 2  # the other message's own TTL still runs out
+    assert q.get(plain).dead_reason == "expired"
+    assert_consistent(store, q)
+
+
+def test_dead_letters_by_attempts_do_not_expire(store: qstore.Store, clock: FakeClock) -> None:
+    q = store.create_queue("q", max_attempts=1, ttl=20)
+    mid = q.push(b"x")
+    m = q.pop(lease=1)
+    assert m is not None
+    q.nack(m)
+    clock.advance(100)
+    st = q.stats()
+    assert (st.dead, st.expired) == (1, 0)
+    assert q.get(mid).state == "dead"
+    assert_consistent(store, q)
+
+
+def test_push_many_takes_a_batch_ttl_and_per_item_ttls(store: qstore.Store,
+                                                       clock: FakeClock) -> None:
+    q = store.create_queue("q", ttl=50)
+    ids = q.push_many([b"batch", (b"own", 0, 0.0, None, 5), (b"long", 0, 0.0, None, 500)],
+                      ttl=20)
+    default = q.push(b"default")
+    assert [q.get(i).expires_at for i in (*ids, default)] == [
+        clock.now + 20, clock.now + 5, clock.now + 500, clock.now + 50]
+    for step, left in ((5, 3), (15, 2), (30, 1), (450, 0)):
+        clock.advance(step)
+        assert q.stats().ready == left
+    assert q.stats().expired == 4
+    assert_consistent(store, q)
+
+
+def test_ttl_keeps_its_wall_clock_meaning_across_a_restart(store_path: str) -> None:
+    clock = FakeClock()
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        q = s.create_queue("q", on_expire="dead")
+        q.push(b"a", ttl=10)
+        q.push(b"b", ttl=100)
+    clock.advance(50)  # the store was closed while the first TTL ran out
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        q = s.queue("q")
+        st = q.stats()
+        assert (st.ready, st.dead, st.expired, st.on_expire) == (1, 1, 1, "dead")
+        assert_consistent(s, q)
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        assert s.queue("q").stats().expired == 1  # the total is durable
+
+
+def test_the_sweeper_expires_without_any_call(store_path: str) -> None:
+    clock = FakeClock()
+    with qstore.open(store_path, clock=clock, compactor=False, sweep_interval=0.01) as s:
+        q = s.create_queue("q")
+        q.push(b"x", ttl=1)
+        clock.advance(1)
+        state = s.core.queues["q"]
+        for _ in range(2000):  # waits for the sweeper thread, not for time to pass
+            if state.expired:
+                break
+            s.core.ready.acquire()
+            s.core.ready.wait(0.005)
+            s.core.ready.release()
+        assert state.expired == 1 and state.counts[0] == 0
+
+
+def test_expiry_reads_only_its_index(store: qstore.Store, clock: FakeClock) -> None:
+    """A backlog without TTLs is never read to find the messages that expire."""
+    q = store.create_queue("q")
+    q.push_many([b"x"] * 500)
+    q.push(b"t", ttl=1)
+    clock.advance(1)
+    meta = store.core.meta
+    read: list[bytes] = []
+    scan_keys = meta.scan_keys
+
+    def logged(lo: bytes, hi: bytes, limit: int | None = None) -> list[bytes]:
+        found = scan_keys(lo, hi, limit)
+        read.extend(found)
+        return found
+
+    meta.scan_keys = logged  # type: ignore[method-assign]
+    assert q.stats().expired == 1
+    assert read == [keys.expiry_key(store.core.queues["q"].qid, keys.to_us(clock.now), 501)]
+
+
+def test_the_check_reports_a_damaged_expiry_index(store: qstore.Store) -> None:
+    q = store.create_queue("q")
+    mid = q.push(b"x", ttl=60)
+    state = store.core.queues["q"]
+    (key,) = store.core.meta.scan_keys(keys.prefix(keys.EXPIRY, state.qid),
+                                       keys.prefix_end(keys.prefix(keys.EXPIRY, state.qid)))
+    batch = new_batch()
+    batch.delete(key)
+    batch.put(keys.expiry_key(state.qid, 5, mid), b"")  # the wrong time
+    store.core.meta.write(batch)
+    kinds = sorted(f.kind for f in store.check().findings)
+    assert kinds == ["index_missing", "stray_index_key"]
+
+
+@pytest.mark.parametrize("bad", [{"ttl": -1}, {"ttl": 0}, {"ttl": float("nan")},
+                                 {"on_expire": "keep"}, {"aging": 0}, {"aging": -2},
+                                 {"rate": (0, 1)}, {"rate": (-1, 1)}, {"rate": (5, 0)},
+                                 {"rate": 5}, {"aging_cap": 0}])
+def test_bad_options_are_rejected(store: qstore.Store, bad: dict[str, Any]) -> None:
+    with pytest.raises(qstore.InvalidArgument):
+        store.create_queue("q", **bad)
+    assert store.queues() == []
+    q = store.create_queue("q")
+    with pytest.raises(qstore.InvalidArgument):
+        store.configure_queue("q", **bad)
+    assert q.stats() == store.create_queue("q2").stats().__class__("q", 0, 0, 0, 0, 0)
+
+
+def test_bad_ttls_are_rejected(store: qstore.Store) -> None:
+    q = store.create_queue("q")
+    for ttl in (-1, 0, "5", float("inf"), True):
+        with pytest.raises(qstore.InvalidArgument):
+            q.push(b"x", ttl=ttl)  # type: ignore[arg-type]
+    assert q.stats().total == 0
+    with pytest.raises(qstore.InvalidArgument):
+        store.create_queue("s", priority_type="str", aging=5)
+    with pytest.raises(qstore.InvalidArgument):
+        store.create_queue("f", order="fifo", aging=5)
+    with pytest.raises(qstore.InvalidArgument):
+        store.configure_queue("q", colour="red")
+
+
+def test_options_persist_and_can_be_changed(store_path: str, clock: FakeClock) -> None:
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        s.create_queue("q", ttl=30, on_expire="dead", aging=60, aging_cap=3, rate=(10, 1.5))
+        s.create_queue("plain")
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        st = s.queue("q").stats()
+        assert (st.ttl, st.on_expire, st.aging, st.aging_cap, st.rate) == (
+            30.0, "dead", 60.0, 3, (10, 1.5))
+        s.create_queue("q", ttl=30, on_expire="dead", aging=60, aging_cap=3, rate=(10, 1.5),
+                       exist_ok=True)
+        with pytest.raises(qstore.InvalidArgument):
+            s.create_queue("q", exist_ok=True)  # other options than the queue has
+        s.configure_queue("q", ttl=None, rate=None)
+        s.configure_queue("plain", ttl=5)
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        st = s.queue("q").stats()
+        assert (st.ttl, st.on_expire, st.aging, st.aging_cap, st.rate) == (
+            None, "dead", 60.0, 3, None)
+        assert s.queue("plain").stats().ttl == 5.0
+        assert s.check().ok
