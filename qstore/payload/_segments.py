@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .._errors import Corruption, PayloadTooLarge
+from .._fs import calls as fcalls
 from .._fs import fsync_dir
 from . import _format as fmt
 from ._format import PayloadRef
@@ -80,7 +81,7 @@ class SegmentSet:
         if not readonly:
             for fid in discard:
                 if fid in ids:
-                    os.unlink(self._path(fid))
+                    fcalls.unlink(self._path(fid))
                     ids.remove(fid)
                     self.recovery.discarded.append(fid)
                     log.warning("removed %s: output of an unfinished compaction", self._path(fid))
@@ -129,7 +130,7 @@ class SegmentSet:
                 if f.read().strip(b"\x00") and size:
                     raise Corruption(path, 0, fmt.SHORT_HEADER)
             log.warning("rewrote the header of %s (%d bytes were left by a crash)", path, size)
-            os.unlink(path)
+            fcalls.unlink(path)
             create_segment_file(path, file_id)
         reader = SegmentReader(path, file_id)
         end = self._recover_tail(reader, max(scan_from, fmt.HEADER_SIZE))
@@ -137,7 +138,7 @@ class SegmentSet:
         self._writer = SegmentWriter(path, file_id, end, self.segment_max_bytes)
         # What survived the last run may sit only in the page cache: make it durable
         # before anything is recorded as synced.
-        os.fdatasync(self._writer._fd)
+        fcalls.fdatasync(self._writer._fd)
         self._synced = (file_id, end)
 
     def _recover_tail(self, reader: SegmentReader, start: int) -> int:
@@ -162,7 +163,7 @@ class SegmentSet:
                 )
             end = stop.offset
         if end != reader.mapped_size:
-            os.truncate(reader.path, end)
+            fcalls.truncate(reader.path, end)
             reader.remap()
         return end
 
@@ -261,12 +262,12 @@ class SegmentSet:
                 end = writer.end
                 fd = os.dup(writer._fd)
             try:
-                os.fdatasync(fd)
+                fcalls.fdatasync(fd)
             except BaseException:
                 writer.unsynced = True  # not known to be on disk: the next sync retries
                 raise
             finally:
-                os.close(fd)
+                fcalls.close_fd(fd)
             writer.synced_end = max(writer.synced_end, end)
             if writer is self._writer:
                 self._synced = (writer.file_id, writer.synced_end)
@@ -376,7 +377,7 @@ class SegmentSet:
         except BaseException:
             flusher.abandon()
             out.abandon()
-            os.unlink(path)
+            fcalls.unlink(path)
             raise
         finally:
             pieces.clear()
@@ -418,7 +419,7 @@ class SegmentSet:
                 if reader is not None:
                     reader.detach()
                 try:
-                    os.unlink(self._path(fid))
+                    fcalls.unlink(self._path(fid))
                     removed = True
                 except FileNotFoundError:
                     pass
@@ -490,7 +491,7 @@ class _Flusher:
 
     def _sync(self) -> None:
         try:
-            os.fdatasync(self._fd)
+            fcalls.fdatasync(self._fd)
         except OSError as exc:  # raised by finish(): the next fsync may not report it again
             self._error = exc
 

@@ -13,6 +13,7 @@ import zlib
 from collections.abc import Sequence
 
 from .._fs import Buffer, complete_write, fsync_dir, write_at
+from .._fs import calls as fcalls
 from . import _format as fmt
 from ._format import PayloadRef
 
@@ -35,13 +36,13 @@ def create_segment_file(path: str, file_id: int, *, durable: bool = True) -> Non
     returns (a store's segments). Without it the file is made durable when
     it is finished (a backfill's staged segment, published by a rename).
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = fcalls.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.write(fd, fmt.encode_header(file_id))
+        fcalls.write(fd, fmt.encode_header(file_id))
         if durable:
-            os.fsync(fd)
+            fcalls.fsync(fd)
     finally:
-        os.close(fd)
+        fcalls.close_fd(fd)
     if durable:
         fsync_dir(os.path.dirname(path))
 
@@ -62,7 +63,7 @@ class SegmentWriter:
         self.file_id = file_id
         self.end = end
         self.max_bytes = max_bytes
-        self._fd = os.open(path, os.O_RDWR)
+        self._fd = fcalls.open_fd(path, os.O_RDWR)
         self.allocated = os.fstat(self._fd).st_size
         # Appends ending at or below this need no rotation and no allocation.
         self.fast_limit = min(self.allocated, max_bytes)
@@ -87,9 +88,9 @@ class SegmentWriter:
             # Real blocks, not a sparse hole: an fdatasync of data written into
             # allocated blocks need not commit new block mappings (measured here:
             # 325 us against 885 us into a hole).
-            os.posix_fallocate(self._fd, self.allocated, size - self.allocated)
+            fcalls.fallocate(self._fd, self.allocated, size - self.allocated)
         except OSError:  # a filesystem without fallocate: a sparse extension will do
-            os.ftruncate(self._fd, size)
+            fcalls.ftruncate(self._fd, size)
         self.allocated = size
         self.fast_limit = min(size, self.max_bytes)
         return True
@@ -129,7 +130,7 @@ class SegmentWriter:
         n = len(body)
         frame = _FRAME_PACK(n, _crc32(body, _crc32(_LENGTH_PACK(n))))  # fmt.encode_frame
         total = fmt.FRAME_SIZE + n
-        written = os.pwritev(self._fd, (frame, body), pos)
+        written = fcalls.pwritev(self._fd, (frame, body), pos)
         if written < total:  # a short write (rare): finish it
             complete_write(self._fd, (frame, body), pos, written)
         self.end = pos + total
@@ -142,21 +143,21 @@ class SegmentWriter:
     def sync(self) -> None:
         if self.unsynced:
             self.unsynced = False
-            os.fdatasync(self._fd)
+            fcalls.fdatasync(self._fd)
 
     def finish(self) -> None:
         """Cut the preallocated tail, make the segment durable, and close it."""
         if self._fd < 0:
             return
         if self.allocated != self.end:
-            os.ftruncate(self._fd, self.end)
+            fcalls.ftruncate(self._fd, self.end)
             self.allocated = self.end
-        os.fsync(self._fd)
-        os.close(self._fd)
+        fcalls.fsync(self._fd)
+        fcalls.close_fd(self._fd)
         self._fd = -1
 
     def abandon(self) -> None:
         """Close without cutting or syncing (the caller removes the unfinished file)."""
         if self._fd >= 0:
-            os.close(self._fd)
+            fcalls.close_fd(self._fd)
             self._fd = -1
