@@ -25,11 +25,11 @@ from itertools import islice
 from . import _states as states
 from ._config import Config
 from ._durability import Syncer
-from ._errors import ReadOnlyStore, StorageError, StoreClosed, StoreLocked
+from ._errors import Corruption, ReadOnlyStore, StorageError, StoreClosed, StoreLocked
 from ._heads import ReadyHeads
 from ._txn import NO_EVENT_US, STATE_COUNTER, QueueState, Txn, apply_counts
 from .meta import Batch, MetaDB, keys, new_batch, records, write_sst
-from .payload import FRAME_SIZE, PayloadRef, SegmentSet
+from .payload import FRAME_SIZE, PayloadRef, SegmentSet, parse_segment_name
 
 log = logging.getLogger("qstore")
 
@@ -63,6 +63,32 @@ def _release_writer(key: tuple[int, int] | None) -> None:
     if key is not None:
         with _writers_lock:
             _writers.discard(key)
+
+
+LOST_METADATA = "metadata is missing or empty next to existing payload segments"
+
+
+def _segment_files(payload_dir: str) -> list[str]:
+    try:
+        names = os.listdir(payload_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [n for n in names if parse_segment_name(n) is not None]
+
+
+def _refuse_lost_metadata(path: str) -> None:
+    """Raise Corruption if ``path`` holds payload segments but no metadata database.
+
+    Opening it as a new store would let the compactor delete every segment as
+    an orphan: the store refuses, creating and deleting nothing (docs/faults.md).
+    """
+    meta = os.path.join(path, "meta")
+    if os.path.exists(os.path.join(meta, "CURRENT")):
+        return
+    found = _segment_files(os.path.join(path, "payload"))
+    if found:
+        raise Corruption(meta, 0, f"{LOST_METADATA} ({len(found)} segment file(s), "
+                                  "no meta/CURRENT)")
 
 
 class Writing:
@@ -109,6 +135,7 @@ class Core:
         # message key -> its record as last committed by this process (see commit)
         self._records: dict[bytes, bytes] = {}
         self._writer_key: tuple[int, int] | None = None
+        _refuse_lost_metadata(path)
         if not config.readonly:
             os.makedirs(path, exist_ok=True)
             self._writer_key = _claim_writer(path)
@@ -135,6 +162,10 @@ class Core:
 
     def _load(self) -> None:
         fmt = self.meta.get(keys.FORMAT_KEY)
+        if fmt is None and _segment_files(os.path.join(self.path, "payload")):
+            # A metadata database without the format key next to payload: not a
+            # new store but one whose metadata was lost (never "recovered" as empty).
+            raise Corruption(self.meta.path, 0, LOST_METADATA)
         if fmt is None and not self.readonly:
             batch = new_batch()
             batch.put(keys.FORMAT_KEY, records.pack([records.RECORD_VERSION,

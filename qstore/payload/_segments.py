@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar
 
-from .._errors import Corruption, PayloadTooLarge
+from .._errors import Corruption, PayloadTooLarge, StorageError
 from .._fs import calls as fcalls
 from .._fs import fsync_dir
 from . import _format as fmt
@@ -21,6 +24,33 @@ log = logging.getLogger("qstore.payload")
 _COPY_PIECES = 1000  # pieces per pwritev of copy_live (Linux takes at most IOV_MAX = 1024)
 _COPY_BYTES = 4 * 1024 * 1024  # bytes per pwritev of copy_live
 _FLUSH_BYTES = 32 * 1024 * 1024  # copy_live starts a background fdatasync this often
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def storage_error(exc: OSError, doing: str) -> StorageError:
+    """The :class:`StorageError` an OS error on a payload file becomes (the errno kept)."""
+    err = StorageError(f"payload {doing} failed: {exc}")
+    err.errno = exc.errno
+    return err
+
+
+def _os_errors(doing: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """Raise an ``OSError`` of the method as :class:`StorageError` (cold paths only)."""
+
+    def wrap(method: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(method)
+        def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            try:
+                return method(*args, **kwargs)
+            except OSError as exc:
+                raise storage_error(exc, doing) from exc
+
+        return call
+
+    return wrap
 
 
 @dataclass(frozen=True)
@@ -47,6 +77,7 @@ class SegmentSet:
     internal lock that also guards the segment table for readers.
     """
 
+    @_os_errors("open")
     def __init__(
         self,
         directory: str,
@@ -88,6 +119,17 @@ class SegmentSet:
             if self.recovery.discarded:
                 fsync_dir(directory)
         hints = dict(tail_hints or {})
+        if not readonly:
+            for fid in ids[:-1]:
+                # An empty file a failed rotation could not remove (create_segment_file):
+                # no record was ever in it and no metadata names it. Anything else
+                # short is damage, raised below.
+                path = self._path(fid)
+                if fid not in hints and os.path.getsize(path) == 0:
+                    fcalls.unlink(path)
+                    ids.remove(fid)
+                    log.warning("removed %s: an empty segment file that "
+                                "no metadata names (left by a failed rotation)", path)
         # Never hand out an id a file ever had (a discarded output's included).
         self._next_id = max([next_file_id_floor, *(i + 1 for i in ids), *(i + 1 for i in hints),
                              *(i + 1 for i in discard)])
@@ -167,14 +209,31 @@ class SegmentSet:
             reader.remap()
         return end
 
-    def _start_segment(self) -> None:
-        """Begin a fresh active segment (the caller has sealed the old one)."""
+    def _start_segment(self, sealing: SegmentWriter | None = None) -> None:
+        """Begin a fresh active segment, finishing ``sealing`` (the old one) once it exists."""
         fid = self._next_id
-        self._next_id += 1
+        self._next_id += 1  # never reused, even when this fails
         path = self._path(fid)
         create_segment_file(path, fid)
-        self._readers[fid] = SegmentReader(path, fid)
-        self._writer = SegmentWriter(path, fid, fmt.HEADER_SIZE, self.segment_max_bytes)
+        reader: SegmentReader | None = None
+        try:
+            reader = SegmentReader(path, fid)
+            writer = SegmentWriter(path, fid, fmt.HEADER_SIZE, self.segment_max_bytes)
+            try:
+                if sealing is not None:
+                    sealing.finish()
+                    self._readers[sealing.file_id].remap()
+            except BaseException:
+                writer.abandon()
+                raise
+        except BaseException:
+            if reader is not None:
+                reader.close()
+            with contextlib.suppress(OSError):
+                fcalls.unlink(path)
+            raise
+        self._readers[fid] = reader
+        self._writer = writer
         self._synced = (fid, fmt.HEADER_SIZE)
 
     # -- writing --------------------------------------------------------------
@@ -189,17 +248,21 @@ class SegmentSet:
     def append_one(self, body: bytes) -> PayloadRef:
         """``append`` for a body already checked with :meth:`check_size` (the hot path)."""
         nbytes = fmt.FRAME_SIZE + len(body)
-        with self._lock:
-            writer = self._writer
-            # The common case in one comparison: room in the space already allocated.
-            if writer is None or writer.end + nbytes > writer.fast_limit:
-                writer = self._active_writer()
-                if nbytes > writer.room() and not writer.empty:
-                    writer = self._rotate_locked()
-                if writer.reserve(nbytes):
-                    self._readers[writer.file_id].remap()
-            return writer.append_one(body)
+        try:  # costs nothing unless raised (Python 3.11)
+            with self._lock:
+                writer = self._writer
+                # The common case in one comparison: room in the space already allocated.
+                if writer is None or writer.end + nbytes > writer.fast_limit:
+                    writer = self._active_writer()
+                    if nbytes > writer.room() and not writer.empty:
+                        writer = self._rotate_locked()
+                    if writer.reserve(nbytes):
+                        self._readers[writer.file_id].remap()
+                return writer.append_one(body)
+        except OSError as exc:
+            raise storage_error(exc, "append") from exc
 
+    @_os_errors("append")
     def append_many(self, bodies: Sequence[bytes]) -> list[PayloadRef]:
         """Append each body as a record; a batch that fits is one pwritev per 512 records.
 
@@ -235,11 +298,16 @@ class SegmentSet:
         return self._writer
 
     def _rotate_locked(self) -> SegmentWriter:
-        self._active_writer().finish()
-        self._readers[self._active_writer().file_id].remap()
-        self._start_segment()
-        return self._active_writer()
+        """Seal the active segment and start the next one.
 
+        The next file is created before the old one is finished, so a failure
+        (a full disk, an I/O error) leaves the old writer open and appending,
+        and no header-less file behind.
+        """
+        old = self._active_writer()
+        self._start_segment(old)
+        return self._active_writer()
+    @_os_errors("seal")
     def seal(self) -> int:
         """Make the active segment immutable and start a new one; returns the sealed id."""
         with self._lock:
@@ -247,6 +315,7 @@ class SegmentSet:
             self._rotate_locked()
         return sealed
 
+    @_os_errors("sync")
     def sync(self) -> None:
         """fdatasync what was appended to the active segment (sealed ones are synced).
 
@@ -292,8 +361,12 @@ class SegmentSet:
             reader = self._open_reader(ref.file_id)
         writer = self._writer
         limit = writer.end if writer is not None and writer.file_id == ref.file_id else None
-        return reader.read(ref, limit)
+        try:  # costs nothing unless raised (Python 3.11)
+            return reader.read(ref, limit)
+        except OSError as exc:
+            raise storage_error(exc, "read") from exc
 
+    @_os_errors("open")
     def _open_reader(self, file_id: int) -> SegmentReader:
         """A reader for a segment that appeared after open (read-only views)."""
         path = self._path(file_id)
@@ -314,6 +387,7 @@ class SegmentSet:
             self._next_id += 1
         return fid
 
+    @_os_errors("copy")
     def copy_live(
         self,
         file_id: int,
@@ -406,6 +480,7 @@ class SegmentSet:
         views[file_id] = view
         return view
 
+    @_os_errors("delete")
     def delete(self, file_ids: Iterable[int]) -> None:
         """Unlink sealed segments. Readers already holding one keep a valid map."""
         removed = False

@@ -8,6 +8,8 @@ already framed (:meth:`~SegmentWriter.append_framed`) to new segments.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import zlib
 from collections.abc import Sequence
@@ -38,13 +40,23 @@ def create_segment_file(path: str, file_id: int, *, durable: bool = True) -> Non
     """
     fd = fcalls.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        fcalls.write(fd, fmt.encode_header(file_id))
+        try:
+            header = fmt.encode_header(file_id)
+            if fcalls.write(fd, header) != len(header):
+                raise OSError(errno.ENOSPC, "short write of a segment header", path)
+            if durable:
+                fcalls.fsync(fd)
+        finally:
+            fcalls.close_fd(fd)
         if durable:
-            fcalls.fsync(fd)
-    finally:
-        fcalls.close_fd(fd)
-    if durable:
-        fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
+    except BaseException:
+        # Never leave a header-less file among the segments (a full disk, an I/O
+        # error): a later open would take it for damage. If even the unlink
+        # fails, open removes a short file that no metadata names.
+        with contextlib.suppress(OSError):
+            fcalls.unlink(path)
+        raise
 
 
 class SegmentWriter:
