@@ -198,6 +198,9 @@ class Core:
             # loss the metadata may refer to bytes that never reached the disk.
             _, sfid, soff = records.unpack(synced, "synced")
             hints[sfid] = min(soff, hints.get(sfid, soff))
+        # Only the segment that was active may have lost unsynced bytes; any other
+        # one was fsynced when sealed, and bytes missing from it are damage.
+        self._active_at_crash = None if synced is None else sfid
         self._synced_mark: tuple[int, int] | None = None
         compaction = self.meta.get(keys.COMPACTION_KEY)
         discard: list[int] = []
@@ -211,6 +214,7 @@ class Core:
             tail_hints=hints,
             discard=discard,
             next_file_id_floor=max(self.segments, default=0) + 1,
+            hints_are_durable_marks=True,
         )
 
     def _drop_lost_tails(self) -> None:
@@ -228,6 +232,14 @@ class Core:
                 continue  # a missing segment is damage: reads raise, the audit reports it
             valid = self.payload.segment_size(fid)
             if valid >= end:
+                continue
+            if fid != self._active_at_crash and self._active_at_crash is not None:
+                # A sealed segment cut short: damage, not a torn tail. Its messages
+                # stay; a read of one in the missing bytes raises Corruption, and
+                # `qstore check` names them.
+                log.error("sealed segment %s ends at %d but its records reach %d: the file "
+                          "was damaged (cut); its messages are kept, reads of the lost ones "
+                          "raise Corruption; run `qstore check`", fid, valid, end)
                 continue
             txn = Txn()
             lost = 0

@@ -13,7 +13,7 @@ from typing import ParamSpec, TypeVar
 
 from .._errors import Corruption, PayloadTooLarge, StorageError
 from .._fs import calls as fcalls
-from .._fs import fsync_dir
+from .._fs import fsync_dir, write_file_durably
 from . import _format as fmt
 from ._format import PayloadRef
 from ._reader import ScanError, SegmentReader, frame_problem, is_zero_from
@@ -88,6 +88,7 @@ class SegmentSet:
         tail_hints: Mapping[int, int] | None = None,
         discard: Sequence[int] = (),
         next_file_id_floor: int = 1,
+        hints_are_durable_marks: bool = False,
     ) -> None:
         """Open (creating if needed) the segments in ``directory``.
 
@@ -95,7 +96,12 @@ class SegmentSet:
         already references records: recovery scans the active segment only
         from there. ``discard`` names segment files to delete first (the
         unfinished output of an interrupted compaction).
+        ``hints_are_durable_marks``: nothing past a hint was known to be on
+        stable storage (the store's ``M synced`` mark), so damage there followed
+        by more data is a page lost in a power loss: it is cut (its bytes kept
+        aside) rather than refused. Without it such damage raises Corruption.
         """
+        self._cut_damage = hints_are_durable_marks
         self.directory = directory
         self.segment_max_bytes = segment_max_bytes
         self.max_payload_bytes = max_payload_bytes
@@ -184,7 +190,14 @@ class SegmentSet:
         self._synced = (file_id, end)
 
     def _recover_tail(self, reader: SegmentReader, start: int) -> int:
-        """The end of the intact records; a torn tail is cut, other damage raised."""
+        """The end of the intact records from ``start`` (the durable mark); the rest is cut.
+
+        A torn tail (a cut-off record, zeros) is cut. Damage followed by more
+        data raises Corruption, unless ``start`` is a durable mark (see
+        ``hints_are_durable_marks``): then it is cut too, since a power loss may
+        lose any unsynced page, but its bytes are first kept beside the segment
+        (``<segment>.cut-<offset>``): they are never deleted on a guess.
+        """
         if start > reader.mapped_size:
             raise Corruption(reader.path, reader.mapped_size, fmt.OUT_OF_BOUNDS)
         end = start
@@ -193,10 +206,24 @@ class SegmentSet:
                 end = ref.offset + ref.frame_bytes
         except ScanError as exc:
             stop = exc.stop
-            if not stop.torn:
-                raise Corruption(reader.path, stop.offset, stop.reason) from None
             cut = reader.mapped_size - stop.offset
-            if not is_zero_from(reader, stop.offset):
+            if not stop.torn and not self._cut_damage:
+                raise Corruption(reader.path, stop.offset, stop.reason) from None
+            if not stop.torn:
+                # Bad bytes followed by more data past the durable mark: a power loss
+                # can lose any unsynced page, not only the last ones. Nothing from
+                # here on was known to be durable, so it is cut like a torn tail
+                # (the metadata's references to it are dropped by the core).
+                repair = TailRepair(reader.file_id, stop.offset, cut,
+                                    f"{stop.reason} in the unsynced region")
+                self.recovery.torn_tails.append(repair)
+                kept = f"{reader.path}.cut-{stop.offset}"
+                m = reader._map
+                write_file_durably(kept, b"" if m is None else m[stop.offset:])
+                log.error("cut %s at offset %d: %d bytes past the durable mark were damaged "
+                          "(%s; a lost page after a power loss); they are kept in %s",
+                          reader.path, stop.offset, cut, stop.reason, kept)
+            elif not is_zero_from(reader, stop.offset):
                 repair = TailRepair(reader.file_id, stop.offset, cut, stop.reason)
                 self.recovery.torn_tails.append(repair)
                 log.warning(
