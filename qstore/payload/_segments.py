@@ -249,7 +249,6 @@ class SegmentSet:
             try:
                 if sealing is not None:
                     sealing.finish()
-                    self._readers[sealing.file_id].remap()
             except BaseException:
                 writer.abandon()
                 raise
@@ -262,6 +261,11 @@ class SegmentSet:
         self._readers[fid] = reader
         self._writer = writer
         self._synced = (fid, fmt.HEADER_SIZE)
+        if sealing is not None:
+            # The sealed file was cut back to its data; a failed remap here is
+            # harmless (a read past the map remaps on demand).
+            with contextlib.suppress(OSError):
+                self._readers[sealing.file_id].remap()
 
     # -- writing --------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import shutil
 import pytest
 
 import qstore
+from qstore.meta import keys
 from qstore.payload import HEADER_SIZE
 
 from ._inject import FaultyCalls, creates
@@ -142,3 +143,15 @@ def test_open_removes_a_short_segment_nothing_names(store_path: str) -> None:
         pass
     _assert_intact(store_path, pushed)
     assert "0000000000.seg" not in os.listdir(os.path.join(store_path, "payload"))
+
+
+def test_delete_queue_leaves_no_counters_key_and_the_check_stays_clean(store_path: str) -> None:
+    with qstore.open(store_path, compactor=False) as store:
+        q = store.create_queue("gone")
+        qid = store.core.queues["gone"].qid
+        q.push_many([(b"a", 1), (b"b", 2)])
+        store.delete_queue("gone")
+        assert store.core.meta.get(keys.counts_key(qid)) is None
+        assert store.check().ok
+    with qstore.open(store_path, compactor=False) as store:
+        assert store.queues() == [] and store.check().ok
