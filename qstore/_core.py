@@ -28,12 +28,12 @@ from . import _aging as aging
 from . import _states as states
 from ._config import Config
 from ._durability import Syncer
-from ._errors import ReadOnlyStore, StorageError, StoreClosed, StoreLocked
+from ._errors import Corruption, ReadOnlyStore, StorageError, StoreClosed, StoreLocked
 from ._heads import ReadyHeads
 from ._rate import TokenBucket
 from ._txn import NO_EVENT_US, STATE_COUNTER, QueueState, Txn, apply_counts
 from .meta import Batch, MetaDB, keys, new_batch, records, write_sst
-from .payload import FRAME_SIZE, PayloadRef, SegmentSet
+from .payload import FRAME_SIZE, PayloadRef, SegmentSet, parse_segment_name
 
 log = logging.getLogger("qstore")
 
@@ -67,6 +67,32 @@ def _release_writer(key: tuple[int, int] | None) -> None:
     if key is not None:
         with _writers_lock:
             _writers.discard(key)
+
+
+LOST_METADATA = "metadata is missing or empty next to existing payload segments"
+
+
+def _segment_files(payload_dir: str) -> list[str]:
+    try:
+        names = os.listdir(payload_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [n for n in names if parse_segment_name(n) is not None]
+
+
+def _refuse_lost_metadata(path: str) -> None:
+    """Raise Corruption if ``path`` holds payload segments but no metadata database.
+
+    Opening it as a new store would let the compactor delete every segment as
+    an orphan: the store refuses, creating and deleting nothing (docs/faults.md).
+    """
+    meta = os.path.join(path, "meta")
+    if os.path.exists(os.path.join(meta, "CURRENT")):
+        return
+    found = _segment_files(os.path.join(path, "payload"))
+    if found:
+        raise Corruption(meta, 0, f"{LOST_METADATA} ({len(found)} segment file(s), "
+                                  "no meta/CURRENT)")
 
 
 class Writing:
@@ -130,6 +156,7 @@ class Core:
         # message key -> its record as last committed by this process (see commit)
         self._records: dict[bytes, bytes] = {}
         self._writer_key: tuple[int, int] | None = None
+        _refuse_lost_metadata(path)
         if not config.readonly:
             os.makedirs(path, exist_ok=True)
             self._writer_key = _claim_writer(path)
@@ -156,6 +183,10 @@ class Core:
 
     def _load(self) -> None:
         fmt = self.meta.get(keys.FORMAT_KEY)
+        if fmt is None and _segment_files(os.path.join(self.path, "payload")):
+            # A metadata database without the format key next to payload: not a
+            # new store but one whose metadata was lost (never "recovered" as empty).
+            raise Corruption(self.meta.path, 0, LOST_METADATA)
         if fmt is None and not self.readonly:
             batch = new_batch()
             batch.put(keys.FORMAT_KEY, records.pack([records.RECORD_VERSION,
@@ -191,6 +222,9 @@ class Core:
             # loss the metadata may refer to bytes that never reached the disk.
             _, sfid, soff = records.unpack(synced, "synced")
             hints[sfid] = min(soff, hints.get(sfid, soff))
+        # Only the segment that was active may have lost unsynced bytes; any other
+        # one was fsynced when sealed, and bytes missing from it are damage.
+        self._active_at_crash = None if synced is None else sfid
         self._synced_mark: tuple[int, int] | None = None
         compaction = self.meta.get(keys.COMPACTION_KEY)
         discard: list[int] = []
@@ -204,6 +238,7 @@ class Core:
             tail_hints=hints,
             discard=discard,
             next_file_id_floor=max(self.segments, default=0) + 1,
+            hints_are_durable_marks=True,
         )
 
     def _drop_lost_tails(self) -> None:
@@ -221,6 +256,14 @@ class Core:
                 continue  # a missing segment is damage: reads raise, the audit reports it
             valid = self.payload.segment_size(fid)
             if valid >= end:
+                continue
+            if fid != self._active_at_crash and self._active_at_crash is not None:
+                # A sealed segment cut short: damage, not a torn tail. Its messages
+                # stay; a read of one in the missing bytes raises Corruption, and
+                # `qstore check` names them.
+                log.error("sealed segment %s ends at %d but its records reach %d: the file "
+                          "was damaged (cut); its messages are kept, reads of the lost ones "
+                          "raise Corruption; run `qstore check`", fid, valid, end)
                 continue
             txn = Txn()
             lost = 0

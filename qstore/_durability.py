@@ -95,6 +95,11 @@ class Syncer:
                     done.result()
             else:
                 self._meta.sync_wal()
+                # Nothing looked unsynced, but another caller (the compactor) may have
+                # taken the flag and still be inside its fdatasync, or have failed
+                # it: sync() waits for that one and retries a failure. Returning
+                # before it would report bytes durable that are not (issue case 5).
+                payload.sync()
         except OSError as exc:
             raise StorageError(f"sync failed: {exc}") from exc
         self.syncs += 1

@@ -90,7 +90,14 @@ class Corruption(QStoreError):
 
 
 class StorageError(QStoreError):
-    """An unexpected failure of RocksDB or the operating system."""
+    """An unexpected failure of RocksDB or the operating system (a full disk, an I/O error).
+
+    ``errno`` is the OS error number when an ``OSError`` caused it (``errno.ENOSPC``
+    for a full disk), else None. Nothing the failed operation meant to change
+    was changed (docs/faults.md).
+    """
+
+    errno: int | None = None
 
 
 # Exit codes of the `qstore` commands and the spark/ scripts (README, "Command line").

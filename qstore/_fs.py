@@ -13,9 +13,42 @@
 from __future__ import annotations
 
 import json
+import mmap as _mmap
 import os
 from collections.abc import Sequence
 from typing import Any
+
+
+def map_read(fd: int, size: int) -> _mmap.mmap:
+    """A read-only memory map of the first ``size`` bytes of ``fd``."""
+    return _mmap.mmap(fd, size, access=_mmap.ACCESS_READ)
+
+
+class FileCalls:
+    """The file calls the store makes on its payload segments and small files.
+
+    Code calls them through :data:`calls` (``calls.pwritev(...)``), so that a
+    test can wrap one and fail the Nth call (tests/faults/_inject.py): the
+    fault model of docs/faults.md. The lookup costs what ``os.pwritev`` does.
+    """
+
+    def __init__(self) -> None:
+        self.open_fd = os.open
+        self.close_fd = os.close
+        self.write = os.write
+        self.pwritev = os.pwritev
+        self.pwrite = os.pwrite
+        self.fsync = os.fsync
+        self.fdatasync = os.fdatasync
+        self.ftruncate = os.ftruncate
+        self.fallocate = os.posix_fallocate
+        self.truncate = os.truncate
+        self.replace = os.replace
+        self.unlink = os.unlink
+        self.mmap = map_read
+
+
+calls = FileCalls()
 
 # pwritev() fails with EINVAL when given more buffers than this (1024 on Linux),
 # so a longer list is written in several calls.
@@ -30,7 +63,7 @@ def write_at(fd: int, parts: Sequence[Buffer], at: int) -> int:
     for i in range(0, len(parts), IOV_MAX):
         chunk = parts[i : i + IOV_MAX]
         size = sum(len(part) for part in chunk)
-        written = os.pwritev(fd, chunk, at + done)
+        written = calls.pwritev(fd, chunk, at + done)
         if written < size:
             complete_write(fd, chunk, at + done, written)
         done += size
@@ -42,35 +75,37 @@ def complete_write(fd: int, parts: Sequence[Buffer], at: int, written: int) -> N
     rest = memoryview(b"".join(parts))[written:]
     pos = at + written
     while rest:
-        n = os.pwrite(fd, rest, pos)
+        n = calls.pwrite(fd, rest, pos)
         rest = rest[n:]
         pos += n
 
 
 def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = calls.open_fd(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        calls.fsync(fd)
     finally:
-        os.close(fd)
+        calls.close_fd(fd)
 
 
 def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = calls.open_fd(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        calls.fsync(fd)
     finally:
-        os.close(fd)
+        calls.close_fd(fd)
 
 
 def write_file_durably(path: str, data: bytes) -> None:
     """Write temp, fsync, rename, fsync the directory."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fd = calls.open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_at(fd, [data], 0)
+        calls.fsync(fd)
+    finally:
+        calls.close_fd(fd)
+    calls.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 

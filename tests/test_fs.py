@@ -23,7 +23,7 @@ def test_short_pwritev_is_finished_and_many_buffers_are_split(
         data = b"".join(parts)
         return real(fd, [data[: len(data) // 2 + 1]], at)  # the kernel stopped half way
 
-    monkeypatch.setattr(os, "pwritev", short)
+    monkeypatch.setattr(_fs.calls, "pwritev", short)
     parts = [b"%05d" % i for i in range(2500)]
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
     try:

@@ -4,7 +4,7 @@ Message bodies live here; the metadata refers to them by
 :class:`PayloadRef` ``(file_id, offset, length)``. See docs/payload-format.md.
 """
 
-from ._format import FRAME_SIZE, HEADER_SIZE, PayloadRef
+from ._format import FRAME_SIZE, HEADER_SIZE, PayloadRef, parse_segment_name
 from ._reader import SegmentCheck, SegmentReader
 from ._segments import RecoveryReport, SegmentSet, TailRepair
 
@@ -17,4 +17,5 @@ __all__ = [
     "SegmentReader",
     "SegmentSet",
     "TailRepair",
+    "parse_segment_name",
 ]

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .._errors import Corruption
+from .._fs import calls as fcalls
 from . import _format as fmt
 from ._format import PayloadRef
 
@@ -70,7 +71,7 @@ class SegmentReader:
     def __init__(self, path: str, file_id: int) -> None:
         self.path = path
         self.file_id = file_id
-        self._fd = os.open(path, os.O_RDONLY)
+        self._fd = fcalls.open_fd(path, os.O_RDONLY)
         # The map's own length is the mapped size, so a reader that takes one
         # reference to the map sees a consistent pair even while another thread remaps.
         # ``_whole`` is a view of the same map (reads check through it without copying).
@@ -90,7 +91,7 @@ class SegmentReader:
             return
         # Replace, never close, the old map: a thread may be slicing it right now,
         # and it is released when the last reference to it goes.
-        m = mmap.mmap(self._fd, size, access=mmap.ACCESS_READ) if size else None
+        m = fcalls.mmap(self._fd, size) if size else None
         self._whole = memoryview(m if m is not None else b"")
         self._map = m
 
@@ -152,14 +153,14 @@ class SegmentReader:
     def detach(self) -> None:
         """Close the file but keep the map: the segment is being deleted under readers."""
         if self._fd >= 0:
-            os.close(self._fd)
+            fcalls.close_fd(self._fd)
             self._fd = -1
 
     def close(self) -> None:
         self._map = None
         self._whole = memoryview(b"")
         if self._fd >= 0:
-            os.close(self._fd)
+            fcalls.close_fd(self._fd)
             self._fd = -1
 
 
@@ -207,16 +208,16 @@ class SegmentCheck:
         if problem is not None:
             return
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = fcalls.open_fd(path, os.O_RDONLY)
         except FileNotFoundError:
             self.problem = fmt.MISSING_SEGMENT
             return
         try:
             size = os.fstat(fd).st_size
             if size:
-                self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+                self._map = fcalls.mmap(fd, size)
         finally:
-            os.close(fd)
+            fcalls.close_fd(fd)
         self._bound = min(bound, size)
         header = self._map[: fmt.HEADER_SIZE] if self._map is not None else b""
         self.problem = fmt.header_problem(header, file_id)

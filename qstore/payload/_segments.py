@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar
 
-from .._errors import Corruption, PayloadTooLarge
-from .._fs import fsync_dir
+from .._errors import Corruption, PayloadTooLarge, StorageError
+from .._fs import calls as fcalls
+from .._fs import fsync_dir, write_file_durably
 from . import _format as fmt
 from ._format import PayloadRef
 from ._reader import ScanError, SegmentReader, frame_problem, is_zero_from
@@ -20,6 +24,33 @@ log = logging.getLogger("qstore.payload")
 _COPY_PIECES = 1000  # pieces per pwritev of copy_live (Linux takes at most IOV_MAX = 1024)
 _COPY_BYTES = 4 * 1024 * 1024  # bytes per pwritev of copy_live
 _FLUSH_BYTES = 32 * 1024 * 1024  # copy_live starts a background fdatasync this often
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def storage_error(exc: OSError, doing: str) -> StorageError:
+    """The :class:`StorageError` an OS error on a payload file becomes (the errno kept)."""
+    err = StorageError(f"payload {doing} failed: {exc}")
+    err.errno = exc.errno
+    return err
+
+
+def _os_errors(doing: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """Raise an ``OSError`` of the method as :class:`StorageError` (cold paths only)."""
+
+    def wrap(method: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(method)
+        def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            try:
+                return method(*args, **kwargs)
+            except OSError as exc:
+                raise storage_error(exc, doing) from exc
+
+        return call
+
+    return wrap
 
 
 @dataclass(frozen=True)
@@ -46,6 +77,7 @@ class SegmentSet:
     internal lock that also guards the segment table for readers.
     """
 
+    @_os_errors("open")
     def __init__(
         self,
         directory: str,
@@ -56,6 +88,7 @@ class SegmentSet:
         tail_hints: Mapping[int, int] | None = None,
         discard: Sequence[int] = (),
         next_file_id_floor: int = 1,
+        hints_are_durable_marks: bool = False,
     ) -> None:
         """Open (creating if needed) the segments in ``directory``.
 
@@ -63,7 +96,12 @@ class SegmentSet:
         already references records: recovery scans the active segment only
         from there. ``discard`` names segment files to delete first (the
         unfinished output of an interrupted compaction).
+        ``hints_are_durable_marks``: nothing past a hint was known to be on
+        stable storage (the store's ``M synced`` mark), so damage there followed
+        by more data is a page lost in a power loss: it is cut (its bytes kept
+        aside) rather than refused. Without it such damage raises Corruption.
         """
+        self._cut_damage = hints_are_durable_marks
         self.directory = directory
         self.segment_max_bytes = segment_max_bytes
         self.max_payload_bytes = max_payload_bytes
@@ -80,13 +118,24 @@ class SegmentSet:
         if not readonly:
             for fid in discard:
                 if fid in ids:
-                    os.unlink(self._path(fid))
+                    fcalls.unlink(self._path(fid))
                     ids.remove(fid)
                     self.recovery.discarded.append(fid)
                     log.warning("removed %s: output of an unfinished compaction", self._path(fid))
             if self.recovery.discarded:
                 fsync_dir(directory)
         hints = dict(tail_hints or {})
+        if not readonly:
+            for fid in ids[:-1]:
+                # An empty file a failed rotation could not remove (create_segment_file):
+                # no record was ever in it and no metadata names it. Anything else
+                # short is damage, raised below.
+                path = self._path(fid)
+                if fid not in hints and os.path.getsize(path) == 0:
+                    fcalls.unlink(path)
+                    ids.remove(fid)
+                    log.warning("removed %s: an empty segment file that "
+                                "no metadata names (left by a failed rotation)", path)
         # Never hand out an id a file ever had (a discarded output's included).
         self._next_id = max([next_file_id_floor, *(i + 1 for i in ids), *(i + 1 for i in hints),
                              *(i + 1 for i in discard)])
@@ -129,7 +178,7 @@ class SegmentSet:
                 if f.read().strip(b"\x00") and size:
                     raise Corruption(path, 0, fmt.SHORT_HEADER)
             log.warning("rewrote the header of %s (%d bytes were left by a crash)", path, size)
-            os.unlink(path)
+            fcalls.unlink(path)
             create_segment_file(path, file_id)
         reader = SegmentReader(path, file_id)
         end = self._recover_tail(reader, max(scan_from, fmt.HEADER_SIZE))
@@ -137,11 +186,18 @@ class SegmentSet:
         self._writer = SegmentWriter(path, file_id, end, self.segment_max_bytes)
         # What survived the last run may sit only in the page cache: make it durable
         # before anything is recorded as synced.
-        os.fdatasync(self._writer._fd)
+        fcalls.fdatasync(self._writer._fd)
         self._synced = (file_id, end)
 
     def _recover_tail(self, reader: SegmentReader, start: int) -> int:
-        """The end of the intact records; a torn tail is cut, other damage raised."""
+        """The end of the intact records from ``start`` (the durable mark); the rest is cut.
+
+        A torn tail (a cut-off record, zeros) is cut. Damage followed by more
+        data raises Corruption, unless ``start`` is a durable mark (see
+        ``hints_are_durable_marks``): then it is cut too, since a power loss may
+        lose any unsynced page, but its bytes are first kept beside the segment
+        (``<segment>.cut-<offset>``): they are never deleted on a guess.
+        """
         if start > reader.mapped_size:
             raise Corruption(reader.path, reader.mapped_size, fmt.OUT_OF_BOUNDS)
         end = start
@@ -150,10 +206,24 @@ class SegmentSet:
                 end = ref.offset + ref.frame_bytes
         except ScanError as exc:
             stop = exc.stop
-            if not stop.torn:
-                raise Corruption(reader.path, stop.offset, stop.reason) from None
             cut = reader.mapped_size - stop.offset
-            if not is_zero_from(reader, stop.offset):
+            if not stop.torn and not self._cut_damage:
+                raise Corruption(reader.path, stop.offset, stop.reason) from None
+            if not stop.torn:
+                # Bad bytes followed by more data past the durable mark: a power loss
+                # can lose any unsynced page, not only the last ones. Nothing from
+                # here on was known to be durable, so it is cut like a torn tail
+                # (the metadata's references to it are dropped by the core).
+                repair = TailRepair(reader.file_id, stop.offset, cut,
+                                    f"{stop.reason} in the unsynced region")
+                self.recovery.torn_tails.append(repair)
+                kept = f"{reader.path}.cut-{stop.offset}"
+                m = reader._map
+                write_file_durably(kept, b"" if m is None else m[stop.offset:])
+                log.error("cut %s at offset %d: %d bytes past the durable mark were damaged "
+                          "(%s; a lost page after a power loss); they are kept in %s",
+                          reader.path, stop.offset, cut, stop.reason, kept)
+            elif not is_zero_from(reader, stop.offset):
                 repair = TailRepair(reader.file_id, stop.offset, cut, stop.reason)
                 self.recovery.torn_tails.append(repair)
                 log.warning(
@@ -162,19 +232,40 @@ class SegmentSet:
                 )
             end = stop.offset
         if end != reader.mapped_size:
-            os.truncate(reader.path, end)
+            fcalls.truncate(reader.path, end)
             reader.remap()
         return end
 
-    def _start_segment(self) -> None:
-        """Begin a fresh active segment (the caller has sealed the old one)."""
+    def _start_segment(self, sealing: SegmentWriter | None = None) -> None:
+        """Begin a fresh active segment, finishing ``sealing`` (the old one) once it exists."""
         fid = self._next_id
-        self._next_id += 1
+        self._next_id += 1  # never reused, even when this fails
         path = self._path(fid)
         create_segment_file(path, fid)
-        self._readers[fid] = SegmentReader(path, fid)
-        self._writer = SegmentWriter(path, fid, fmt.HEADER_SIZE, self.segment_max_bytes)
+        reader: SegmentReader | None = None
+        try:
+            reader = SegmentReader(path, fid)
+            writer = SegmentWriter(path, fid, fmt.HEADER_SIZE, self.segment_max_bytes)
+            try:
+                if sealing is not None:
+                    sealing.finish()
+            except BaseException:
+                writer.abandon()
+                raise
+        except BaseException:
+            if reader is not None:
+                reader.close()
+            with contextlib.suppress(OSError):
+                fcalls.unlink(path)
+            raise
+        self._readers[fid] = reader
+        self._writer = writer
         self._synced = (fid, fmt.HEADER_SIZE)
+        if sealing is not None:
+            # The sealed file was cut back to its data; a failed remap here is
+            # harmless (a read past the map remaps on demand).
+            with contextlib.suppress(OSError):
+                self._readers[sealing.file_id].remap()
 
     # -- writing --------------------------------------------------------------
 
@@ -188,17 +279,21 @@ class SegmentSet:
     def append_one(self, body: bytes) -> PayloadRef:
         """``append`` for a body already checked with :meth:`check_size` (the hot path)."""
         nbytes = fmt.FRAME_SIZE + len(body)
-        with self._lock:
-            writer = self._writer
-            # The common case in one comparison: room in the space already allocated.
-            if writer is None or writer.end + nbytes > writer.fast_limit:
-                writer = self._active_writer()
-                if nbytes > writer.room() and not writer.empty:
-                    writer = self._rotate_locked()
-                if writer.reserve(nbytes):
-                    self._readers[writer.file_id].remap()
-            return writer.append_one(body)
+        try:  # costs nothing unless raised (Python 3.11)
+            with self._lock:
+                writer = self._writer
+                # The common case in one comparison: room in the space already allocated.
+                if writer is None or writer.end + nbytes > writer.fast_limit:
+                    writer = self._active_writer()
+                    if nbytes > writer.room() and not writer.empty:
+                        writer = self._rotate_locked()
+                    if writer.reserve(nbytes):
+                        self._readers[writer.file_id].remap()
+                return writer.append_one(body)
+        except OSError as exc:
+            raise storage_error(exc, "append") from exc
 
+    @_os_errors("append")
     def append_many(self, bodies: Sequence[bytes]) -> list[PayloadRef]:
         """Append each body as a record; a batch that fits is one pwritev per 512 records.
 
@@ -234,11 +329,16 @@ class SegmentSet:
         return self._writer
 
     def _rotate_locked(self) -> SegmentWriter:
-        self._active_writer().finish()
-        self._readers[self._active_writer().file_id].remap()
-        self._start_segment()
-        return self._active_writer()
+        """Seal the active segment and start the next one.
 
+        The next file is created before the old one is finished, so a failure
+        (a full disk, an I/O error) leaves the old writer open and appending,
+        and no header-less file behind.
+        """
+        old = self._active_writer()
+        self._start_segment(old)
+        return self._active_writer()
+    @_os_errors("seal")
     def seal(self) -> int:
         """Make the active segment immutable and start a new one; returns the sealed id."""
         with self._lock:
@@ -246,6 +346,7 @@ class SegmentSet:
             self._rotate_locked()
         return sealed
 
+    @_os_errors("sync")
     def sync(self) -> None:
         """fdatasync what was appended to the active segment (sealed ones are synced).
 
@@ -261,12 +362,12 @@ class SegmentSet:
                 end = writer.end
                 fd = os.dup(writer._fd)
             try:
-                os.fdatasync(fd)
+                fcalls.fdatasync(fd)
             except BaseException:
                 writer.unsynced = True  # not known to be on disk: the next sync retries
                 raise
             finally:
-                os.close(fd)
+                fcalls.close_fd(fd)
             writer.synced_end = max(writer.synced_end, end)
             if writer is self._writer:
                 self._synced = (writer.file_id, writer.synced_end)
@@ -291,8 +392,12 @@ class SegmentSet:
             reader = self._open_reader(ref.file_id)
         writer = self._writer
         limit = writer.end if writer is not None and writer.file_id == ref.file_id else None
-        return reader.read(ref, limit)
+        try:  # costs nothing unless raised (Python 3.11)
+            return reader.read(ref, limit)
+        except OSError as exc:
+            raise storage_error(exc, "read") from exc
 
+    @_os_errors("open")
     def _open_reader(self, file_id: int) -> SegmentReader:
         """A reader for a segment that appeared after open (read-only views)."""
         path = self._path(file_id)
@@ -313,6 +418,7 @@ class SegmentSet:
             self._next_id += 1
         return fid
 
+    @_os_errors("copy")
     def copy_live(
         self,
         file_id: int,
@@ -376,7 +482,7 @@ class SegmentSet:
         except BaseException:
             flusher.abandon()
             out.abandon()
-            os.unlink(path)
+            fcalls.unlink(path)
             raise
         finally:
             pieces.clear()
@@ -405,6 +511,7 @@ class SegmentSet:
         views[file_id] = view
         return view
 
+    @_os_errors("delete")
     def delete(self, file_ids: Iterable[int]) -> None:
         """Unlink sealed segments. Readers already holding one keep a valid map."""
         removed = False
@@ -418,7 +525,7 @@ class SegmentSet:
                 if reader is not None:
                     reader.detach()
                 try:
-                    os.unlink(self._path(fid))
+                    fcalls.unlink(self._path(fid))
                     removed = True
                 except FileNotFoundError:
                     pass
@@ -490,7 +597,7 @@ class _Flusher:
 
     def _sync(self) -> None:
         try:
-            os.fdatasync(self._fd)
+            fcalls.fdatasync(self._fd)
         except OSError as exc:  # raised by finish(): the next fsync may not report it again
             self._error = exc
 

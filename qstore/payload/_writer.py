@@ -8,11 +8,14 @@ already framed (:meth:`~SegmentWriter.append_framed`) to new segments.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import zlib
 from collections.abc import Sequence
 
 from .._fs import Buffer, complete_write, fsync_dir, write_at
+from .._fs import calls as fcalls
 from . import _format as fmt
 from ._format import PayloadRef
 
@@ -35,15 +38,25 @@ def create_segment_file(path: str, file_id: int, *, durable: bool = True) -> Non
     returns (a store's segments). Without it the file is made durable when
     it is finished (a backfill's staged segment, published by a rename).
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = fcalls.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.write(fd, fmt.encode_header(file_id))
+        try:
+            header = fmt.encode_header(file_id)
+            if fcalls.write(fd, header) != len(header):
+                raise OSError(errno.ENOSPC, "short write of a segment header", path)
+            if durable:
+                fcalls.fsync(fd)
+        finally:
+            fcalls.close_fd(fd)
         if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    if durable:
-        fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
+    except BaseException:
+        # Never leave a header-less file among the segments (a full disk, an I/O
+        # error): a later open would take it for damage. If even the unlink
+        # fails, open removes a short file that no metadata names.
+        with contextlib.suppress(OSError):
+            fcalls.unlink(path)
+        raise
 
 
 class SegmentWriter:
@@ -62,7 +75,7 @@ class SegmentWriter:
         self.file_id = file_id
         self.end = end
         self.max_bytes = max_bytes
-        self._fd = os.open(path, os.O_RDWR)
+        self._fd = fcalls.open_fd(path, os.O_RDWR)
         self.allocated = os.fstat(self._fd).st_size
         # Appends ending at or below this need no rotation and no allocation.
         self.fast_limit = min(self.allocated, max_bytes)
@@ -87,9 +100,9 @@ class SegmentWriter:
             # Real blocks, not a sparse hole: an fdatasync of data written into
             # allocated blocks need not commit new block mappings (measured here:
             # 325 us against 885 us into a hole).
-            os.posix_fallocate(self._fd, self.allocated, size - self.allocated)
+            fcalls.fallocate(self._fd, self.allocated, size - self.allocated)
         except OSError:  # a filesystem without fallocate: a sparse extension will do
-            os.ftruncate(self._fd, size)
+            fcalls.ftruncate(self._fd, size)
         self.allocated = size
         self.fast_limit = min(size, self.max_bytes)
         return True
@@ -129,7 +142,7 @@ class SegmentWriter:
         n = len(body)
         frame = _FRAME_PACK(n, _crc32(body, _crc32(_LENGTH_PACK(n))))  # fmt.encode_frame
         total = fmt.FRAME_SIZE + n
-        written = os.pwritev(self._fd, (frame, body), pos)
+        written = fcalls.pwritev(self._fd, (frame, body), pos)
         if written < total:  # a short write (rare): finish it
             complete_write(self._fd, (frame, body), pos, written)
         self.end = pos + total
@@ -142,21 +155,21 @@ class SegmentWriter:
     def sync(self) -> None:
         if self.unsynced:
             self.unsynced = False
-            os.fdatasync(self._fd)
+            fcalls.fdatasync(self._fd)
 
     def finish(self) -> None:
         """Cut the preallocated tail, make the segment durable, and close it."""
         if self._fd < 0:
             return
         if self.allocated != self.end:
-            os.ftruncate(self._fd, self.end)
+            fcalls.ftruncate(self._fd, self.end)
             self.allocated = self.end
-        os.fsync(self._fd)
-        os.close(self._fd)
+        fcalls.fsync(self._fd)
+        fcalls.close_fd(self._fd)
         self._fd = -1
 
     def abandon(self) -> None:
         """Close without cutting or syncing (the caller removes the unfinished file)."""
         if self._fd >= 0:
-            os.close(self._fd)
+            fcalls.close_fd(self._fd)
             self._fd = -1

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from qstore import StorageError
+from qstore._fs import calls as file_calls
 from qstore.payload import PayloadRef, SegmentSet, _segments
 
 
@@ -51,7 +53,7 @@ def test_a_sync_that_finds_another_in_progress_returns_only_after_it(
         real(fd)
         finished.append("fdatasync")
 
-    monkeypatch.setattr(os, "fdatasync", slow_fdatasync)
+    monkeypatch.setattr(file_calls, "fdatasync", slow_fdatasync)
     watched = _WatchedLock(segs._sync_lock, "second")
     monkeypatch.setattr(segs, "_sync_lock", watched)
     first = threading.Thread(target=segs.sync, name="first")
@@ -88,8 +90,8 @@ def test_a_failed_sync_is_retried_by_the_next_one(
             raise OSError(5, "Input/output error")
         real(fd)
 
-    monkeypatch.setattr(os, "fdatasync", failing_once)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(file_calls, "fdatasync", failing_once)
+    with pytest.raises(StorageError, match="Input/output error"):
         segs.sync()
     assert segs.unsynced
     segs.sync()
@@ -118,7 +120,7 @@ def test_copy_live_syncs_in_the_background_as_it_writes(
         synced_by.append(threading.current_thread().name)
         real(fd)
 
-    monkeypatch.setattr(os, "fdatasync", recording)
+    monkeypatch.setattr(file_calls, "fdatasync", recording)
     fid = segs.reserve_file_id()
 
     mapping = segs.copy_live(fid, refs)
@@ -138,10 +140,10 @@ def test_copy_live_reports_a_failed_background_sync_and_removes_its_output(
     def failing(fd: int) -> None:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(os, "fdatasync", failing)
+    monkeypatch.setattr(file_calls, "fdatasync", failing)
     fid = segs.reserve_file_id()
 
-    with pytest.raises(OSError):
+    with pytest.raises(StorageError, match="Input/output error"):
         segs.copy_live(fid, refs)
 
     assert not os.path.exists(segs.path_of(fid))
