@@ -34,7 +34,7 @@ BAD_MESSAGES: dict[int, tuple[bytes, str]] = {
     4: (_record(1, 9, 1, 1, 24, 2, 0, 0, 1.0, 0, None), "unknown state 9"),
     5: (_record(7, 0, 1, 1, 24, 2, 0, 0, 1.0, 0, None), "version"),
     6: (_record(1, 0, 1, "one", 24, 2, 0, 0, 1.0, 0, None), "file_id is 'one'"),
-    7: (_record(1, 0, [1], 1, 24, 2, 0, 0, 1.0, 0, None), "priority [1]"),
+    7: (_record(1, 0, [1], 1, 24, 2, 0, 0, 1.0, 0, None), "priority (1,) is not"),
     8: (_record(1, 0, 1, 1, 24, 2, "x", 0, 1.0, 0, None), "attempts is 'x'"),
     9: (_record(1, 0, 1, 1, 24, 2, 0, 0, "noon", 0, None), "enqueued_at"),
 }
@@ -166,7 +166,7 @@ def test_non_utf8_string_priority_is_a_reject_not_a_failed_job(
                           create_queue_options={"priority_type": "str"})
     assert (result.loaded, result.rejected) == (3, 1)
     rejects = spark.read.parquet(result.rejects_path).collect()
-    assert len(rejects) == 1 and "not UTF-8" in rejects[0]["reason"]
+    assert len(rejects) == 1 and "not UTF-8" in rejects[0]["reject_reason"]
     with qstore.open(os.path.join(tmp_path, "store"), compactor=False) as store:
         got = store.queue("q").pop_many(10)
         assert sorted(m.payload for m in got) == [b"a", b"c", b"d"]
