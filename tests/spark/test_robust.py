@@ -192,3 +192,14 @@ def test_a_failing_spark_run_exits_3_for_audit_and_backfill(
              "--master", bad_master)
     assert r.returncode == 3, r.stderr[-2000:]
     assert "nothing was loaded" in r.stderr
+
+
+def test_only_local_mode_gets_loopback_and_the_drivers_paths(spark: Any) -> None:
+    from qstore.spark._session import is_local
+
+    assert is_local("local") and is_local("local[2]") and is_local("local[*]")
+    assert not any(is_local(m) for m in ("spark://10.0.0.1:7077", "yarn", "k8s://h:6443",
+                                         None, "localhost"))
+    conf = spark.sparkContext.getConf()
+    # The log configuration path exists on the driver's machine only: never for executors.
+    assert conf.get("spark.executor.extraJavaOptions") is None
