@@ -202,4 +202,6 @@ def test_only_local_mode_gets_loopback_and_the_drivers_paths(spark: Any) -> None
                                          None, "localhost"))
     conf = spark.sparkContext.getConf()
     # The log configuration path exists on the driver's machine only: never for executors.
-    assert conf.get("spark.executor.extraJavaOptions") is None
+    assert "log4j2.configurationFile" not in (conf.get("spark.executor.extraJavaOptions") or "")
+    assert "log4j2.configurationFile" in conf.get("spark.driver.extraJavaOptions", "") or \
+        "log4j2.configurationFile" in os.environ.get("PYSPARK_SUBMIT_ARGS", "")
