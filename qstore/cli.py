@@ -2,8 +2,9 @@
 
 Exit codes: 0 success; 1 the command found something (audit or check
 findings, an empty queue on ``pop``/``peek``, a failed demo check); 2 bad usage; 3 the
-store is locked by another writer; 4 no such queue or message; 5 any other
-qstore error (corruption, storage failure) or a failed backfill job.
+store is locked by another writer, or a Spark run (``audit``, ``backfill``) failed:
+an unreachable master, a failed job; 4 no such queue or message; 5 any other
+qstore error (corruption, storage failure).
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from . import _wire as wire
 from . import server
 from ._check import check_path
 from ._demo import run_demo
-from ._errors import EXIT_ERROR, EXIT_FOUND, exit_code
+from ._errors import EXIT_FOUND, exit_code
 from ._store import Store, open_store
 from ._tables import print_stats
 
 out = Console()
 err = Console(stderr=True)
+EXIT_SPARK_FAILED = 3  # a Spark run failed (contract section 5); nothing was changed
 
 
 @contextmanager
@@ -236,11 +238,22 @@ def snapshot(store_path: str, dest: str) -> None:
 @click.option("--out", "out_dir", default=None,
               help="Where to write the report (default SNAPSHOT/audit).")
 def audit(snapshot_path: str, master: str | None, out_dir: str | None) -> None:
-    """Audit a snapshot with Spark. Exit 0 clean, 1 findings, 2 bad usage."""
-    from .spark.audit import run_audit
+    """Audit a snapshot with Spark (docs/spark.md).
 
-    with _exit_codes():
+    Exit 0 clean, 1 findings, 2 bad usage (including a path that is not a
+    snapshot), 3 the audit could not complete (the Spark run failed: an
+    unreachable master, a failed job); the message says why.
+    """
+    from .spark.audit import EXIT_INCOMPLETE, run_audit
+
+    try:
         result = run_audit(snapshot_path, master=master, out=out_dir)
+    except errors.InvalidArgument as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        sys.exit(errors.EXIT_USAGE)
+    except Exception as exc:  # reported, not swallowed: the code says the audit failed
+        err.print(f"[red]error:[/red] the audit could not complete: {exc}", highlight=False)
+        sys.exit(EXIT_INCOMPLETE)
     sys.exit(result.exit_code)
 
 
@@ -274,8 +287,9 @@ def check(store_path: str) -> None:
 
 
 @main.command(epilog="Exit codes: 0 every row loaded; 1 loaded, some rows rejected (see the "
-               "rejects table); 2 bad usage; 3 the store is locked by another writer; 5 the "
-               "job failed. Nothing is loaded unless the code is 0 or 1.")
+               "rejects table); 2 bad usage; 3 the store is locked by another writer, or the "
+               "Spark run failed (an unreachable master, a failed job); 5 any other qstore "
+               "error. Nothing is loaded unless the code is 0 or 1.")
 @click.argument("sources", metavar="SOURCE...", nargs=-1, required=True)
 @click.option("--format", "fmt", type=click.Choice(["parquet", "json", "csv"]),
               default="parquet", show_default=True, help="Format of every SOURCE.")
@@ -326,11 +340,11 @@ def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
                 fmt=fmt, payload_col=payload_col, priority_col=priority_col,
                 delay_col=delay_col, dedup_col=dedup_col, master=master, rejects=rejects,
                 create_queue_options=options or None)
-    except Exception as exc:  # a Spark job failure: reported, and the store is unchanged
+    except Exception as exc:  # a failed Spark run: reported, and the store is unchanged
         logging.getLogger("qstore.backfill").exception("backfill failed; nothing was loaded")
         err.print(f"[red]error:[/red] backfill failed, nothing was loaded: {exc}",
                   markup=True, highlight=False)
-        sys.exit(EXIT_ERROR)
+        sys.exit(EXIT_SPARK_FAILED)
     finally:
         active = SparkSession.getActiveSession()
         if active is not None and not had_session:  # ours: spark-submit's or a local one

@@ -102,34 +102,85 @@ class MetaFacts:
     headers: dict[int, str]  # fid -> why its header is damaged (damaged ones only)
     compaction_output: int | None  # output of a compaction that never committed
     orphan_queue_keys: list[Finding] = field(default_factory=list)
+    bad_records: list[Finding] = field(default_factory=list)  # unusable Q, C, S, compaction
+    unreadable_counters: set[int] = field(default_factory=set)  # qids with a bad C record
+
+
+def _naturals(value: Any, n: int) -> bool:
+    """Whether ``value`` is a list or tuple of ``n`` ints, each 0 <= x < 2**63."""
+    return (isinstance(value, (list, tuple)) and len(value) == n
+            and all(type(x) is int and 0 <= x < 1 << 63 for x in value))
+
+
+def _bad(key: bytes, what: str, why: object, queue: str | None = None,
+         file_id: int | None = None) -> Finding:
+    return Finding(BAD_RECORD, queue=queue, file_id=file_id,
+                   detail=f"{what} key {key.hex()}: {_why(why)}")
 
 
 def read_meta_facts(snap: Snapshot) -> MetaFacts:
+    """The small records and the segment files; a record that cannot be used is a
+    ``bad_record`` finding naming its key (and is then treated as absent)."""
     meta = snap.meta
+    bad: list[Finding] = [Finding(BAD_RECORD, detail=why) for _, why in snap.bad_queue_records]
     counters: dict[int, list[int] | None] = {}
-    for qid in snap.queues:
-        raw = meta.get(keys.counts_key(qid))
-        counters[qid] = records.decode_counts(raw) if raw is not None else None
-    segs = {keys.segment_id(k): records.decode_segment(v)
-            for k, v in meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT))}
+    unreadable_counters: set[int] = set()
+    for qid, info in snap.queues.items():
+        key = keys.counts_key(qid)
+        raw = meta.get(key)
+        counters[qid] = None
+        if raw is None:
+            continue
+        why: object
+        counts: Any
+        try:
+            counts = records.decode_counts(raw)
+        except Exception as exc:  # msgpack's errors have no common base
+            counts, why = None, exc
+        else:
+            why = f"counters {counts!r:.80} are not five non-negative ints"
+        if _naturals(counts, len(COUNTER_FIELDS)):
+            counters[qid] = list(counts or [])
+        else:
+            unreadable_counters.add(qid)
+            bad.append(_bad(key, "counter", why, queue=info.name))
+    segs: dict[int, tuple[int, int, int]] = {}
+    for k, v in meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT)):
+        try:
+            fid = keys.segment_id(k)
+            seg: Any = records.decode_segment(v)
+        except Exception as exc:
+            bad.append(_bad(k, "segment", exc))
+            continue
+        if _naturals(seg, 3):
+            segs[fid] = (seg[0], seg[1], seg[2])
+        else:
+            bad.append(_bad(k, "segment", f"fields {seg!r:.80} are not three non-negative "
+                                          "ints", file_id=fid))
     output = None
     raw = meta.get(keys.COMPACTION_KEY)
     if raw is not None:
-        phase, out, _sources = records.decode_compaction(raw)
-        output = int(out) if phase == records.COPYING else None
+        try:
+            phase, out, _sources = records.decode_compaction(raw)
+            if type(out) is not int or phase not in (records.COPYING, records.REPOINTING,
+                                                     records.DELETING):
+                raise ValueError(f"phase {phase!r:.40}, output {out!r:.40}")
+            output = out if phase == records.COPYING else None
+        except Exception as exc:
+            bad.append(_bad(keys.COMPACTION_KEY, "compaction", exc))
     files: dict[int, int] = {}
     headers: dict[int, str] = {}
     directory = os.path.join(snap.path, "payload")
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
-        fid = fmt.parse_segment_name(name)
-        if fid is None:
+        file_id = fmt.parse_segment_name(name)
+        if file_id is None:
             continue
         path = os.path.join(directory, name)
-        files[fid] = os.path.getsize(path)
+        files[file_id] = os.path.getsize(path)
         with open(path, "rb") as f:
-            problem = fmt.header_problem(f.read(fmt.HEADER_SIZE), fid)
+            problem = fmt.header_problem(f.read(fmt.HEADER_SIZE), file_id)
         if problem is not None:
-            headers[fid] = problem
+            headers[file_id] = problem
     orphans = []
     for kind in (*keys.PER_QUEUE_KINDS, keys.COUNTS):
         for qid in snap.qids_with_keys(kind):
@@ -150,6 +201,8 @@ def read_meta_facts(snap: Snapshot) -> MetaFacts:
         headers=headers,
         compaction_output=output,
         orphan_queue_keys=orphans,
+        bad_records=bad,
+        unreadable_counters=unreadable_counters,
     )
 
 
@@ -234,7 +287,8 @@ def check_counters(facts: MetaFacts, recount: Mapping[str, list[int]]
         counted = recount.get(name, [0, 0, 0, 0, 0])
         stored = facts.counters.get(qid)
         if stored is None:
-            findings.append(Finding(COUNTER_MISMATCH, queue=name, detail="no C record"))
+            if qid not in facts.unreadable_counters:  # else already a bad_record finding
+                findings.append(Finding(COUNTER_MISMATCH, queue=name, detail="no C record"))
         elif list(stored) != counted:
             diffs = [f"{f}: stored {s}, recount {c}"
                      for f, s, c in zip(COUNTER_FIELDS, stored, counted, strict=True) if s != c]
@@ -245,3 +299,10 @@ def check_counters(facts: MetaFacts, recount: Mapping[str, list[int]]
             "match": stored is not None and list(stored) == counted,
         }
     return findings, table
+
+
+def _why(why: object) -> str:
+    """An exception as a readable reason (msgpack's errors often have no message)."""
+    if isinstance(why, BaseException):
+        return f"undecodable ({type(why).__name__}{': ' + str(why) if str(why) else ''})"
+    return str(why)

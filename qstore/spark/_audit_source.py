@@ -31,13 +31,13 @@ import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from .._errors import InvalidArgument, StorageError
+from .._errors import InvalidArgument
 from ..meta import keys, records
 from ..payload import _format as fmt
 from . import _index_hash as ih
 from ._audit_checks import BAD_RECORD, MESSAGE_WITHOUT_QUEUE, OVERLAP, REASON_KINDS
 from ._datasource import RangePartition, spark_schema
-from ._scan import BATCH_ROWS, decode_records
+from ._scan import BATCH_ROWS, checked_records
 from ._snapshot_view import ScanRange, Snapshot, plan_ranges
 
 FINDING, COUNT, SEGMENT, RUN, SIZE, SIZE_BUCKET, INDEX = (
@@ -169,17 +169,10 @@ class _RangeAudit:
                               "detail": detail})
 
     def add(self, ks: list[bytes], vs: list[bytes]) -> None:
-        ids = [int.from_bytes(k[-8:], "big") for k in ks]
-        try:
-            rows = decode_records(ks, vs)
-        except StorageError:
-            rows, ids = self._decode_each(ks, vs, ids)
-        good = [i for i, r in enumerate(rows) if type(r[1]) is int and 0 <= r[1] < 4]
-        if len(good) < len(rows):
-            for i in set(range(len(rows))) - set(good):
-                self._finding(BAD_RECORD, ids[i], f"record has unknown state {rows[i][1]!r}")
-            rows = [rows[i] for i in good]
-            ids = [ids[i] for i in good]
+        ids, rows, bad = checked_records(
+            ks, vs, self.info.rec.priority_type if self.info is not None else None)
+        for rec in bad:  # a finding each; the rest of the batch is audited as usual
+            self._finding(BAD_RECORD, rec.message_id, rec.reason)
         if not rows:
             return
         (_, state, prio, file_id, offset, length, _, _, _, when, digest) = zip(*rows, strict=True)
@@ -214,17 +207,6 @@ class _RangeAudit:
             except (TypeError, ValueError, OverflowError):  # a damaged record: the index
                 due = np.zeros(len(when), np.uint64)  # fingerprint differs, and says which
             self._add_index(st, list(prio), due, mids, list(digest))
-
-    def _decode_each(self, ks: list[bytes], vs: list[bytes], ids: list[int]
-                     ) -> tuple[list[tuple[Any, ...]], list[int]]:
-        rows, kept = [], []
-        for mid, k, v in zip(ids, ks, vs, strict=True):
-            try:
-                rows.extend(decode_records([k], [v]))
-                kept.append(mid)
-            except StorageError as exc:
-                self._finding(BAD_RECORD, mid, str(exc))
-        return rows, kept
 
     def _add_sizes(self, prio: list[Any], ln: np.ndarray) -> None:
         try:  # one queue's priorities share a type; numpy groups them

@@ -41,7 +41,8 @@ from ._scan import message_schema, scan_range
 from ._snapshot_view import ROWS_PER_PARTITION, ScanRange, Snapshot, plan_ranges
 
 OPTIONS = ("path", "payload", "verify", "check_index", "queue", "state", "partitions",
-           "rows_per_partition")
+           "rows_per_partition", "bad_records")
+BAD_RECORDS = ("fail", "skip")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ReadSettings:
     states: frozenset[str] | None = None
     partitions: int | None = None
     rows_per_partition: int = ROWS_PER_PARTITION
+    skip_bad: bool = False
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> ReadSettings:
@@ -76,6 +78,7 @@ class ReadSettings:
             states=_states(opts.get("state")),
             partitions=_count(opts, "partitions"),
             rows_per_partition=_count(opts, "rows_per_partition") or ROWS_PER_PARTITION,
+            skip_bad=_choice(opts, "bad_records", BAD_RECORDS) == "skip",
         )
 
     def arrow_schema(self) -> pa.Schema:
@@ -118,6 +121,11 @@ class QStoreReader(DataSourceReader):
 
     def partitions(self) -> list[InputPartition]:
         with Snapshot(self.settings.path) as snap:
+            unknown = sorted((self.settings.queues or frozenset())
+                             - {q.name for q in snap.queues.values()})
+            if unknown:
+                raise InvalidArgument(f"option queue: no queue(s) {unknown} in the snapshot; "
+                                      f"it has {sorted(q.name for q in snap.queues.values())}")
             ranges = plan_ranges(snap, partitions=self.settings.partitions,
                                  rows_per_partition=self.settings.rows_per_partition,
                                  queues=self.settings.queues)
@@ -132,7 +140,8 @@ class QStoreReader(DataSourceReader):
         s = self.settings
         with Snapshot(s.path) as snap:
             yield from scan_range(snap, rng, payload=s.payload, verify=s.verify,
-                                  check_index=s.check_index, states=s.states)
+                                  check_index=s.check_index, states=s.states,
+                                  skip_bad=s.skip_bad)
 
 
 _SPARK_TYPES: dict[pa.DataType, DataType] = {
@@ -154,6 +163,13 @@ def _flag(opts: Mapping[str, str], name: str) -> bool:
     if value not in ("true", "false"):
         raise InvalidArgument(f"option {name} must be true or false, not {value!r}")
     return value == "true"
+
+
+def _choice(opts: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    value = opts.get(name, choices[0]).strip().lower()
+    if value not in choices:
+        raise InvalidArgument(f"option {name} must be one of {', '.join(choices)}, not {value!r}")
+    return value
 
 
 def _count(opts: Mapping[str, str], name: str) -> int | None:

@@ -21,7 +21,7 @@ from .._errors import InvalidArgument
 from ..meta import keys, records
 from ._datasource import spark_schema
 from ._index_hash import fingerprint, to_signed
-from ._scan import expected_index_key
+from ._scan import checked_records, expected_index_key
 from ._snapshot_view import Snapshot
 
 # Index kinds by the name the audit uses; the dedup index ``k`` included.
@@ -138,12 +138,16 @@ def _check_chunk(snap: Snapshot, qid: int, qrec: records.QueueRecord, kind: byte
         if raw is None:
             yield mid, f"index key {key.hex()} names a message that does not exist"
             continue
-        rec = records.MessageRecord.decode(raw)
+        mkey = keys.message_key(qid, mid)
+        _, rows, _ = checked_records([mkey], [raw], qrec.priority_type)
+        if not rows:  # the message record is unusable: a bad_record finding of the message pass
+            continue
+        rec = records.MessageRecord(*rows[0][1:])
         if kind == keys.DEDUP:
             owned = rec.digest is not None and keys.dedup_key(qid, rec.digest) == key
         else:
             owned = expected_index_key(qid, qrec, mid, rec.state, rec.priority,
                                        rec.when_us) == key
         if not owned:
-            state = records.STATE_NAMES[rec.state] if 0 <= rec.state < 4 else rec.state
+            state = records.STATE_NAMES[rec.state]
             yield mid, f"index key {key.hex()} does not match the message ({state})"

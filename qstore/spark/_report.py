@@ -13,6 +13,28 @@ from typing import Any
 CHART_WIDTH = 760
 MAX_DEPTH_BARS = 40
 MAX_EXAMPLES = 50
+# Findings that explain others come first: a missing or truncated segment, a damaged
+# header or record, before the per-message symptoms they cause (out_of_bounds on each
+# message of a truncated segment...), then the bookkeeping that disagrees with a recount.
+ROOT_CAUSES = ("missing_segment", "segment_truncated", "bad_segment_header", "bad_record",
+               "orphan_segment", "unlisted_segment", "message_without_queue",
+               "orphan_queue_keys")
+SYMPTOMS = ("out_of_bounds", "length_mismatch", "crc_mismatch", "overlap", "index_missing",
+            "stray_index_key", "segment_record_mismatch", "counter_mismatch")
+
+
+def finding_rank(f: dict[str, Any]) -> tuple[Any, ...]:
+    """Root causes first, then symptoms; within a kind, whole-segment findings (no
+    message) before per-message ones, then by queue, message, segment, offset."""
+    kind = f["kind"]
+    order = (*ROOT_CAUSES, *SYMPTOMS)
+    rank = order.index(kind) if kind in order else len(order)
+    return (rank, kind, f.get("message_id") is not None, f.get("queue") or "",
+            f.get("message_id") or 0, f.get("file_id") or 0, f.get("offset") or 0)
+
+
+def kinds_in_order(by_kind: dict[str, int]) -> list[tuple[str, int]]:
+    return sorted(by_kind.items(), key=lambda kv: finding_rank({"kind": kv[0]}))
 
 
 def _when(ts: float) -> str:
@@ -65,8 +87,9 @@ def render_text(summary: dict[str, Any]) -> str:
                      "records and indexes match a recount (exit 0)")
     else:
         lines.append(f"  FINDINGS: {found['total']:,} (exit 1)")
-        examples = {f["kind"]: f for f in reversed(found["examples"])}
-        for kind, n in sorted(found["by_kind"].items()):
+        examples = {f["kind"]: f for f in sorted(found["examples"], key=finding_rank,
+                                                  reverse=True)}
+        for kind, n in kinds_in_order(found["by_kind"]):
             ex = examples.get(kind)
             hint = f"  e.g. {_where(ex)}: {ex['detail']}" if ex else ""
             lines.append(f"    {kind:<24} {n:>8,}{hint}"[:160])
@@ -82,13 +105,14 @@ def render_html(summary: dict[str, Any]) -> str:
     found = summary["findings"]
     verdict = ("<p class=ok>Clean: no findings (exit 0).</p>" if found["total"] == 0 else
                f"<p class=bad>{found['total']:,} findings (exit 1).</p>")
-    kinds = "".join(f"<tr><td>{e(k)}</td><td class=n>{n:,}</td></tr>"
-                    for k, n in sorted(found["by_kind"].items()))
+    kinds = "".join(f"<tr><td>{e(k)}</td><td>{'root cause' if k in ROOT_CAUSES else 'symptom'}"
+                    f"</td><td class=n>{n:,}</td></tr>"
+                    for k, n in kinds_in_order(found["by_kind"]))
     examples = "".join(
         f"<tr><td>{e(f['kind'])}</td><td>{e(str(f.get('queue') or ''))}</td>"
         f"<td class=n>{_cell(f.get('message_id'))}</td><td class=n>{_cell(f.get('file_id'))}</td>"
         f"<td class=n>{_cell(f.get('offset'))}</td><td>{e(f['detail'])}</td></tr>"
-        for f in found["examples"][:MAX_EXAMPLES])
+        for f in sorted(found["examples"], key=finding_rank)[:MAX_EXAMPLES])
     queues = "".join(
         f"<tr><td>{e(name)}</td>"
         + "".join(f"<td class=n>{q['recount'][k]:,}</td>"
@@ -101,6 +125,17 @@ def render_html(summary: dict[str, Any]) -> str:
                   for k in ("count", "min", "p50", "p90", "p99", "max", "bytes"))
         + "</tr>"
         for s in summary["payload_sizes"][:MAX_DEPTH_BARS])
+    findings_html = "" if not found["total"] else (
+        "<h2>Findings by kind (root causes first)</h2>"
+        f"<table><tr><th>kind</th><th>level</th><th>count</th></tr>{kinds}</table>"
+        "<table><tr><th>kind</th><th>queue</th><th>message</th><th>segment</th>"
+        f"<th>offset</th><th>detail</th></tr>{examples}</table>")
+    queues_html = "<p>No queues.</p>" if not queues else (
+        "<table><tr><th>queue</th><th>ready</th><th>delayed</th><th>in flight</th>"
+        f"<th>dead</th><th>payload bytes</th><th>C record</th></tr>{queues}</table>")
+    sizes_html = "<p>No messages.</p>" if not sizes else (
+        "<table><tr><th>queue</th><th>priority</th><th>messages</th><th>min</th><th>p50</th>"
+        f"<th>p90</th><th>p99</th><th>max</th><th>total</th></tr>{sizes}</table>")
     more = (f"<p>Showing {MAX_EXAMPLES} of {found['total']:,}; every finding is in "
             "findings.parquet.</p>" if found["total"] > MAX_EXAMPLES else "")
     return f"""<!doctype html>
@@ -119,20 +154,15 @@ audited {_when(summary['audited_at'])} in {summary['seconds']:.1f} s.
 {summary['messages']['total']:,} messages, {summary['disk']['segments']} segments
 ({_size(summary['disk']['bytes'])}, {summary['disk']['garbage_ratio']:.1%} garbage).</p>
 {verdict}
-<h2>Findings by kind</h2>
-<table><tr><th>kind</th><th>count</th></tr>{kinds}</table>
-<table><tr><th>kind</th><th>queue</th><th>message</th><th>segment</th><th>offset</th>
-<th>detail</th></tr>{examples}</table>{more}
+{findings_html}{more}
 <h2>Queues (recount)</h2>
-<table><tr><th>queue</th><th>ready</th><th>delayed</th><th>in flight</th><th>dead</th>
-<th>payload bytes</th><th>C record</th></tr>{queues}</table>
+{queues_html}
 <h2>Garbage ratio per segment</h2>
 {garbage_chart(summary['segments'])}
 <h2>Depth per queue and priority</h2>
 {depth_chart(summary['payload_sizes'])}
 <h2>Payload sizes per queue and priority (bytes)</h2>
-<table><tr><th>queue</th><th>priority</th><th>messages</th><th>min</th><th>p50</th><th>p90</th>
-<th>p99</th><th>max</th><th>total</th></tr>{sizes}</table>
+{sizes_html}
 </body></html>
 """
 

@@ -138,8 +138,9 @@ def _int_priorities(arr: pa.Array | None, n: int, reasons: list[str | None]) -> 
         filled = pc.fill_null(arr, 0) if arr.null_count else arr
         return np.asarray(filled.cast(pa.int64()).to_numpy(), np.int64)
     out = np.zeros(n, np.int64)
-    for i, v in enumerate(arr.to_pylist()):
-        if v is not None:
+    cells = _texts(arr, reasons) if _is_text(arr) else arr.to_pylist()
+    for i, v in enumerate(cells):
+        if v is not None and reasons[i] is None:
             p = _int_priority(v)
             if isinstance(p, str):
                 _reject(reasons, i, p)
@@ -152,13 +153,38 @@ def _str_priorities(arr: pa.Array | None, n: int, reasons: list[str | None]) -> 
     if _is_null_array(arr):
         return [""] * n
     assert arr is not None
-    values: list[Any] = arr.to_pylist()
+    values: list[Any] = _texts(arr, reasons)
     for i, v in enumerate(values):
         if v is None:
             values[i] = ""
         elif len(v.encode("utf-8")) > keys.MAX_STR_PRIORITY_BYTES:
             _reject(reasons, i, f"priority: over {keys.MAX_STR_PRIORITY_BYTES} UTF-8 bytes")
     return values
+
+
+def _is_text(arr: pa.Array) -> bool:
+    return bool(pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type))
+
+
+def _texts(arr: pa.Array, reasons: list[str | None]) -> list[str | None]:
+    """The cells of a string (or binary) column as str; a cell that is not UTF-8
+    (Spark strings and Parquet files can hold any bytes) is a reject and ''."""
+    if _is_text(arr):
+        try:
+            texts: list[str | None] = arr.to_pylist()
+            return texts
+        except UnicodeDecodeError:
+            arr = arr.cast(pa.binary() if pa.types.is_string(arr.type) else pa.large_binary())
+    out: list[str | None] = []
+    for i, v in enumerate(arr.to_pylist()):
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError:
+                _reject(reasons, i, f"priority: {v[:40]!r} is not UTF-8 text")
+                v = ""
+        out.append(v)
+    return out
 
 
 def _delays(arr: pa.Array | None, n: int, reasons: list[str | None]) -> np.ndarray:
@@ -194,6 +220,10 @@ def digest(body: bytes, dedup_key: bytes | None, dedup: bool) -> bytes | None:
 
 
 def _digests(rows: Rows, arr: pa.Array | None) -> list[bytes | None]:
+    if arr is not None and _is_text(arr):
+        # The UTF-8 bytes are the key; read them as bytes so that a cell that is not
+        # valid UTF-8 (Spark strings can hold any bytes) is a key like any other.
+        arr = arr.cast(pa.binary() if pa.types.is_string(arr.type) else pa.large_binary())
     dkeys: list[Any] = [None] * rows.n if arr is None else arr.to_pylist()
     out: list[bytes | None] = []
     for i, k in enumerate(dkeys):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -70,7 +71,8 @@ def message_schema(*, payload: bool = False, verify: bool = False,
 
 def scan_range(snap: Snapshot, rng: ScanRange, *, payload: bool = False, verify: bool = False,
                check_index: bool = False, states: Iterable[str] | None = None,
-               batch_rows: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:
+               batch_rows: int = BATCH_ROWS, skip_bad: bool = False
+               ) -> Iterator[pa.RecordBatch]:
     """Yield the messages of ``rng`` as record batches of :func:`message_schema`.
 
     ``payload`` adds the bodies (a damaged record raises Corruption, unless
@@ -78,12 +80,14 @@ def scan_range(snap: Snapshot, rng: ScanRange, *, payload: bool = False, verify:
     ``verify`` checks every reference (segment listed and present, bounds
     within the manifest length, frame length, CRC). ``check_index`` checks
     that each message's key in the index of its state, and its dedup key,
-    exist. ``states`` keeps only messages in those states.
+    exist. ``states`` keeps only messages in those states. A record that
+    cannot be used (see :func:`checked_records`) raises StorageError naming
+    its key, or is left out if ``skip_bad``.
     """
     schema = message_schema(payload=payload, verify=verify, check_index=check_index)
     codes = None if states is None else {c for c, n in _STATE_BY_CODE.items() if n in set(states)}
     builder = _BatchBuilder(snap, rng.qid, schema, payload=payload, verify=verify,
-                            check_index=check_index, codes=codes)
+                            check_index=check_index, codes=codes, skip_bad=skip_bad)
     lo, hi = rng.bounds()
     ks: list[bytes] = []
     vs: list[bytes] = []
@@ -124,8 +128,10 @@ class _BatchBuilder:
     """Turns raw message keys and values of one queue into Arrow batches."""
 
     def __init__(self, snap: Snapshot, qid: int, schema: pa.Schema, *, payload: bool,
-                 verify: bool, check_index: bool, codes: set[int] | None) -> None:
+                 verify: bool, check_index: bool, codes: set[int] | None,
+                 skip_bad: bool = False) -> None:
         self.snap = snap
+        self.skip_bad = skip_bad
         self.qid = qid
         self.info = snap.queues.get(qid)
         self.schema = schema
@@ -135,8 +141,10 @@ class _BatchBuilder:
         self.codes = codes
 
     def build(self, ks: list[bytes], vs: list[bytes]) -> Iterator[pa.RecordBatch]:
-        rows = decode_records(ks, vs)
-        ids = [int.from_bytes(k[-8:], "big") for k in ks]
+        ids, rows, bad = checked_records(
+            ks, vs, self.info.rec.priority_type if self.info is not None else None)
+        if bad and not self.skip_bad:
+            raise StorageError(f"{self.snap.path}: {bad[0].reason}")
         if self.codes is not None:
             keep = [i for i, r in enumerate(rows) if r[1] in self.codes]
             rows = [rows[i] for i in keep]
@@ -273,4 +281,97 @@ def expected_index_key(qid: int, rec: records.QueueRecord, mid: int, state: int,
 def decode_records(ks: list[bytes], vs: list[bytes]) -> list[tuple[Any, ...]]:
     """Message records as tuples; a damaged one raises StorageError naming its key."""
     return records.decode_messages(ks, vs)
+
+
+_LIMIT = 1 << 63
+_NATURAL = ((3, "file_id"), (4, "offset"), (5, "length"), (6, "attempts"), (7, "deliveries"),
+            (9, "when_us"))  # positions in the record tuple of the fields that are int >= 0
+_PRIORITY_TYPES: dict[str | None, tuple[frozenset[type], ...]] = {
+    "int": (frozenset({int}),),
+    "str": (frozenset({str}),),
+    None: (frozenset({int}), frozenset({str})),  # no Q record: one type or the other
+}
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    """A message record that cannot be used: its id, its key and why (naming the key)."""
+
+    message_id: int
+    key: bytes
+    reason: str
+
+
+def checked_records(ks: list[bytes], vs: list[bytes], priority_type: str | None
+                    ) -> tuple[list[int], list[tuple[Any, ...]], list[BadRecord]]:
+    """Decode message records and check every field: (ids, rows, bad records).
+
+    A row is kept when it decodes, has the current version, a known state, a
+    priority of the queue's type (``priority_type``; None: int or str) within
+    64 bits, non-negative int references, counts and times, and a bytes or
+    null digest. Every other record is returned as a :class:`BadRecord`. A
+    whole batch is checked column by column first; only a batch with a bad
+    record is checked row by row.
+    """
+    ids = [int.from_bytes(k[-8:], "big") for k in ks]
+    try:
+        rows: list[tuple[Any, ...]] | None = records.decode_messages(ks, vs)
+    except StorageError:
+        rows = None
+    if rows is not None and (not rows or _columns_ok(rows, priority_type)):
+        return ids, rows, []
+    good_ids: list[int] = []
+    good: list[tuple[Any, ...]] = []
+    bad: list[BadRecord] = []
+    for mid, k, v in zip(ids, ks, vs, strict=True):
+        try:
+            row = records.decode_messages([k], [v])[0]
+        except StorageError as exc:
+            bad.append(BadRecord(mid, k, str(exc)))
+            continue
+        problem = _row_problem(row, priority_type)
+        if problem is None:
+            good_ids.append(mid)
+            good.append(row)
+        else:
+            bad.append(BadRecord(mid, k, f"message key {k.hex()}: {problem}"))
+    return good_ids, good, bad
+
+
+def _ints_within(col: tuple[Any, ...], low: int) -> bool:
+    return set(map(type, col)) <= {int} and min(col) >= low and max(col) < _LIMIT
+
+
+def _columns_ok(rows: list[tuple[Any, ...]], priority_type: str | None) -> bool:
+    cols = list(zip(*rows, strict=True))
+    state, prio, enqueued, digest = cols[1], cols[2], cols[8], cols[10]
+    if not (_ints_within(state, 0) and max(state) < len(records.STATE_NAMES)):
+        return False
+    if not all(_ints_within(cols[i], 0) for i, _ in _NATURAL):
+        return False
+    if set(map(type, enqueued)) - {int, float} or set(map(type, digest)) - {bytes, type(None)}:
+        return False
+    types = set(map(type, prio))
+    if not any(types <= allowed for allowed in _PRIORITY_TYPES[priority_type]):
+        return False
+    return str in types or (min(prio) >= -_LIMIT and max(prio) < _LIMIT)
+
+
+def _row_problem(row: tuple[Any, ...], priority_type: str | None) -> str | None:
+    state, prio = row[1], row[2]
+    if type(state) is not int or not 0 <= state < len(records.STATE_NAMES):
+        return f"unknown state {state!r}"
+    for i, name in _NATURAL:
+        if type(row[i]) is not int or not 0 <= row[i] < _LIMIT:
+            return f"field {name} is {row[i]!r}, not a non-negative 64-bit int"
+    if type(row[8]) not in (int, float):
+        return f"field enqueued_at is {row[8]!r}, not a number"
+    if row[10] is not None and type(row[10]) is not bytes:
+        return f"field digest is {row[10]!r}, not bytes"
+    want = {"int": (int,), "str": (str,), None: (int, str)}[priority_type]
+    if type(prio) not in want:
+        return f"priority {prio!r} is not of the queue's type ({priority_type or 'int or str'})"
+    if type(prio) is int and not -_LIMIT <= prio < _LIMIT:
+        return f"priority {prio!r} does not fit 64 bits"
+    return None
 

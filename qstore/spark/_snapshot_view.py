@@ -7,16 +7,25 @@ metadata opened read-only, the queues, and checked access to the payloads.
 Spark partitions read: a queue id and a range of message ids. Queue ids are
 discovered by seeking through the prefix (one seek per queue), so messages
 of a queue id with no ``Q`` record are read too.
+
+A snapshot is read without writing a byte to it, so it can sit on a
+read-only (shared) mount: RocksDB and rocksdict write into the directory they
+open (rocksdict rewrites its config file even on a read-only open, RocksDB
+starts an info log), so each :class:`Snapshot` opens a private scratch copy of
+``meta/`` instead. The copy links the table and log files (the bulk of the
+metadata, opened read-only through the links) and copies the few small files.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .._errors import Corruption
+from .._errors import Corruption, InvalidArgument
 from .._snapshot import read_manifest
 from ..meta import MetaDB, keys, records
 from ..payload import PayloadRef, SegmentCheck, SegmentReader
@@ -25,6 +34,12 @@ from ..payload import _format as fmt
 NOT_IN_MANIFEST = "segment is not listed in the snapshot manifest"
 ROWS_PER_PARTITION = 100_000  # default partition size when no count is asked for
 MAX_PARTITIONS = 4096
+
+
+LINKED_SUFFIXES = (".sst", ".log", ".blob")  # large, only read: linked, never copied
+SKIPPED_FILES = ("LOCK",)  # a read-only open takes no lock
+ORDERS = ("max", "min", "fifo")
+PRIORITY_TYPES = ("int", "str")
 
 
 @dataclass(frozen=True)
@@ -63,16 +78,25 @@ class Snapshot:
         }
         active = self.manifest.get("active_id")
         self.active_id: int | None = int(active) if active is not None else None
-        self.meta = MetaDB(os.path.join(self.path, "meta"), readonly=True, store_path=self.path)
+        self._scratch = private_meta_copy(os.path.join(self.path, "meta"))
+        try:
+            self.meta = MetaDB(self._scratch, readonly=True, store_path=self.path)
+        except BaseException:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            raise
         self.queues: dict[int, QueueInfo] = {}
+        self.bad_queue_records: list[tuple[bytes, str]] = []  # (Q key, why it is unusable)
         self._readers: dict[int, SegmentReader | Corruption] = {}
         self._checks: dict[int, SegmentCheck] = {}
         try:
             for key, value in self.meta.scan(keys.QUEUE, keys.prefix_end(keys.QUEUE)):
-                rec = records.QueueRecord.decode(value)
-                self.queues[rec.qid] = QueueInfo(key[1:].decode("utf-8"), rec)
+                info = queue_info(key, value)
+                if isinstance(info, str):
+                    self.bad_queue_records.append((key, info))
+                else:
+                    self.queues[info.rec.qid] = info
         except BaseException:
-            self.meta.close()
+            self.close()
             raise
 
     def segment_path(self, file_id: int) -> str:
@@ -104,7 +128,12 @@ class Snapshot:
     def message_count(self, qid: int) -> int | None:
         """Messages of ``qid`` by its stored counters (None if it has none)."""
         raw = self.meta.get(keys.counts_key(qid))
-        return sum(records.decode_counts(raw)[:4]) if raw is not None else None
+        if raw is None:
+            return None
+        try:  # only steers the split: a damaged record (an audit finding) counts as absent
+            return int(sum(records.decode_counts(raw)[:4]))
+        except Exception:
+            return None
 
     def read_payload(self, ref: PayloadRef) -> bytes:
         """The payload of ``ref``, checked (bounds from the manifest, frame, CRC).
@@ -167,12 +196,69 @@ class Snapshot:
             check.close()
         self._checks.clear()
         self.meta.close()
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
     def __enter__(self) -> Snapshot:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def private_meta_copy(meta_dir: str) -> str:
+    """A new private directory that RocksDB can open read-only as ``meta_dir``.
+
+    Table and log files are symbolic links (read through, never written);
+    the other files (CURRENT, MANIFEST, OPTIONS, rocksdict's config: a few
+    KiB) are copied, so whatever the open writes lands in the copy. Raises
+    InvalidArgument if ``meta_dir`` is not a directory.
+    """
+    try:
+        names = os.listdir(meta_dir)
+    except OSError as exc:
+        raise InvalidArgument(f"{os.path.dirname(meta_dir)} is not a qstore snapshot: "
+                              f"cannot list {meta_dir} ({exc.strerror})") from None
+    scratch = tempfile.mkdtemp(prefix="qstore-snapshot-meta-")
+    try:
+        for name in names:
+            src = os.path.join(os.path.abspath(meta_dir), name)
+            if name in SKIPPED_FILES or name.startswith("LOG") or not os.path.isfile(src):
+                continue
+            if name.endswith(LINKED_SUFFIXES):
+                os.symlink(src, os.path.join(scratch, name))
+            else:
+                shutil.copyfile(src, os.path.join(scratch, name))
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return scratch
+
+
+def queue_info(key: bytes, value: bytes) -> QueueInfo | str:
+    """The queue of a ``Q`` record, or why the record is unusable (naming its key)."""
+    where = f"queue key {key.hex()}"
+    try:
+        name = key[1:].decode("utf-8")
+    except UnicodeDecodeError:
+        return f"{where}: the queue name is not UTF-8"
+    try:
+        rec = records.QueueRecord.decode(value)
+    except Exception as exc:  # msgpack's errors have no common base
+        return f"{where} ({name!r}): undecodable record ({type(exc).__name__}: {exc})"
+    problems = []
+    if type(rec.qid) is not int or not 0 <= rec.qid < 1 << 32:
+        problems.append(f"queue id {rec.qid!r}")
+    if rec.order not in ORDERS:
+        problems.append(f"order {rec.order!r}")
+    if rec.priority_type not in PRIORITY_TYPES:
+        problems.append(f"priority type {rec.priority_type!r}")
+    if type(rec.max_attempts) is not int or rec.max_attempts < 1:
+        problems.append(f"max_attempts {rec.max_attempts!r}")
+    if type(rec.dedup) is not bool:
+        problems.append(f"dedup {rec.dedup!r}")
+    if problems:
+        return f"{where} ({name!r}): bad field(s): {', '.join(problems)}"
+    return QueueInfo(name, rec)
 
 
 def plan_ranges(snap: Snapshot, *, partitions: int | None = None,

@@ -50,6 +50,7 @@ SUMMARY_FORMAT = 1  # never change the meaning of 1
 MAX_SIZE_GROUPS = 1000  # (queue, priority) groups kept in summary.json
 MAX_EXAMPLES = 200  # findings copied into summary.json (all of them are in the Parquet file)
 STATES = ("ready", "delayed", "in_flight", "dead")
+EXIT_INCOMPLETE = 3  # the audit could not complete (a failed Spark run); never 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +185,7 @@ def _index_pass(spark: Any, path: str, facts: MetaFacts,
                            message_id=r["message_id"], detail=f"{r['kind']} index: {r['detail']}"))
     names = sorted({facts.queues[qid] for qid, _ in differ})
     missing = (spark.read.format("qstore").option("check_index", "true")
+               .option("bad_records", "skip")  # found by the message pass
                .option("queue", ",".join(names)).load(path).where("not index_ok").collect())
     for r in missing:
         out.append(Finding(checks.INDEX_MISSING, queue=r["queue"], message_id=r["id"],
@@ -207,7 +209,8 @@ def _assemble(facts: MetaFacts, p: _Passes, started: float
               ) -> tuple[dict[str, Any], list[Finding]]:
     seg_findings, segments = checks.check_segments(facts, p.segments)
     counter_findings, queues = checks.check_counters(facts, p.queues)
-    findings = sorted([*p.findings, *seg_findings, *counter_findings, *facts.orphan_queue_keys],
+    findings = sorted([*p.findings, *seg_findings, *counter_findings, *facts.orphan_queue_keys,
+                       *facts.bad_records],
                       key=Finding.sort_key)
     for name, q in queues.items():
         q["priority_type"] = facts.queue_types.get(name)
@@ -281,7 +284,7 @@ def main(argv: Sequence[str] | None = None, *, spark: Any = None) -> int:
         return 2
     except Exception as exc:  # reported, not swallowed: the exit code says the audit failed
         print(f"qstore-audit: the audit could not complete: {exc}", file=sys.stderr)
-        return 3
+        return EXIT_INCOMPLETE
     return result.exit_code
 
 

@@ -478,9 +478,13 @@ def _read(spark: Any, source: Any, fmt: str) -> Any:
         reader = spark.read.format(fmt)
         if fmt == "csv":
             reader = reader.option("header", "true").option("inferSchema", "true")
+        from pyspark.errors import AnalysisException
+
         try:
             return reader.load(paths)
-        except Exception as exc:  # AnalysisException: missing path, unknown format, ...
+        except AnalysisException as exc:  # a missing path, an unknown format, ...
+            # (anything else, such as a cluster that cannot run the schema inference,
+            # is a failed Spark run, not bad usage)
             raise InvalidArgument(f"cannot read {paths!r} as {fmt}: {exc}") from None
     if hasattr(source, "schema") and hasattr(source, "write") and hasattr(source, "select"):
         return source

@@ -96,9 +96,12 @@ def test_queue_option_plans_partitions_of_those_queues_only(clean_snap: Snap) ->
     table = pa.Table.from_batches(list(reader.read(parts[0])))
     assert set(table["queue"].to_pylist()) == {"tags"}
     assert table.num_rows == clean_snap.stats["tags"].ready
-    nothing = QStoreReader(ReadSettings(clean_snap.path, queues=frozenset({"nope"})))
-    assert nothing.partitions() == []
+    nothing = QStoreReader(ReadSettings(clean_snap.path, queues=frozenset({"empty"})))
+    assert nothing.partitions() == []  # a queue with no messages
     assert list(nothing.read(InputPartition(None))) == []  # Spark's placeholder partition
+    unknown = QStoreReader(ReadSettings(clean_snap.path, queues=frozenset({"empty", "nope"})))
+    with pytest.raises(qstore.InvalidArgument, match="nope"):  # a typo is not zero rows
+        unknown.partitions()
 
 
 @pytest.mark.parametrize("option, value", [("bogus", "1"), ("payload", "yes"),
