@@ -15,6 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from .._check_report import Finding
 from .._message import SegmentStats
 from ..meta import keys, records
 from ..payload import _format as fmt
@@ -58,20 +59,6 @@ FINDINGS_SCHEMA = pa.schema([
     pa.field("detail", pa.string()),
 ])
 COUNTER_FIELDS = ("ready", "delayed", "in_flight", "dead", "bytes")
-
-
-@dataclass(frozen=True)
-class Finding:
-    kind: str
-    queue: str | None = None
-    message_id: int | None = None
-    file_id: int | None = None
-    offset: int | None = None
-    detail: str = ""
-
-    def sort_key(self) -> tuple[Any, ...]:
-        return (self.kind, self.queue or "", self.message_id if self.message_id is not None
-                else -1, self.file_id if self.file_id is not None else -1, self.offset or 0)
 
 
 def findings_table(findings: Iterable[Finding]) -> pa.Table:

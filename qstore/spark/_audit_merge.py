@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .._check_report import Finding
 from . import _audit_source as src
-from ._audit_checks import Finding
 from ._index_hash import MASK
 from ._scan import scan_range
 from ._snapshot_view import ScanRange, Snapshot
