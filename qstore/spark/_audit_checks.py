@@ -15,40 +15,26 @@ from typing import Any
 
 import pyarrow as pa
 
-from .._check_report import Finding
+from .._check_report import (
+    BAD_RECORD,
+    BAD_SEGMENT_HEADER,
+    COUNTER_MISMATCH,
+    MISSING_SEGMENT,
+    ORPHAN_QUEUE_KEYS,
+    ORPHAN_SEGMENT,
+    SEGMENT_RECORD_MISMATCH,
+    SEGMENT_TRUNCATED,
+    UNLISTED_SEGMENT,
+    Finding,
+)
 from .._message import SegmentStats
 from ..meta import keys, records
 from ..payload import _format as fmt
-from ._snapshot_view import NOT_IN_MANIFEST, Snapshot
+from ._snapshot_view import Snapshot
 
-# Finding kinds (one row of findings.parquet each; docs/spark.md explains each).
-CRC_MISMATCH = "crc_mismatch"  # message: the record's checksum does not match its bytes
-LENGTH_MISMATCH = "length_mismatch"  # message: the frame's length is not the reference's
-OUT_OF_BOUNDS = "out_of_bounds"  # message: the record is not inside the segment's data
-MISSING_SEGMENT = "missing_segment"  # message or segment: the segment file is not there
-BAD_SEGMENT_HEADER = "bad_segment_header"  # message or segment: the file header is damaged
-BAD_RECORD = "bad_record"  # message: any other reason a payload cannot be read
+# Finding kinds (one row of findings.parquet each; docs/spark.md explains each):
+# the integrity check's (qstore/_check_report.py), plus the audit's own.
 OVERLAP = "overlap"  # message: its bytes overlap an earlier record's in the same segment
-INDEX_MISSING = "index_missing"  # message: its key in the index of its state (or dedup) is absent
-STRAY_INDEX_KEY = "stray_index_key"  # index key: no message owns it
-MESSAGE_WITHOUT_QUEUE = "message_without_queue"  # message: its queue id has no Q record
-ORPHAN_QUEUE_KEYS = "orphan_queue_keys"  # per-queue keys of a queue id with no Q record
-COUNTER_MISMATCH = "counter_mismatch"  # queue: the C record differs from a recount
-SEGMENT_RECORD_MISMATCH = "segment_record_mismatch"  # segment: the S record differs
-SEGMENT_TRUNCATED = "segment_truncated"  # segment: file shorter than its manifest length
-ORPHAN_SEGMENT = "orphan_segment"  # segment: a file nothing references or accounts for
-UNLISTED_SEGMENT = "unlisted_segment"  # segment: a referenced file missing from the manifest
-
-HEADER_REASONS = {fmt.BAD_MAGIC, fmt.BAD_VERSION, fmt.BAD_HEADER_CRC, fmt.WRONG_FILE_ID,
-                  fmt.SHORT_HEADER}
-REASON_KINDS = {
-    fmt.BAD_CRC: CRC_MISMATCH,
-    fmt.BAD_LENGTH: LENGTH_MISMATCH,
-    fmt.OUT_OF_BOUNDS: OUT_OF_BOUNDS,
-    fmt.MISSING_SEGMENT: MISSING_SEGMENT,
-    NOT_IN_MANIFEST: MISSING_SEGMENT,
-    **{reason: BAD_SEGMENT_HEADER for reason in HEADER_REASONS},
-}
 
 FINDINGS_SCHEMA = pa.schema([
     pa.field("kind", pa.string()),

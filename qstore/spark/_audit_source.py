@@ -31,11 +31,12 @@ import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
+from .._check_report import BAD_RECORD, MESSAGE_WITHOUT_QUEUE, REASON_KINDS
 from .._errors import InvalidArgument
 from ..meta import keys, records
 from ..payload import _format as fmt
 from . import _index_hash as ih
-from ._audit_checks import BAD_RECORD, MESSAGE_WITHOUT_QUEUE, OVERLAP, REASON_KINDS
+from ._audit_checks import OVERLAP
 from ._datasource import RangePartition, spark_schema
 from ._scan import BATCH_ROWS, checked_records
 from ._snapshot_view import ScanRange, Snapshot, plan_ranges

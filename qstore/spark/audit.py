@@ -36,6 +36,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from .. import _check_report as kinds
 from .._check_report import Finding
 from .._errors import InvalidArgument
 from .._fs import write_json_durably
@@ -182,14 +183,14 @@ def _index_pass(spark: Any, path: str, facts: MetaFacts,
               .option("verify", json.dumps([f"{qid}:{kind}" for qid, kind in differ]))
               .load(path).where("message_id is not null or detail is not null").collect())
     for r in strays:
-        out.append(Finding(checks.STRAY_INDEX_KEY, queue=facts.queues[r["qid"]],
+        out.append(Finding(kinds.STRAY_INDEX_KEY, queue=facts.queues[r["qid"]],
                            message_id=r["message_id"], detail=f"{r['kind']} index: {r['detail']}"))
     names = sorted({facts.queues[qid] for qid, _ in differ})
     missing = (spark.read.format("qstore").option("check_index", "true")
                .option("bad_records", "skip")  # found by the message pass
                .option("queue", ",".join(names)).load(path).where("not index_ok").collect())
     for r in missing:
-        out.append(Finding(checks.INDEX_MISSING, queue=r["queue"], message_id=r["id"],
+        out.append(Finding(kinds.INDEX_MISSING, queue=r["queue"], message_id=r["id"],
                            file_id=r["file_id"], offset=r["offset"],
                            detail=f"its key in the {r['state']} index"
                                   + (" or its dedup key" if r["dedup_digest"] else "")
