@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench import _peers, _results, _runner, _scaling, _targets, run
+from bench import _peers, _results, _runner, _scaling, _spark, _targets, run
 from bench._plan import MODES
 
 TINY = ["--quick", "--n", "30", "--budget", "0.05", "--quiet"]
@@ -87,6 +87,11 @@ def test_targets_are_not_applicable_when_their_inputs_were_not_measured() -> Non
     assert got["interval-push-bare"]["status"] == "missed"
     assert got["interval-push-litequeue"]["status"] == "n/a"
     assert got["spark-audit"]["status"] == "n/a"
+    spark = [{"name": "spark.audit_ratio", "value": 2.5}, {"name": "spark.backfill_ratio",
+                                                            "value": 1.5}]
+    got = {t["id"]: t for t in _targets.evaluate(rows, spark, dataclasses.asdict(MODES["quick"]))}
+    assert (got["spark-audit"]["status"], got["spark-backfill"]["status"]) == ("met", "missed")
+    assert "N=20,000, contract N=1,000,000" in got["spark-backfill"]["note"]
 
 
 def test_scaling_measurements_produce_their_metrics(tmp_path: Any) -> None:
@@ -103,3 +108,16 @@ def test_scaling_measurements_produce_their_metrics(tmp_path: Any) -> None:
     names = {m.name for m in _scaling.measure_compaction(str(tmp_path / "compact"), p)}
     assert {"disk.write_mib_s", "compaction.mib_s", "compaction.ratio",
             "compaction.ops_ratio"} <= names
+
+
+@pytest.mark.spark
+def test_the_spark_workload_times_backfill_push_many_scan_and_audit(tmp_path: Any,
+                                                                     spark: Any) -> None:
+    p = dataclasses.replace(MODES["quick"], spark_messages=300)
+    got = {m.name: m.value for m in _spark.measure_spark(str(tmp_path / "spark"), p)}
+    assert set(got) == {"spark.push_many_rate", "spark.backfill_rate", "spark.backfill_ratio",
+                        "spark.scan_s", "spark.audit_s", "spark.audit_ratio"}
+    assert got["spark.backfill_ratio"] == pytest.approx(
+        got["spark.backfill_rate"] / got["spark.push_many_rate"])
+    assert got["spark.audit_ratio"] == pytest.approx(got["spark.audit_s"] / got["spark.scan_s"])
+    assert spark.sparkContext._jsc is not None  # the shared test session was not stopped

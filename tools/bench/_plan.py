@@ -19,6 +19,7 @@ WORKLOADS: tuple[str, ...] = (
     "churn",         # pop rate on a fresh queue vs after N push/pop/ack cycles
     "open",          # open time and RSS of a fresh process, N-message backlog
     "compaction",    # compaction rate vs the disk's sequential write rate
+    "spark",         # Spark backfill vs push_many, Spark audit vs a plain scan
 )
 
 
@@ -39,6 +40,7 @@ class Params:
     backlog: int  # messages in the store whose open is measured
     compact_messages: int  # 1 KiB messages pushed before the compaction pass (half acked)
     disk_bytes: int  # size of the sequential-write probe file
+    spark_messages: int  # rows backfilled and messages audited by the Spark workload
     seed: int = 7
 
 
@@ -47,17 +49,19 @@ MODES: dict[str, Params] = {
     "quick": Params(mode="quick", repeat=1, n=2_000, n_large=300, budget=0.4, batch=100,
                     mixed_threads=2, group_threads=8, cycles=10_000, cycle_cap=10.0,
                     backlog=10_000,
-                    compact_messages=10_000, disk_bytes=32 * MiB),
+                    compact_messages=10_000, disk_bytes=32 * MiB, spark_messages=20_000),
     # About 5-10 minutes on 2 cores: the figures the targets are read from.
     "default": Params(mode="default", repeat=3, n=20_000, n_large=2_000, budget=1.5, batch=100,
                       mixed_threads=2, group_threads=8, cycles=100_000, cycle_cap=30.0,
                       backlog=100_000,
-                      compact_messages=100_000, disk_bytes=256 * MiB),
+                      compact_messages=100_000, disk_bytes=256 * MiB,
+                      spark_messages=200_000),
     # The contract's scale for churn and open (1,000,000 messages).
     "full": Params(mode="full", repeat=3, n=20_000, n_large=2_000, budget=1.5, batch=100,
                    mixed_threads=2, group_threads=8, cycles=1_000_000, cycle_cap=900.0,
                    backlog=1_000_000,
-                   compact_messages=200_000, disk_bytes=256 * MiB),
+                   compact_messages=200_000, disk_bytes=256 * MiB,
+                   spark_messages=1_000_000),
 }
 
 CONTRACT_SCALE = 1_000_000  # messages named by the contract's churn and open targets

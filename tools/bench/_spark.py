@@ -1,0 +1,86 @@
+"""The two Spark targets: backfill vs push_many, and the audit vs a plain scan.
+
+Both are timed with a warm session (started once, untimed): the contract
+compares the jobs, and Spark's start-up (4-9 s here) is a fixed cost that
+says nothing about either. The backfill loads a Parquet file of ``n`` rows
+(1 KiB payloads, priorities 0..9) into a fresh store; ``push_many`` pushes
+the same rows in batches of 1,000 into another fresh store, in the same
+process. The audit runs on a snapshot of the backfilled store; the scan is
+``qstore.spark._scan.scan_snapshot`` of the same snapshot, the plain
+single-process Python scan (records only, as docs/spark.md measures it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ._plan import KiB, Params
+from ._results import Metric
+from ._workloads import make_items
+
+BATCH = 1_000
+
+
+def measure_spark(path: str, p: Params) -> list[Metric]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from pyspark.sql import SparkSession
+
+    import qstore
+    from qstore.spark import get_session
+    from qstore.spark._scan import scan_snapshot
+    from qstore.spark.audit import run_audit
+    from qstore.spark.backfill import run_backfill
+
+    n = p.spark_messages
+    os.makedirs(path)
+    items = make_items(n, KiB, p.seed)
+    source = os.path.join(path, "source.parquet")
+    pq.write_table(pa.table({"payload": pa.array([b for b, _ in items], pa.binary()),
+                             "priority": pa.array([pr for _, pr in items], pa.int64())}), source)
+
+    with qstore.open(os.path.join(path, "pushed"), compactor=False) as store:
+        q = store.create_queue("q")
+        started = time.perf_counter()
+        for i in range(0, n, BATCH):
+            q.push_many(items[i: i + BATCH])
+        push_s = time.perf_counter() - started
+
+    stop = SparkSession.getActiveSession() is None  # never stop a session we did not start
+    spark = get_session("local[2]", "qstore-bench", fast_start=True)
+    try:
+        into = os.path.join(path, "loaded")
+        started = time.perf_counter()
+        result = run_backfill(source, into=into, queue="q", priority_col="priority", spark=spark)
+        backfill_s = time.perf_counter() - started
+        if result.loaded != n:
+            raise RuntimeError(f"the backfill loaded {result.loaded:,} of {n:,} rows")
+        snap = os.path.join(path, "snapshot")
+        with qstore.open(into, compactor=False) as store:
+            store.snapshot(snap)
+        started = time.perf_counter()
+        table = scan_snapshot(snap)
+        scan_s = time.perf_counter() - started
+        if table.num_rows != n:
+            raise RuntimeError(f"the scan saw {table.num_rows:,} of {n:,} messages")
+        started = time.perf_counter()
+        audit = run_audit(snap, out=os.path.join(path, "audit"), spark=spark, quiet=True)
+        audit_s = time.perf_counter() - started
+        if audit.exit_code != 0:
+            raise RuntimeError(f"the audit of a clean snapshot exited {audit.exit_code}")
+    finally:
+        if stop:
+            spark.stop()
+    return [
+        Metric("spark.push_many_rate", f"push_many of {n:,} x 1 KiB (batches of {BATCH:,})",
+               n / push_s, "msgs/s"),
+        Metric("spark.backfill_rate", f"Spark backfill of the same {n:,} rows from Parquet",
+               n / backfill_s, "msgs/s"),
+        Metric("spark.backfill_ratio", "backfill rate / push_many rate",
+               push_s / backfill_s, "x"),
+        Metric("spark.scan_s", f"plain single-process scan of a {n:,}-message snapshot",
+               scan_s, "s"),
+        Metric("spark.audit_s", "Spark audit of the same snapshot", audit_s, "s"),
+        Metric("spark.audit_ratio", "audit time / scan time", audit_s / scan_s, "x"),
+    ]
