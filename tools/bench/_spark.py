@@ -3,9 +3,10 @@
 Both are timed with a warm session (started, and run once on a small load,
 untimed): the contract compares the jobs, and Spark's start-up and first job
 (10 s and more here) are a fixed cost that says nothing about either. The
-backfill loads a Parquet file of ``n`` rows (1 KiB payloads, priorities 0..9) into a fresh store; ``push_many`` pushes
-the same rows in batches of 1,000 into another fresh store, in the same
-process. The audit runs on a snapshot of the backfilled store; the scan is
+backfill loads a Parquet file of ``n`` rows (1 KiB payloads, priorities
+0..9) into a fresh store; ``push_many`` pushes the same rows in batches of
+1,000 into another fresh store, in the same process. The audit runs on a
+snapshot of the backfilled store; the scan is
 ``qstore.spark._scan.scan_snapshot`` of the same snapshot, the plain
 single-process Python scan (records only, as docs/spark.md measures it).
 """
