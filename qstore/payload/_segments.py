@@ -424,11 +424,15 @@ class SegmentSet:
         file_id: int,
         refs: Sequence[PayloadRef],
         progress: Callable[[int], None] | None = None,
+        damaged: list[tuple[PayloadRef, str]] | None = None,
     ) -> dict[PayloadRef, PayloadRef]:
         """Copy the records of ``refs`` into new sealed segment ``file_id``, fsynced.
 
         Every source record is CRC-checked as it is read: damage raises
-        :class:`Corruption` and the output is removed. Returns old -> new refs,
+        :class:`Corruption` and the output is removed; unless ``damaged`` is a
+        list, then a damaged record is copied as it is (zero-filled past the end
+        of its source), so it stays damaged and is never returned as data, and
+        ``(ref, reason)`` is appended to ``damaged``. Returns old -> new refs,
         in the order of ``refs``; ``progress(nbytes)`` follows the bytes written.
 
         A record is copied unchanged, frame and all (its CRC covers its length
@@ -470,7 +474,19 @@ class SegmentSet:
                     view_end = len(view)
                     problem = check(view, off, length, view_end)
                     if problem is not None:
-                        raise Corruption(self._path(fid), off, problem)
+                        if damaged is None:
+                            raise Corruption(self._path(fid), off, problem)
+                        damaged.append((ref, problem))
+                        if end > view_end:  # the bytes are not all there: pad them
+                            if off > run_start:
+                                pieces.append(view[run_start:off])
+                            kept = bytes(view[min(off, view_end):view_end])
+                            pieces.append(memoryview(kept + bytes(end - off - len(kept))))
+                            run_fid = -1  # the next record starts a new run
+                            mapping[ref] = PayloadRef(file_id, pos, length)
+                            pos += end - off
+                            run_start = run_end = 0
+                            continue
                 run_end = end
                 mapping[ref] = PayloadRef(file_id, pos, length)
                 pos += end - off
