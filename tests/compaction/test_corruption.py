@@ -10,7 +10,7 @@ import pytest
 import qstore
 from qstore.payload import _format as fmt
 
-from ._support import body, compaction_record, files_on_disk, open_store, recount, ref_of
+from ._support import body, compaction_record, open_store, recount, ref_of
 
 
 def flip_body_byte(store: qstore.Store, queue: str, mid: int) -> tuple[str, int]:
