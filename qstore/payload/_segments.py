@@ -184,7 +184,7 @@ class SegmentSet:
 
     def _header_problem(self, file_id: int) -> str | None:
         with open(self._path(file_id), "rb") as f:
-            return fmt.header_problem(memoryview(f.read(fmt.HEADER_SIZE)), file_id)
+            return fmt.header_problem(f.read(fmt.HEADER_SIZE), file_id)
 
     def _all_zeros(self, file_id: int) -> bool:
         with open(self._path(file_id), "rb") as f:
