@@ -400,7 +400,14 @@ class Compactor:
             if progress is not None:
                 progress(done, total)
 
-        return self._core.payload.copy_live(output, refs, on_copy)
+        damaged: list[tuple[PayloadRef, str]] = []
+        mapping = self._core.payload.copy_live(output, refs, on_copy, damaged)
+        for ref, reason in damaged:
+            # Copied as it is (still damaged): the pass must not fail on it forever.
+            # A pop moves the message to the dead letters; `qstore check` names it.
+            log.error("compaction: the record at %s is damaged (%s); copied as it is to "
+                      "segment %d", ref, reason, output)
+        return mapping
 
     def _repoint(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -13,6 +14,8 @@ Durability = Literal["always", "interval", "none"]
 Clock = Callable[[], float]
 
 MiB = 1024 * 1024
+MAX_INTERVAL = 100 * 366 * 86400  # seconds: a century, as for delays and leases
+MAX_RECORD_LENGTH = 0xFFFF_FFFF  # a payload frame's u32 length field (docs/payload-format.md)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,16 +41,24 @@ class Config:
             )
         for name in ("sync_interval", "compact_interval", "sweep_interval"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise InvalidArgument(f"{name} must be a positive number of seconds, not {value!r}")
+            # nan made the sync thread spin, inf killed the sweeper (issue 11 case 13).
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not 0 < value <= MAX_INTERVAL):
+                raise InvalidArgument(f"{name} must be a positive number of seconds "
+                                      f"up to {MAX_INTERVAL}, not {value!r}")
         for name in ("segment_max_bytes", "max_payload_bytes", "compact_max_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidArgument(f"{name} must be a positive int, not {value!r}")
-        if not 0.0 < self.compact_threshold <= 1.0:
-            raise InvalidArgument(
-                f"compact_threshold must be in (0, 1], not {self.compact_threshold!r}"
-            )
+        if self.max_payload_bytes > MAX_RECORD_LENGTH:
+            raise InvalidArgument(f"max_payload_bytes must be at most {MAX_RECORD_LENGTH} "
+                                  f"(a frame's length field), not {self.max_payload_bytes!r}")
+        t = self.compact_threshold
+        if (not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t)
+                or not 0.0 < t <= 1.0):
+            raise InvalidArgument(f"compact_threshold must be a number in (0, 1], not {t!r}")
+        if self.clock is None:  # None means the default clock
+            object.__setattr__(self, "clock", time.time)
         if not callable(self.clock):
             raise InvalidArgument("clock must be a zero-argument callable returning seconds")
         for name in ("readonly", "compactor"):

@@ -12,6 +12,7 @@ sweeper thread.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import re
 import time
@@ -21,6 +22,7 @@ from typing import Any
 from . import _states as states
 from ._core import Core
 from ._errors import (
+    Corruption,
     InvalidArgument,
     LeaseExpired,
     MessageNotFound,
@@ -32,6 +34,7 @@ from .meta import keys, records
 from .payload import PayloadRef
 
 Receipted = Message | str
+log = logging.getLogger("qstore")
 
 _ST = records
 INT_MIN, INT_MAX = keys.INT_MIN, keys.INT_MAX
@@ -341,28 +344,62 @@ class Queue:
         name, qid = q.name, q.qid
         read = core.payload.read
         recs = core.records_of(q, ready_keys)
-        if len(recs) == 1:
-            rkey, rec = ready_keys[0], recs[0]
-            mid = keys.trailing_id(rkey)
-            payload = read(PayloadRef(rec.file_id, rec.offset, rec.length))
-            core.deliver_one(q, rkey, mid, rec, when)
-            out = [_popped(qid, mid, name, rec, payload, deadline)]
-        else:
-            txn = Txn()
-            out = []
-            for rkey, rec in zip(ready_keys, recs, strict=True):
+        try:  # costs nothing unless raised (Python 3.11): damage is the cold path
+            if len(recs) == 1:
+                rkey, rec = ready_keys[0], recs[0]
                 mid = keys.trailing_id(rkey)
                 payload = read(PayloadRef(rec.file_id, rec.offset, rec.length))
-                states.deliver(txn, q, rkey, mid, rec, when)
-                out.append(_popped(qid, mid, name, rec, payload, deadline))
-            txn.count(q, READY, -len(out))
-            txn.count(q, INFLIGHT, len(out))
-            txn.add_event(q, when)
-            core.commit(txn)
+                core.deliver_one(q, rkey, mid, rec, when)
+                out = [_popped(qid, mid, name, rec, payload, deadline)]
+            else:
+                txn = Txn()
+                out = []
+                for rkey, rec in zip(ready_keys, recs, strict=True):
+                    mid = keys.trailing_id(rkey)
+                    payload = read(PayloadRef(rec.file_id, rec.offset, rec.length))
+                    states.deliver(txn, q, rkey, mid, rec, when)
+                    out.append(_popped(qid, mid, name, rec, payload, deadline))
+                txn.count(q, READY, -len(out))
+                txn.count(q, INFLIGHT, len(out))
+                txn.add_event(q, when)
+                core.commit(txn)
+        except Corruption:
+            # Nothing was written: move the damaged ones aside and pop again
+            # (each round removes at least one, so this ends).
+            if not self._bury_damaged(q, ready_keys, core.records_of(q, ready_keys)):
+                raise
+            return self._pop_locked(n, lease)
         q.heads.taken(plan)
         if bucket is not None:
             bucket.take(now, len(out))
         return out
+
+    def _bury_damaged(self, q: QueueState, ready_keys: list[bytes],
+                      recs: list[records.MessageRecord]) -> list[bytes]:
+        """Move the ready messages among ``ready_keys`` whose payload is damaged to
+        the dead letters, with the reason recorded (writer lock held); their keys.
+
+        A damaged message at the head must never block its queue (contract
+        section 9). Its payload bytes stay where they are.
+        """
+        core = self._core
+        read = core.payload.read
+        txn = Txn()
+        gone = []
+        for rkey, rec in zip(ready_keys, recs, strict=True):
+            try:
+                read(PayloadRef(rec.file_id, rec.offset, rec.length))
+            except Corruption as exc:
+                mid = keys.trailing_id(rkey)
+                reason = f"{records.DAMAGED_REASON}: {exc.reason}"
+                log.error("queue %r: message %d moved to the dead letters: %s (%s)",
+                          q.name, mid, reason, exc)
+                states.bury(txn, q, mid, rec, reason)
+                gone.append(rkey)
+        if gone:
+            core.commit(txn)
+            q.heads.removed(gone)
+        return gone
 
     # -- ack / nack / extend --------------------------------------------------
 
@@ -473,7 +510,25 @@ class Queue:
         _check_count(n)
         with self._core.lock:
             q = self._maybe_promote()
-            return self._messages(q, q.heads.plan(self._core.meta, n).keys)
+            while True:
+                ready_keys = q.heads.plan(self._core.meta, n).keys
+                try:
+                    return self._messages(q, ready_keys)
+                except Corruption:
+                    recs = self._core.records_of(q, ready_keys)
+                    if self._core.readonly:  # a view cannot move them: leave them out
+                        return [self._message(q, keys.trailing_id(k), rec)
+                                for k, rec in zip(ready_keys, recs, strict=True)
+                                if not self._damaged(rec)]
+                    if not self._bury_damaged(q, ready_keys, recs):
+                        raise
+
+    def _damaged(self, rec: records.MessageRecord) -> bool:
+        try:
+            self._core.payload.read(PayloadRef(rec.file_id, rec.offset, rec.length))
+        except Corruption:
+            return True
+        return False
 
     def get(self, message_id: int) -> Message:
         """One message by id, in any state (MessageNotFound once acked or purged)."""
@@ -493,7 +548,22 @@ class Queue:
         with self._core.lock:
             q = self._maybe_promote()
             lo = keys.prefix(keys.DEAD, q.qid)
-            return self._messages(q, self._core.meta.scan_keys(lo, keys.prefix_end(lo), n))
+            dead = self._core.meta.scan_keys(lo, keys.prefix_end(lo), n)
+            try:
+                return self._messages(q, dead)
+            except Corruption:
+                # A message moved aside for its damaged payload is listed with an
+                # empty payload (its reason says why); get() raises Corruption.
+                out = []
+                for k, rec in zip(dead, self._core.records_of(q, dead), strict=True):
+                    if self._damaged(rec) and (rec.reason or "").startswith(
+                            records.DAMAGED_REASON):
+                        out.append(Message(keys.trailing_id(k), q.name, rec.priority, b"",
+                                           rec.attempts, rec.enqueued_at, None, None,
+                                           _ST.STATE_NAMES[rec.state], dead_reason=rec.reason))
+                    else:
+                        out.append(self._message(q, keys.trailing_id(k), rec))
+                return out
 
     def redrive(self, n: int = 100) -> int:
         """Move up to ``n`` dead letters back to ready with attempts reset to 0."""

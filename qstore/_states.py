@@ -146,6 +146,23 @@ def expire(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> Non
         remove(txn, q, mid, rec)
 
 
+def bury(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord, reason: str) -> None:
+    """Its payload is damaged: move the message (ready or delayed) to the dead letters.
+
+    ``reason`` is recorded in the record; the payload bytes stay where they
+    are (evidence, never deleted on a guess). Like any dead letter it no
+    longer expires.
+    """
+    leave(txn, q, mid, rec)
+    if rec.expires_us:
+        txn.delete(keys.expiry_key(q.qid, rec.expires_us, mid))
+    rec.state, rec.when_us, rec.expires_us = _DEAD, 0, 0
+    rec.reason = reason
+    txn.put(keys.dead_key(q.qid, mid), b"")
+    txn.count(q, STATE_COUNTER[_DEAD], 1)
+    txn.put_record(keys.message_key(q.qid, mid), rec.encode())
+
+
 def age(txn: Txn, q: QueueState, ready_key: bytes, mid: int, rec: records.MessageRecord,
         priority: int, aged: int) -> bytes:
     """Re-key a ready message at ``priority`` (``aged`` levels gained in all); the new key."""

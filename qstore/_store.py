@@ -19,7 +19,7 @@ from ._check_report import CheckReport
 from ._compact import CompactionResult, Compactor
 from ._config import Config
 from ._core import Core
-from ._errors import InvalidArgument, QueueExists, QueueNotFound
+from ._errors import InvalidArgument, QueueExists, QueueNotFound, StorageError
 from ._message import SegmentStats, StoreStats
 from ._queue import MAX_SECONDS, Queue
 from ._snapshot import take_snapshot
@@ -37,7 +37,16 @@ class Store:
         self.path = path
         self.config = config
         self.readonly = config.readonly
-        self._core = core = Core(path, config)
+        if not path:
+            raise InvalidArgument("the store path must not be empty")
+        try:
+            self._core = core = Core(path, config)
+        except OSError as exc:
+            # A file where the store directory should be, an unreadable segment,
+            # a full disk...: a QStoreError with the errno kept (docs/faults.md).
+            err = StorageError(f"cannot open the store at {path!r}: {exc}")
+            err.errno = exc.errno
+            raise err from exc
         self._compactor: Compactor | None = None
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None

@@ -25,6 +25,9 @@ _V1 = (RECORD_VERSION,)
 _V12 = (RECORD_VERSION, RECORD_VERSION_2)
 ON_EXPIRE = ("drop", "dead")  # what expiry does to a message (queue option on_expire)
 EXPIRED_REASON = "expired"  # the reason of a message moved to the dead letters by its TTL
+# The reason of a message moved to the dead letters because its payload bytes
+# are damaged: this prefix, then what is wrong ("damaged payload: bad CRC").
+DAMAGED_REASON = "damaged payload"
 STORE_FORMAT = 1  # value of the M"format" key
 
 # Message states (never change).

@@ -139,8 +139,26 @@ class SegmentSet:
         # Never hand out an id a file ever had (a discarded output's included).
         self._next_id = max([next_file_id_floor, *(i + 1 for i in ids), *(i + 1 for i in hints),
                              *(i + 1 for i in discard)])
+        # Segments whose file header is damaged (a flipped byte, a 0-byte, swapped
+        # or renamed file): file id -> what is wrong. They stay as they are and get
+        # no reader; a read of a message in one raises Corruption (docs/faults.md).
+        self.damaged: dict[int, str] = {}
+        if ids and not readonly:
+            # The last file's header is damaged (a flipped byte, a cut, a renamed or
+            # swapped file): never append to it; a new segment takes the pushes.
+            # (All zeros shorter than a header is a crash while creating it: rewritten.)
+            problem = self._header_problem(ids[-1])
+            if problem is not None and (problem != fmt.SHORT_HEADER
+                                        or not self._all_zeros(ids[-1])):
+                self.damaged[ids[-1]] = problem
         for fid in ids[:-1]:
-            reader = self._readers[fid] = SegmentReader(self._path(fid), fid)
+            try:
+                reader = self._readers[fid] = SegmentReader(self._path(fid), fid)
+            except Corruption as exc:
+                self.damaged[fid] = exc.reason
+                log.error("segment %s is damaged (%s): the messages in it cannot be read; "
+                          "the store opens without it (run `qstore check`)", exc.path, exc.reason)
+                continue
             hint = hints.get(fid)
             if not readonly and hint is not None and reader.mapped_size > hint:
                 # A segment that was active when the process died while a later id
@@ -150,12 +168,27 @@ class SegmentSet:
                 self._recover_tail(reader, hint)
         if readonly:
             if ids:
-                self._readers[ids[-1]] = SegmentReader(self._path(ids[-1]), ids[-1])
+                try:
+                    self._readers[ids[-1]] = SegmentReader(self._path(ids[-1]), ids[-1])
+                except Corruption as exc:
+                    self.damaged[ids[-1]] = exc.reason
+                    log.error("segment %s is damaged (%s)", exc.path, exc.reason)
             return
-        if ids:
+        if ids and ids[-1] not in self.damaged:
             self._open_active(ids[-1], hints.get(ids[-1], fmt.HEADER_SIZE))
         else:
+            if ids:
+                log.error("segment %s is damaged (%s): left as it is; a new segment takes "
+                          "the pushes", self._path(ids[-1]), self.damaged[ids[-1]])
             self._start_segment()
+
+    def _header_problem(self, file_id: int) -> str | None:
+        with open(self._path(file_id), "rb") as f:
+            return fmt.header_problem(f.read(fmt.HEADER_SIZE), file_id)
+
+    def _all_zeros(self, file_id: int) -> bool:
+        with open(self._path(file_id), "rb") as f:
+            return not f.read(fmt.HEADER_SIZE).strip(b"\x00")
 
     # -- opening --------------------------------------------------------------
 
@@ -424,11 +457,15 @@ class SegmentSet:
         file_id: int,
         refs: Sequence[PayloadRef],
         progress: Callable[[int], None] | None = None,
+        damaged: list[tuple[PayloadRef, str]] | None = None,
     ) -> dict[PayloadRef, PayloadRef]:
         """Copy the records of ``refs`` into new sealed segment ``file_id``, fsynced.
 
         Every source record is CRC-checked as it is read: damage raises
-        :class:`Corruption` and the output is removed. Returns old -> new refs,
+        :class:`Corruption` and the output is removed; unless ``damaged`` is a
+        list, then a damaged record is copied as it is (zero-filled past the end
+        of its source), so it stays damaged and is never returned as data, and
+        ``(ref, reason)`` is appended to ``damaged``. Returns old -> new refs,
         in the order of ``refs``; ``progress(nbytes)`` follows the bytes written.
 
         A record is copied unchanged, frame and all (its CRC covers its length
@@ -470,7 +507,19 @@ class SegmentSet:
                     view_end = len(view)
                     problem = check(view, off, length, view_end)
                     if problem is not None:
-                        raise Corruption(self._path(fid), off, problem)
+                        if damaged is None:
+                            raise Corruption(self._path(fid), off, problem)
+                        damaged.append((ref, problem))
+                        if end > view_end:  # the bytes are not all there: pad them
+                            if off > run_start:
+                                pieces.append(view[run_start:off])
+                            kept = bytes(view[min(off, view_end):view_end])
+                            pieces.append(memoryview(kept + bytes(end - off - len(kept))))
+                            run_fid = -1  # the next record starts a new run
+                            mapping[ref] = PayloadRef(file_id, pos, length)
+                            pos += end - off
+                            run_start = run_end = 0
+                            continue
                 run_end = end
                 mapping[ref] = PayloadRef(file_id, pos, length)
                 pos += end - off

@@ -77,6 +77,19 @@ def _capture_payload_warnings(caplog: pytest.LogCaptureFixture) -> None:
 # -- headers -----------------------------------------------------------------
 
 
+def assert_kept_damaged(segs: SegmentSet, path: Path, reason: str) -> None:
+    """Issue 11 case 8: the set opened; the file is recorded as damaged, kept, and a
+    read of a record in it raises Corruption at offset 0 with the reason."""
+    fid = fmt.parse_segment_name(path.name)
+    assert fid is not None
+    assert segs.damaged == {fid: reason}
+    with pytest.raises(Corruption) as info:
+        segs.read(PayloadRef(fid, fmt.HEADER_SIZE, 5))
+    assert_corruption(info, path, 0, reason)
+    segs.append(b"pushes go on")
+    segs.close()
+
+
 def _two_segments(directory: Path) -> None:
     segs = open_set(directory)
     segs.append(b"in the sealed segment")
@@ -97,15 +110,13 @@ def _two_segments(directory: Path) -> None:
         (23, fmt.BAD_HEADER_CRC),
     ],
 )
-def test_damaged_header_raises_corruption_on_open_at_offset_0(
+def test_damaged_header_is_kept_aside_and_raises_corruption_on_read_at_offset_0(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str, pos: int, reason: str
 ) -> None:
     _two_segments(tmp_path)
     flip(tmp_path / name, pos)
     before = (tmp_path / name).read_bytes()
-    with pytest.raises(Corruption) as info:
-        open_set(tmp_path)
-    assert_corruption(info, tmp_path / name, 0, reason)
+    assert_kept_damaged(open_set(tmp_path), tmp_path / name, reason)
     assert (tmp_path / name).read_bytes() == before
     assert payload_warnings(caplog) == []
 
@@ -122,23 +133,19 @@ def _rewrite_header(path: Path, version: int, file_id: int) -> None:
     [(2, None, fmt.BAD_VERSION), (1, 99, fmt.WRONG_FILE_ID)],
     ids=["newer-version", "renamed-file"],
 )
-def test_header_with_valid_crc_but_wrong_version_or_file_id_raises_corruption_on_open(
+def test_header_with_valid_crc_but_wrong_version_or_file_id_is_kept_aside(
     tmp_path: Path, name: str, version: int, file_id: int | None, reason: str
 ) -> None:
     _two_segments(tmp_path)
     _rewrite_header(tmp_path / name, version, file_id or fmt.parse_segment_name(name) or 0)
-    with pytest.raises(Corruption) as info:
-        open_set(tmp_path)
-    assert_corruption(info, tmp_path / name, 0, reason)
+    assert_kept_damaged(open_set(tmp_path), tmp_path / name, reason)
 
 
 @pytest.mark.parametrize("name", [SEG1, SEG2], ids=["sealed", "active"])
-def test_segment_cut_inside_its_header_raises_corruption_on_open(tmp_path: Path, name: str) -> None:
+def test_segment_cut_inside_its_header_is_kept_aside(tmp_path: Path, name: str) -> None:
     _two_segments(tmp_path)
     os.truncate(tmp_path / name, 10)
-    with pytest.raises(Corruption) as info:
-        open_set(tmp_path)
-    assert_corruption(info, tmp_path / name, 0, fmt.SHORT_HEADER)
+    assert_kept_damaged(open_set(tmp_path), tmp_path / name, fmt.SHORT_HEADER)
 
 
 @pytest.mark.parametrize("size", [0, 10])
