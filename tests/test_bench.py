@@ -103,3 +103,15 @@ def test_scaling_measurements_produce_their_metrics(tmp_path: Any) -> None:
     names = {m.name for m in _scaling.measure_compaction(str(tmp_path / "compact"), p)}
     assert {"disk.write_mib_s", "compaction.mib_s", "compaction.ratio",
             "compaction.ops_ratio"} <= names
+
+
+def test_server_targets_are_ratios_to_beanstalkd_with_round_trips_in_the_note() -> None:
+    def metric(name: str, value: float) -> dict[str, Any]:
+        return {"name": name, "value": value}
+
+    metrics = [metric("server.qstore.push", 20.0), metric("server.beanstalkd.put", 10.0),
+               metric("server.qstore.rtt_p50_ms", 0.1), metric("server.qstore.rtt_p99_ms", 0.5)]
+    got = {t["id"]: t for t in _targets.evaluate([], metrics, dataclasses.asdict(MODES["quick"]))}
+    assert got["server-push"]["measured"] == 2.0 and got["server-push"]["status"] == "met"
+    assert "qstore 0.100/0.500" in got["server-push"]["note"]
+    assert got["server-pop"]["status"] == "n/a"

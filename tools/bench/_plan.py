@@ -19,6 +19,7 @@ WORKLOADS: tuple[str, ...] = (
     "churn",         # pop rate on a fresh queue vs after N push/pop/ack cycles
     "open",          # open time and RSS of a fresh process, N-message backlog
     "compaction",    # compaction rate vs the disk's sequential write rate
+    "server",        # qstore serve vs beanstalkd, 4 client processes (_server.py)
 )
 
 
