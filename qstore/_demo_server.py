@@ -101,6 +101,9 @@ def run_server_part(directory: str, check: Callable[..., bool], say: Callable[[s
         f"one more consumer SIGKILLed holding {HELD} leases of {HOUR:.0f} s")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    # The victim reports on a queue of its own: killed, it may still hold the
+    # queue's write lock, which would block every other writer of that queue.
+    held_out = ctx.Queue()
     stop = ctx.Event()
     procs: list[Any] = []
     results: list[bool] = []
@@ -112,11 +115,11 @@ def run_server_part(directory: str, check: Callable[..., bool], say: Callable[[s
             total = PRODUCERS * per_producer
             producers = [ctx.Process(target=_produce, args=(address, i, per_producer))
                          for i in range(PRODUCERS)]
-            victim = ctx.Process(target=_hold, args=(address, out))
+            victim = ctx.Process(target=_hold, args=(address, held_out))
             procs += [*producers, victim]
             for p in procs:
                 p.start()
-            kind, held = out.get(timeout=60)
+            kind, held = held_out.get(timeout=60)
             assert kind == "held"
             victim.kill()  # SIGKILL, holding its leases
             killed_at = time.monotonic()
