@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._client import connect
 from ._store import open_store
 
 PRODUCERS = 3
@@ -38,9 +39,7 @@ def _body(producer: int, k: int) -> bytes:
 
 
 def _produce(address: str, producer: int, count: int) -> None:
-    import qstore
-
-    with qstore.connect(address) as client:
+    with connect(address) as client:
         q = client.queue(QUEUE)
         k = 0
         while k < count:
@@ -50,9 +49,7 @@ def _produce(address: str, producer: int, count: int) -> None:
 
 
 def _hold(address: str, out: Any) -> None:
-    import qstore
-
-    client = qstore.connect(address)
+    client = connect(address)
     q = client.queue(QUEUE)
     got: list[Any] = []
     while len(got) < HELD:  # a waiting pop answers with what is ready, maybe fewer
@@ -62,9 +59,7 @@ def _hold(address: str, out: Any) -> None:
 
 
 def _consume(address: str, out: Any, stop: Any) -> None:
-    import qstore
-
-    with qstore.connect(address) as client:
+    with connect(address) as client:
         q = client.queue(QUEUE)
         while not stop.is_set():
             msgs = q.pop_many(20, lease=60.0, wait=0.2)
@@ -108,9 +103,7 @@ def run_server_part(directory: str, check: Callable[..., bool], say: Callable[[s
     procs: list[Any] = []
     results: list[bool] = []
     try:
-        import qstore
-
-        with qstore.connect(address) as client:
+        with connect(address) as client:
             client.create_queue(QUEUE)
             total = PRODUCERS * per_producer
             producers = [ctx.Process(target=_produce, args=(address, i, per_producer))
