@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 JAVA_STAMP := $(VENV)/.java-ok
 
-.PHONY: all install java browser test test-fast check demo bench crash clean
+.PHONY: all install java browser beanstalkd test test-fast check demo bench crash clean
 
 all: test
 
@@ -52,6 +52,17 @@ $(BROWSER_STAMP): | $(PY)
 
 browser: $(BROWSER_STAMP)
 
+# The server benchmark's peer is beanstalkd. On a Debian machine as root, install it with apt.
+beanstalkd:
+	@if ! command -v beanstalkd >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "Installing beanstalkd (the server benchmark's peer)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq beanstalkd; \
+	  else \
+	    echo "beanstalkd is not installed: the server benchmark leaves its figures out (on Debian: apt-get install beanstalkd)"; \
+	  fi; \
+	fi
+
 test: $(STAMP) $(JAVA_STAMP) $(BROWSER_STAMP)
 	$(PY) -m pytest -q
 
@@ -68,7 +79,7 @@ demo: $(STAMP) $(JAVA_STAMP)
 # The harness lives in tools/bench, outside the installed package:
 # `make bench BENCH_ARGS=--quick` for a run of under a minute (docs/benchmarks.md).
 BENCH_ARGS ?=
-bench: $(STAMP)
+bench: $(STAMP) beanstalkd
 	PYTHONPATH=tools $(PY) -m bench $(BENCH_ARGS)
 
 crash: $(STAMP)

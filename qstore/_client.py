@@ -131,12 +131,19 @@ class RemoteQueue:
         return self._link.call(op, args, extra)
 
     def push(self, payload: bytes, priority: int | str | None = None, delay: float = 0.0,
-             dedup_key: str | bytes | None = None) -> int:
-        return int(self._call("push", payload=payload, priority=priority, delay=delay,
-                              dedup_key=dedup_key))
+             dedup_key: str | bytes | None = None, ttl: float | None = None) -> int:
+        args: dict[str, Any] = {"payload": payload, "priority": priority, "delay": delay,
+                                "dedup_key": dedup_key}
+        if ttl is not None:
+            args["ttl"] = ttl
+        return int(self._call("push", **args))
 
-    def push_many(self, items: Iterable[bytes | Sequence[Any]], *, delay: float = 0.0) -> list[int]:
-        return list(self._call("push_many", items=base.listed(items, "push_many"), delay=delay))
+    def push_many(self, items: Iterable[bytes | Sequence[Any]], *, delay: float = 0.0,
+                  ttl: float | None = None) -> list[int]:
+        args: dict[str, Any] = {"items": base.listed(items, "push_many"), "delay": delay}
+        if ttl is not None:
+            args["ttl"] = ttl
+        return list(self._call("push_many", **args))
 
     def pop(self, lease: float = 30.0, wait: float = 0.0) -> Message | None:
         return base.maybe_message(self._call("pop", lease=lease, wait=wait))
@@ -187,11 +194,19 @@ class Client:
         self.path = str(link.address)
 
     def create_queue(self, name: str, *, order: str = "max", priority_type: str = "int",
-                     max_attempts: int = 5, dedup: bool = False,
-                     exist_ok: bool = False) -> RemoteQueue:
+                     max_attempts: int = 5, dedup: bool = False, exist_ok: bool = False,
+                     ttl: float | None = None, on_expire: str = "drop",
+                     aging: float | None = None, aging_cap: int | None = None,
+                     rate: tuple[int, float] | None = None) -> RemoteQueue:
         info = self._link.call("create_queue", {
             "name": name, "order": order, "priority_type": priority_type,
-            "max_attempts": max_attempts, "dedup": dedup, "exist_ok": exist_ok})
+            "max_attempts": max_attempts, "dedup": dedup, "exist_ok": exist_ok, "ttl": ttl,
+            "on_expire": on_expire, "aging": aging, "aging_cap": aging_cap, "rate": rate})
+        return RemoteQueue(self._link, info)
+
+    def configure_queue(self, name: str, **options: Any) -> RemoteQueue:
+        """Change options of queue ``name`` (those of :meth:`qstore.Store.configure_queue`)."""
+        info = self._link.call("configure_queue", {**options, "name": name})
         return RemoteQueue(self._link, info)
 
     def queue(self, name: str) -> RemoteQueue:

@@ -4,7 +4,9 @@ Producers push messages of mixed priorities and sizes, a few delayed and a
 few "poison" (always nacked, so they end in the dead letters); the store is
 restarted with a backlog; consumers drain it (checking pop order) while more
 producers run; a compaction pass reclaims space; a snapshot is audited with
-Spark. Every check prints PASS or FAIL; the exit code is 1 on any FAIL.
+Spark. A second store is served by ``qstore serve`` to producer and consumer
+processes, one of them SIGKILLed mid-lease (``_demo_server.py``). Every check
+prints PASS or FAIL; the exit code is 1 on any FAIL.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TimeElapsedColumn
 
+from ._demo_server import run_server_part
 from ._message import Message
 from ._queue import Queue
 from ._store import Store, open_store
@@ -154,7 +157,7 @@ def _features(path: str) -> list[bool]:
 
 
 def run_demo(directory: str, *, fresh: bool = False, messages: int = 20_000,
-             spark: bool = True) -> int:
+             spark: bool = True, server: bool = True) -> int:
     if fresh and os.path.exists(directory):
         shutil.rmtree(directory)
     store_dir = os.path.join(directory, "store")
@@ -230,6 +233,11 @@ def run_demo(directory: str, *, fresh: bool = False, messages: int = 20_000,
 
     # 6b. Queue features: a message that expires and one that ages (a hand-moved clock).
     results += _features(os.path.join(directory, "features"))
+    # 6c. The server: producer and consumer processes, one consumer killed mid-lease.
+    if server:
+        console.rule("qstore serve: many processes on one store")
+        results += run_server_part(directory, _check, console.print,
+                                   per_producer=max(50, messages // 50))
     print_stats(store.stats(), console)
     # 7. The integrity check: every reference, frame, CRC, index, counter and segment record.
     report = store.check()

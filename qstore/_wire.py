@@ -36,7 +36,8 @@ QUEUE_OPS = frozenset({
     "get", "dead_letters", "redrive", "purge", "stats", "queue",
 })
 STORE_OPS = frozenset({
-    "create_queue", "queues", "delete_queue", "store_stats", "compact", "snapshot", "ping",
+    "create_queue", "configure_queue", "queues", "delete_queue", "store_stats", "compact",
+    "snapshot", "ping",
 })
 
 _packer = msgpack.Packer(use_bin_type=True)
@@ -60,11 +61,17 @@ def unpack(body: bytes) -> Any:
 
 
 def encode_message(m: Message) -> list[Any]:
-    return [m.id, m.queue, m.priority, m.payload, m.attempts, m.enqueued_at, m.lease_deadline,
-            m.receipt, m.state]
+    """Nine fields; eleven when the message has an expiry or a dead reason (TTL)."""
+    v = [m.id, m.queue, m.priority, m.payload, m.attempts, m.enqueued_at, m.lease_deadline,
+         m.receipt, m.state]
+    if m.expires_at is not None or m.dead_reason is not None:
+        v += [m.expires_at, m.dead_reason]
+    return v
 
 
 def decode_message(v: list[Any]) -> Message:
+    if len(v) > 9:
+        return Message(*v[:9], expires_at=v[9], dead_reason=v[10])
     return Message(*v)
 
 
@@ -73,6 +80,9 @@ def encode_stats(s: QueueStats) -> dict[str, Any]:
 
 
 def decode_stats(v: dict[str, Any]) -> QueueStats:
+    rate = v.get("rate")
+    if isinstance(rate, list):  # msgpack has no tuple
+        v = {**v, "rate": tuple(rate)}
     return QueueStats(**v)
 
 

@@ -23,6 +23,7 @@ from . import _errors as errors
 from . import _wire as wire
 from . import server
 from ._check import check_path
+from ._cli_target import open_target
 from ._demo import run_demo
 from ._errors import EXIT_FOUND, exit_code
 from ._store import Store, open_store
@@ -50,6 +51,20 @@ def _store(path: str, *, readonly: bool = False) -> Iterator[Store]:
         yield store
 
 
+@contextmanager
+def _target(target: str, token_file: str | None, *, readonly: bool = False,
+            keep_leases: bool = False) -> Iterator[Any]:
+    """The running server's client, or the store opened here (see _cli_target.py)."""
+    with _exit_codes(), open_target(target, token_file, readonly=readonly,
+                                    keep_leases=keep_leases) as store:
+        yield store
+
+
+token_file_option = click.option(
+    "--token-file", type=click.Path(exists=True, dir_okay=False), default=None,
+    help="File holding the server's token (when it has one).")
+
+
 def _show_payload(payload: bytes, limit: int = 80) -> str:
     """A payload made safe for a terminal: printable text as is, else escaped bytes."""
     try:
@@ -62,7 +77,7 @@ def _show_payload(payload: bytes, limit: int = 80) -> str:
     return shown + (f"... ({len(payload)} bytes)" if len(payload) > limit else "")
 
 
-def _parse_priority(store: Store, queue: str, text: str | None) -> int | str | None:
+def _parse_priority(store: Any, queue: str, text: str | None) -> int | str | None:
     if text is None:
         return None
     if store.queue(queue).priority_type == "str":
@@ -95,9 +110,14 @@ def queues(store_path: str) -> None:
 @main.command()
 @click.argument("store_path", metavar="STORE")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-def stats(store_path: str, as_json: bool) -> None:
-    """Counts per queue and state, and payload segments (read-only)."""
-    with _store(store_path, readonly=True) as store:
+@token_file_option
+def stats(store_path: str, as_json: bool, token_file: str | None) -> None:
+    """Counts per queue and state, and payload segments (read-only).
+
+    STORE is a store directory (through its server when one runs) or a
+    server address, unix:///PATH or tcp://HOST:PORT.
+    """
+    with _target(store_path, token_file, readonly=True) as store:
         st = store.stats()
     if as_json:
         click.echo(json.dumps({
@@ -128,17 +148,24 @@ def stats(store_path: str, as_json: bool) -> None:
               help="Seconds before it is ready.")
 @click.option("--create", is_flag=True,
               help="Create the queue (order max, int priorities) if missing.")
+@click.option("--ttl", type=click.FloatRange(0.0, min_open=True), default=None,
+              help="Seconds until it expires (default: the queue's ttl).")
+@token_file_option
 def push(store_path: str, queue: str, payload: str | None, file_: Any, priority: str | None,
-         delay: float, create: bool) -> None:
-    """Push one message (PAYLOAD text, or --file) onto QUEUE; prints its id."""
+         delay: float, create: bool, ttl: float | None, token_file: str | None) -> None:
+    """Push one message (PAYLOAD text, or --file) onto QUEUE; prints its id.
+
+    STORE is a store directory (through its server when one runs) or a
+    server address, unix:///PATH or tcp://HOST:PORT.
+    """
     if (payload is None) == (file_ is None):
         raise click.UsageError("give exactly one of PAYLOAD or --file")
     body = payload.encode("utf-8") if payload is not None else file_.read()
-    with _store(store_path) as store:
+    with _target(store_path, token_file) as store:
         if create:
             store.create_queue(queue, exist_ok=True)
         mid = store.queue(queue).push(body, priority=_parse_priority(store, queue, priority),
-                                      delay=delay)
+                                      delay=delay, ttl=ttl)
     click.echo(mid)
 
 
@@ -150,9 +177,16 @@ def push(store_path: str, queue: str, payload: str | None, file_: Any, priority:
 @click.option("--ack/--no-ack", default=True, show_default=True,
               help="Ack at once (take the message), or leave it leased and print receipts.")
 @click.option("--raw", is_flag=True, help="Write the raw payload bytes to stdout.")
-def pop(store_path: str, queue: str, count: int, lease: float, ack: bool, raw: bool) -> None:
-    """Pop up to N messages from QUEUE. Exit 1 if none was ready."""
-    with _store(store_path) as store:
+@token_file_option
+def pop(store_path: str, queue: str, count: int, lease: float, ack: bool, raw: bool,
+        token_file: str | None) -> None:
+    """Pop up to N messages from QUEUE. Exit 1 if none was ready.
+
+    STORE is a store directory (through its server when one runs) or a
+    server address, unix:///PATH or tcp://HOST:PORT. Through a server,
+    --no-ack leases stay leased after the command ends (keep_leases).
+    """
+    with _target(store_path, token_file, keep_leases=not ack) as store:
         q = store.queue(queue)
         msgs = q.pop_many(count, lease=lease)
         if ack and msgs:
@@ -174,9 +208,14 @@ def pop(store_path: str, queue: str, count: int, lease: float, ack: bool, raw: b
 @click.argument("queue")
 @click.option("-n", "count", type=click.IntRange(1), default=10, show_default=True)
 @click.option("--dead", is_flag=True, help="Show dead letters instead of the ready head.")
-def peek(store_path: str, queue: str, count: int, dead: bool) -> None:
-    """Show the first N ready messages (or dead letters) without leasing them."""
-    with _store(store_path, readonly=True) as store:
+@token_file_option
+def peek(store_path: str, queue: str, count: int, dead: bool, token_file: str | None) -> None:
+    """Show the first N ready messages (or dead letters) without leasing them.
+
+    STORE is a store directory (through its server when one runs) or a
+    server address, unix:///PATH or tcp://HOST:PORT.
+    """
+    with _target(store_path, token_file, readonly=True) as store:
         q = store.queue(queue)
         msgs = q.dead_letters(count) if dead else q.peek(count)
     if not msgs:
@@ -198,11 +237,17 @@ def peek(store_path: str, queue: str, count: int, dead: bool) -> None:
 @click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=None,
               help="Garbage ratio a segment needs to be rewritten (default from the store config).")
 @click.option("--max-bytes", type=click.IntRange(1), default=None, help="Cap on live bytes copied.")
-def compact(store_path: str, threshold: float | None, max_bytes: int | None) -> None:
-    """Run one seal-then-compact pass on STORE, with a progress bar."""
+@token_file_option
+def compact(store_path: str, threshold: float | None, max_bytes: int | None,
+            token_file: str | None) -> None:
+    """Run one seal-then-compact pass on STORE, with a progress bar.
+
+    STORE is a store directory (through its server when one runs: the pass
+    runs in the server, without a progress bar) or a server address.
+    """
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    with _store(store_path) as store, Progress(
+    with _target(store_path, token_file) as store, Progress(
         "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
         TimeRemainingColumn(), console=err, transient=True,
     ) as bar:
@@ -211,7 +256,10 @@ def compact(store_path: str, threshold: float | None, max_bytes: int | None) -> 
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        result = store.compact(threshold=threshold, max_bytes=max_bytes, progress=progress)
+        if isinstance(store, Store):
+            result = store.compact(threshold=threshold, max_bytes=max_bytes, progress=progress)
+        else:  # a progress callback cannot cross the wire
+            result = store.compact(threshold=threshold, max_bytes=max_bytes)
     click.echo(f"read {len(result.segments_read)} segment(s), deleted "
                f"{len(result.segments_deleted)}, moved {result.messages_moved:,} messages "
                f"({result.bytes_copied:,} bytes), freed {result.bytes_freed:,} bytes "
@@ -221,13 +269,15 @@ def compact(store_path: str, threshold: float | None, max_bytes: int | None) -> 
 @main.command()
 @click.argument("store_path", metavar="STORE")
 @click.argument("dest")
-def snapshot(store_path: str, dest: str) -> None:
+@token_file_option
+def snapshot(store_path: str, dest: str, token_file: str | None) -> None:
     """Take a consistent snapshot of STORE into DEST (same filesystem).
 
-    Opens the store read-write, so stop its writer first, or call
-    store.snapshot() from the process that owns it.
+    When a server owns STORE (or STORE is a server address) the server takes
+    it, and DEST is a path on the server's machine; otherwise the store is
+    opened here, read-write.
     """
-    with _store(store_path) as store:
+    with _target(store_path, token_file) as store:
         store.snapshot(dest)
     click.echo(dest)
 

@@ -121,3 +121,15 @@ def test_the_spark_workload_times_backfill_push_many_scan_and_audit(tmp_path: An
         got["spark.backfill_rate"] / got["spark.push_many_rate"])
     assert got["spark.audit_ratio"] == pytest.approx(got["spark.audit_s"] / got["spark.scan_s"])
     assert spark.sparkContext._jsc is not None  # the shared test session was not stopped
+
+
+def test_server_targets_are_ratios_to_beanstalkd_with_round_trips_in_the_note() -> None:
+    def metric(name: str, value: float) -> dict[str, Any]:
+        return {"name": name, "value": value}
+
+    metrics = [metric("server.qstore.push", 20.0), metric("server.beanstalkd.put", 10.0),
+               metric("server.qstore.rtt_p50_ms", 0.1), metric("server.qstore.rtt_p99_ms", 0.5)]
+    got = {t["id"]: t for t in _targets.evaluate([], metrics, dataclasses.asdict(MODES["quick"]))}
+    assert got["server-push"]["measured"] == 2.0 and got["server-push"]["status"] == "met"
+    assert "qstore 0.100/0.500" in got["server-push"]["note"]
+    assert got["server-pop"]["status"] == "n/a"

@@ -173,6 +173,9 @@ def store_op(store: Store, op: str, args: dict[str, Any]) -> Any:
     try:
         if op == "create_queue":
             return queue_info(store.create_queue(**args))
+        if op == "configure_queue":
+            name = args.pop("name", None)
+            return queue_info(store.configure_queue(name, **args))
         if op == "queues":
             return store.queues(**args)
         if op == "delete_queue":

@@ -139,3 +139,38 @@ def test_payload_too_large_keeps_the_connection(store: Any) -> None:
     assert info.value.size == 64 * 1024 * 1024 + 1 and info.value.limit == 64 * 1024 * 1024
     q.push(b"after")
     assert q.pop().payload == b"after"
+
+
+def test_ttl_and_queue_options(store: Any) -> None:
+    q = store.create_queue("t", ttl=600.0, on_expire="dead", aging=5.0, aging_cap=2,
+                           rate=(100, 1.0))
+    s = q.stats()
+    assert (s.ttl, s.on_expire, s.aging, s.aging_cap, s.rate, s.expired) == \
+        (600.0, "dead", 5.0, 2, (100, 1.0), 0)
+    assert store.create_queue("t", exist_ok=True, ttl=600.0, on_expire="dead", aging=5.0,
+                              aging_cap=2, rate=(100, 1.0)).name == "t"
+    own = q.push(b"own", ttl=3600.0)
+    default = q.push(b"default")
+    ids = q.push_many([b"a", (b"b", 1, 0.0, None, 7200.0)], ttl=1800.0)
+    enq = q.get(own).enqueued_at
+    assert q.get(own).expires_at == pytest.approx(enq + 3600.0, abs=1.0)
+    assert q.get(default).expires_at == pytest.approx(enq + 600.0, abs=1.0)
+    assert q.get(ids[0]).expires_at == pytest.approx(enq + 1800.0, abs=1.0)
+    assert q.get(ids[1]).expires_at == pytest.approx(enq + 7200.0, abs=1.0)
+    assert q.get(own).dead_reason is None
+
+
+def test_configure_queue(store: Any) -> None:
+    store.create_queue("c")
+    q = store.configure_queue("c", ttl=60.0, rate=(5, 2.0))
+    assert q.name == "c"
+    s = store.queue("c").stats()
+    assert (s.ttl, s.rate, s.on_expire) == (60.0, (5, 2.0), "drop")
+    store.configure_queue("c", ttl=None)
+    assert store.queue("c").stats().ttl is None and store.queue("c").stats().rate == (5, 2.0)
+    with pytest.raises(qstore.InvalidArgument):
+        store.configure_queue("c", tll=5.0)
+    with pytest.raises(qstore.InvalidArgument):
+        store.configure_queue("c", on_expire="explode")
+    with pytest.raises(qstore.QueueNotFound):
+        store.configure_queue("nope", ttl=1.0)

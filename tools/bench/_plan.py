@@ -20,6 +20,7 @@ WORKLOADS: tuple[str, ...] = (
     "open",          # open time and RSS of a fresh process, N-message backlog
     "compaction",    # compaction rate vs the disk's sequential write rate
     "spark",         # Spark backfill vs push_many, Spark audit vs a plain scan
+    "server",        # qstore serve vs beanstalkd, 4 client processes (_server.py)
 )
 
 

@@ -206,6 +206,10 @@ class Bench:
                 return _scaling.measure_compaction(path, p)
 
             self.metrics(tag, name, compaction)
+        elif name == "server":
+            from ._server import measure_server
+
+            self.metrics(tag, name, lambda path: measure_server(path, p, self.say))
         else:
             raise AssertionError(name)
 

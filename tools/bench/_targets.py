@@ -58,6 +58,10 @@ def _metric(name: str) -> Callable[[Lookup], float | None]:
     return lambda lk: lk.metric(name)
 
 
+def _ratio(a: str, b: str) -> Callable[[Lookup], float | None]:
+    return lambda lk: lk.ratio(lk.metric(a), lk.metric(b))
+
+
 TARGETS: tuple[Target, ...] = (
     Target("interval-push-bare", "interval: push vs bare queue push", KIND_MIN, 0.35, "x",
            _vs("push", "qstore/interval", "bare")),
@@ -92,11 +96,32 @@ TARGETS: tuple[Target, ...] = (
            _metric("open.rss_mb"), scaled=True),
     Target("compaction", "compaction rewrite rate vs disk sequential write", KIND_MIN, 0.5, "x",
            _metric("compaction.ratio")),
+    Target("server-push", "server, 4 clients: push vs beanstalkd put", KIND_MIN, 0.5, "x",
+           _ratio("server.qstore.push", "server.beanstalkd.put")),
+    Target("server-pop", "server, 4 clients: pop+ack vs beanstalkd reserve+delete", KIND_MIN,
+           0.5, "x", _ratio("server.qstore.pop_ack", "server.beanstalkd.reserve_delete")),
+    Target("server-batch-push", "server, 4 clients: push_many(100) vs beanstalkd put",
+           KIND_MIN, 2.0, "x", _ratio("server.qstore.push_many", "server.beanstalkd.put")),
+    Target("server-batch-pop", "server, 4 clients: pop_many+ack_many(100) vs beanstalkd "
+           "reserve+delete", KIND_MIN, 2.0, "x",
+           _ratio("server.qstore.pop_many_ack_many", "server.beanstalkd.reserve_delete")),
     Target("spark-audit", "Spark audit time vs single-process scan", KIND_MAX, 3.0, "x",
            _metric("spark.audit_ratio"), scaled=True),
     Target("spark-backfill", "Spark backfill rate vs push_many", KIND_MIN, 3.0, "x",
            _metric("spark.backfill_ratio"), scaled=True),
 )
+
+
+def _rtt_note(lk: Lookup) -> str:
+    """One client's round trips, reported next to the server targets (contract section 7)."""
+    q50, q99 = lk.metric("server.qstore.rtt_p50_ms"), lk.metric("server.qstore.rtt_p99_ms")
+    b50, b99 = lk.metric("server.beanstalkd.rtt_p50_ms"), lk.metric("server.beanstalkd.rtt_p99_ms")
+    if q50 is None or q99 is None:
+        return ""
+    note = f"1-client RTT p50/p99 ms: qstore {q50:.3f}/{q99:.3f}"
+    if b50 is not None and b99 is not None:
+        note += f", beanstalkd {b50:.3f}/{b99:.3f}"
+    return note
 
 
 def evaluate(rows: list[dict[str, Any]], metrics: list[dict[str, Any]],
@@ -112,7 +137,9 @@ def evaluate(rows: list[dict[str, Any]], metrics: list[dict[str, Any]],
         else:
             status = "met" if measured <= t.required else "missed"
         note = ""
-        if t.scaled and measured is not None:
+        if t.id == "server-push":
+            note = _rtt_note(lookup)
+        elif t.scaled and measured is not None:
             n = (int(lookup.metric("churn.cycles_done") or 0) if t.id == "churn"
                  else params["spark_messages"] if t.id.startswith("spark")
                  else params["backlog"])

@@ -1,0 +1,64 @@
+"""What a ``qstore`` command works on: the store itself, or the server that owns it.
+
+Contract section 6: every command that reads or changes a store also works
+while a server owns it. A command given a store directory whose server
+answers on ``STORE/qstore.sock`` goes through that server (a client with the
+store's methods); given ``unix:///path`` or ``tcp://host:port`` it goes
+through the server there; otherwise it opens the store itself. A socket file
+left by a server that died (nothing answers) is ignored: the store opens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ._address import SOCKET_NAME
+from ._client import Client, connect
+from ._net_errors import ConnectionLost
+from ._store import open_store
+
+CONNECT_TIMEOUT = 10.0
+
+
+def is_address(target: str) -> bool:
+    return target.startswith(("unix://", "tcp://"))
+
+
+def read_token(token_file: str | None) -> str | None:
+    """The token in ``token_file``, surrounding whitespace stripped (as ``qstore serve``)."""
+    if token_file is None:
+        return None
+    with open(token_file, encoding="utf-8") as f:
+        return f.read().strip()
+
+
+def server_of(target: str, token: str | None, keep_leases: bool = False) -> Client | None:
+    """A client of the server at ``target`` or of the one owning store ``target``; None if none."""
+    if is_address(target):
+        return connect(target, token=token, timeout=CONNECT_TIMEOUT, keep_leases=keep_leases)
+    if not os.path.exists(os.path.join(target, SOCKET_NAME)):
+        return None
+    try:
+        return connect(target, token=token, timeout=CONNECT_TIMEOUT, keep_leases=keep_leases)
+    except ConnectionLost:
+        return None  # a stale socket file: no server runs
+
+
+@contextmanager
+def open_target(target: str, token_file: str | None = None, *, readonly: bool = False,
+                keep_leases: bool = False) -> Iterator[Any]:
+    """A :class:`~qstore.Client` of the running server, else the store opened here.
+
+    ``keep_leases``: leases taken through the server outlive this command
+    (``pop --no-ack``).
+    """
+    client = server_of(target, read_token(token_file), keep_leases)
+    if client is not None:
+        with client:
+            yield client
+        return
+    with open_store(target, readonly=readonly, compactor=False) as store:
+        yield store

@@ -1,0 +1,73 @@
+"""The clients' public methods have the embedded store's names and signatures.
+
+Behaviour is held equal by test_contract.py; this holds the surface equal, so
+an option added to ``Store``/``Queue`` fails here until ``qstore.connect`` and
+``qstore.aio`` carry it too.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+
+import qstore
+import qstore.aio
+
+# Embedded-only: the core is in-process, check reads the files, close is the
+# store's own (the clients have close() too, with the same signature).
+EMBEDDED_ONLY = {"core", "check"}
+CLIENT_ONLY = {"ping"}
+# The embedded compact takes the compactor's keywords (threshold, max_bytes,
+# progress); a progress callback cannot cross the wire.
+DIFFERENT = {"compact"}
+
+
+def _public(cls: type) -> dict[str, Any]:
+    return {n: v for n, v in vars(cls).items()
+            if not n.startswith("_") and callable(v)}
+
+
+def _params(fn: Any) -> list[tuple[str, Any, Any]]:
+    sig = inspect.signature(fn)
+    return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+
+PAIRS = [
+    (qstore.Store, qstore.Client, EMBEDDED_ONLY, CLIENT_ONLY),
+    (qstore.Queue, qstore.RemoteQueue, set(), set()),
+    (qstore.Store, qstore.aio.AsyncClient, EMBEDDED_ONLY, CLIENT_ONLY),
+    (qstore.Queue, qstore.aio.AsyncQueue, set(), set()),
+]
+
+
+@pytest.mark.parametrize(("embedded", "remote", "only_here", "only_there"), PAIRS,
+                         ids=lambda v: getattr(v, "__name__", ""))
+def test_client_has_the_embedded_methods_and_signatures(
+        embedded: type, remote: type, only_here: set[str], only_there: set[str]) -> None:
+    mine, theirs = _public(embedded), _public(remote)
+    assert set(mine) - only_here == set(theirs) - only_there
+    for name, member in mine.items():
+        if name in only_here or name in DIFFERENT:
+            continue
+        assert _params(member) == _params(theirs[name]), name
+
+
+@pytest.mark.parametrize("remote", [qstore.RemoteQueue, qstore.aio.AsyncQueue])
+def test_queue_attributes_are_those_of_the_embedded_queue(remote: type) -> None:
+    props = {n for n, v in vars(qstore.Queue).items() if isinstance(v, property)}
+    init = inspect.getsource(remote.__init__)
+    for name in props:
+        assert f"self.{name}" in init, name
+
+
+def test_messages_with_expiry_cross_the_wire() -> None:
+    from qstore import _wire as wire
+
+    m = qstore.Message(3, "q", 1, b"x", 2, 10.0, None, None, "dead", expires_at=20.0,
+                       dead_reason="expired")
+    assert wire.decode_message(wire.unpack(wire.pack(wire.encode_message(m))[4:])) == m
+    plain = qstore.Message(4, "q", 1, b"y", 1, 10.0, 40.0, "r", "in_flight")
+    assert len(wire.encode_message(plain)) == 9
+    assert wire.decode_message(wire.encode_message(plain)) == plain

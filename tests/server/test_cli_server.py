@@ -1,0 +1,71 @@
+"""`qstore` commands given a store whose server runs go through the server
+(contract section 6), or through an address given as STORE; a real server
+process each time."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from click.testing import CliRunner
+
+import qstore
+from qstore.cli import main
+
+from ._support import ServerProcess, running
+
+
+def _run(*args: str) -> Any:
+    return CliRunner().invoke(main, list(args))
+
+
+def test_commands_on_a_served_store_go_through_the_server(server: ServerProcess,
+                                                          tmp_path: Any) -> None:
+    store = server.store
+    r = _run("push", store, "jobs", "hello", "-p", "7", "--create")
+    assert r.exit_code == 0, r.output
+    mid = int(r.output)
+    assert _run("push", store, "jobs", "later", "--ttl", "60").exit_code == 0
+    stats = json.loads(_run("stats", store, "--json").output)
+    assert stats["queues"][0]["queue"] == "jobs" and stats["queues"][0]["ready"] == 2
+    r = _run("peek", store, "jobs")
+    assert r.exit_code == 0 and "hello" in r.output
+    r = _run("pop", store, "jobs")
+    assert r.exit_code == 0 and r.output.startswith(f"{mid}\t") and "hello" in r.output
+    r = _run("pop", store, "jobs", "--no-ack")
+    assert r.exit_code == 0 and "receipt=" in r.output
+    with qstore.connect(store) as client:  # --no-ack leases outlive the command
+        assert client.queue("jobs").stats().in_flight == 1
+    assert _run("pop", store, "jobs").exit_code == 1  # nothing ready
+    r = _run("compact", store)
+    assert r.exit_code == 0 and "freed" in r.output, r.output
+    dest = str(tmp_path / "snap")
+    assert _run("snapshot", store, dest).exit_code == 0
+    assert os.path.isdir(dest)
+    r = _run("check", store)
+    assert r.exit_code == 0, r.output
+    assert _run("check", dest).exit_code == 0
+
+
+def test_a_tcp_server_with_a_token(tmp_path: Any) -> None:
+    tok = tmp_path / "tok"
+    tok.write_text("s3cret\n")
+    with running(str(tmp_path / "store"), "--listen", "tcp://127.0.0.1:0",
+                 "--token-file", str(tok)) as srv:
+        r = _run("push", srv.address, "q", "x", "--create", "--token-file", str(tok))
+        assert r.exit_code == 0, r.output
+        r = _run("stats", srv.address, "--json", "--token-file", str(tok))
+        assert json.loads(r.output)["queues"][0]["ready"] == 1
+        r = _run("stats", srv.address)
+        assert r.exit_code == 5 and "AuthenticationFailed" not in r.output
+
+
+def test_a_stale_socket_file_is_ignored(tmp_path: Any) -> None:
+    store = str(tmp_path / "store")
+    with running(store) as srv:
+        assert _run("push", store, "q", "x", "--create").exit_code == 0
+        srv.kill()  # SIGKILL: the socket file stays, nothing answers
+    assert os.path.exists(os.path.join(store, "qstore.sock"))
+    r = _run("pop", store, "q")
+    assert r.exit_code == 0 and "x" in r.output, r.output

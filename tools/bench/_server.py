@@ -1,0 +1,300 @@
+"""The server against beanstalkd (CONTRACT.md sections 7 and 8), for ``make bench``.
+
+Both servers run as child processes on loopback TCP ports picked here:
+``qstore serve`` (durability "interval") and beanstalkd with a binlog and
+``-f 50`` (fsync at most every 50 ms: the same durability class). Four client
+processes drive each: qstore through ``qstore.connect``, beanstalkd through
+``greenstalk``. Measured, in messages per second over all four clients:
+
+- single ops: qstore push and pop+ack, beanstalkd put and reserve+delete;
+- batches of 100 through the client: push_many, and pop_many + ack_many;
+- one client's single-op round trip (a push, a put), p50 and p99 in ms.
+
+A client process connects before the clock starts and waits on a barrier,
+so connection and start-up costs are not counted. The rate is all
+messages over the span from the first client's start to the last's end.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ._plan import KiB, Params
+from ._results import Metric
+
+CLIENTS = 4
+BATCH = 100
+TUBE = "bench"
+QUEUE = "bench"
+
+
+# -- the two servers ---------------------------------------------------------------
+
+
+def beanstalkd_path() -> str | None:
+    return shutil.which("beanstalkd")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _await_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"beanstalkd exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.02)  # a bench polls a starting server; tests never do this
+    raise RuntimeError("beanstalkd did not start listening")
+
+
+@contextmanager
+def beanstalkd(workdir: str) -> Iterator[tuple[str, int]]:
+    binary = beanstalkd_path()
+    assert binary is not None
+    binlog = os.path.join(workdir, "binlog")
+    os.makedirs(binlog, exist_ok=True)
+    port = _free_port()
+    proc = subprocess.Popen([binary, "-l", "127.0.0.1", "-p", str(port), "-b", binlog,
+                             "-f", "50", "-z", str(2 * 1024 * 1024)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _await_port(port, proc)
+        yield ("127.0.0.1", port)
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+@contextmanager
+def qstore_server(store: str) -> Iterator[str]:
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen([sys.executable, "-m", "qstore.cli", "serve", store,
+                             "--listen", "tcp://127.0.0.1:0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode().strip()
+        if not line.startswith("listening on "):
+            raise RuntimeError(f"qstore serve did not start: {line!r}")
+        yield line[len("listening on "):]
+    finally:
+        proc.kill()
+        proc.wait(30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+# -- client processes --------------------------------------------------------------
+
+
+def _qstore_op(address: str, op: str, n: int, payload: bytes) -> Callable[[], int]:
+    import qstore
+
+    q = qstore.connect(address).queue(QUEUE)
+    if op == "push":
+        def run() -> int:
+            q.push(payload, priority=random.randrange(10))
+            return 1
+    elif op == "pop+ack":
+        def run() -> int:
+            m = q.pop(lease=60.0)
+            if m is None:
+                return 0
+            q.ack(m)
+            return 1
+    elif op == "push_many":
+        items = [(payload, i % 10) for i in range(BATCH)]
+
+        def run() -> int:
+            return len(q.push_many(items))
+    elif op == "pop_many+ack_many":
+        def run() -> int:
+            got = q.pop_many(BATCH, lease=60.0)
+            if got:
+                q.ack_many(got)
+            return len(got)
+    else:
+        raise AssertionError(op)
+    return run
+
+
+def _beanstalk_op(address: tuple[str, int], op: str, n: int, payload: bytes) -> Callable[[], int]:
+    import greenstalk
+
+    c = greenstalk.Client(address, encoding=None, use=TUBE, watch=TUBE)
+    if op == "put":
+        def run() -> int:
+            c.put(payload, priority=random.randrange(10))
+            return 1
+    elif op == "reserve+delete":
+        def run() -> int:
+            try:
+                job = c.reserve(timeout=0)
+            except greenstalk.TimedOutError:
+                return 0
+            c.delete(job)
+            return 1
+    else:
+        raise AssertionError(op)
+    return run
+
+
+def _client(kind: str, address: Any, op: str, n: int, budget: float, payload: bytes,
+            barrier: Any, results: Any, latencies: bool) -> None:
+    run = (_qstore_op if kind == "qstore" else _beanstalk_op)(address, op, n, payload)
+    barrier.wait()
+    done = 0
+    lat: list[float] = []
+    start = time.perf_counter()
+    stop = start + budget
+    t = start
+    while done < n and t < stop:
+        got = run()
+        now = time.perf_counter()
+        if latencies:
+            lat.append(now - t)
+        t = now
+        if got == 0:
+            break  # drained
+        done += got
+    # perf_counter is CLOCK_MONOTONIC on Linux: comparable across processes
+    results.put((done, start, t, lat))
+
+
+def _drive(kind: str, address: Any, op: str, n: int, budget: float, clients: int = CLIENTS,
+           latencies: bool = False) -> tuple[float, list[float]]:
+    """messages/s over ``clients`` processes doing ``n`` messages in all (or ``budget`` s)."""
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(clients)
+    results = ctx.Queue()
+    payload = os.urandom(KiB)
+    procs = [ctx.Process(target=_client, args=(kind, address, op, n // clients, budget,
+                                               payload, barrier, results, latencies))
+             for _ in range(clients)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=budget + 120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    total = sum(g[0] for g in got)
+    span = max(g[2] for g in got) - min(g[1] for g in got)
+    lat = [x for g in got for x in g[3]]
+    return (total / span if span > 0 else 0.0), lat
+
+
+def _fill_qstore(address: str, n: int) -> None:
+    import qstore
+
+    with qstore.connect(address) as c:
+        q = c.queue(QUEUE)
+        body = os.urandom(KiB)
+        for i in range(0, n, 1000):
+            q.push_many([(body, j % 10) for j in range(min(1000, n - i))])
+
+
+def _drain_qstore(address: str) -> None:
+    import qstore
+
+    with qstore.connect(address) as c:
+        c.queue(QUEUE).purge()
+
+
+def _fill_beanstalkd(address: tuple[str, int], n: int) -> None:
+    import greenstalk
+
+    with greenstalk.Client(address, encoding=None, use=TUBE, watch=TUBE) as c:
+        body = os.urandom(KiB)
+        for j in range(n):
+            c.put(body, priority=j % 10)
+
+
+def _drain_beanstalkd(address: tuple[str, int]) -> None:
+    import greenstalk
+
+    with greenstalk.Client(address, encoding=None, use=TUBE, watch=TUBE) as c:
+        while True:
+            try:
+                c.delete(c.reserve(timeout=0))
+            except greenstalk.TimedOutError:
+                return
+
+
+def _pcts(lat: list[float]) -> tuple[float, float]:
+    lat = sorted(lat)
+    if not lat:
+        return 0.0, 0.0
+    return (lat[len(lat) // 2] * 1e3, lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3)
+
+
+def measure_server(path: str, p: Params, say: Callable[[str], None] = print) -> list[Metric]:
+    """The server metrics of one run; beanstalkd's are left out when it is not installed."""
+    os.makedirs(path)
+    n, budget = p.n, p.budget
+    out: list[Metric] = []
+
+    def rate(name: str, label: str, value: float) -> None:
+        out.append(Metric(f"server.{name}", label, value, "msgs/s"))
+
+    with qstore_server(os.path.join(path, "store")) as addr:
+        import qstore
+
+        with qstore.connect(addr) as c:
+            c.create_queue(QUEUE)
+        rate("qstore.push", f"qstore push x{CLIENTS}", _drive("qstore", addr, "push", n, budget)[0])
+        _drain_qstore(addr)
+        _fill_qstore(addr, n)
+        rate("qstore.pop_ack", f"qstore pop+ack x{CLIENTS}",
+             _drive("qstore", addr, "pop+ack", n, budget)[0])
+        _drain_qstore(addr)
+        rate("qstore.push_many", f"qstore push_many(100) x{CLIENTS}",
+             _drive("qstore", addr, "push_many", n * 5, budget)[0])
+        _drain_qstore(addr)
+        _fill_qstore(addr, n * 5)
+        rate("qstore.pop_many_ack_many", f"qstore pop_many+ack_many(100) x{CLIENTS}",
+             _drive("qstore", addr, "pop_many+ack_many", n * 5, budget)[0])
+        _drain_qstore(addr)
+        _, lat = _drive("qstore", addr, "push", min(n, 5000), budget, clients=1, latencies=True)
+        p50, p99 = _pcts(lat)
+        out.append(Metric("server.qstore.rtt_p50_ms", "qstore push round trip p50 (1 client)",
+                          p50, "ms"))
+        out.append(Metric("server.qstore.rtt_p99_ms", "qstore push round trip p99 (1 client)",
+                          p99, "ms"))
+    if beanstalkd_path() is None:
+        say("[server] beanstalkd is not installed: its figures are left out")
+        return out
+    with beanstalkd(path) as baddr:
+        rate("beanstalkd.put", f"beanstalkd put x{CLIENTS}",
+             _drive("beanstalkd", baddr, "put", n, budget)[0])
+        _drain_beanstalkd(baddr)
+        _fill_beanstalkd(baddr, n)
+        rate("beanstalkd.reserve_delete", f"beanstalkd reserve+delete x{CLIENTS}",
+             _drive("beanstalkd", baddr, "reserve+delete", n, budget)[0])
+        _drain_beanstalkd(baddr)
+        _, lat = _drive("beanstalkd", baddr, "put", min(n, 5000), budget, clients=1,
+                        latencies=True)
+        p50, p99 = _pcts(lat)
+        out.append(Metric("server.beanstalkd.rtt_p50_ms", "beanstalkd put round trip p50 "
+                          "(1 client)", p50, "ms"))
+        out.append(Metric("server.beanstalkd.rtt_p99_ms", "beanstalkd put round trip p99 "
+                          "(1 client)", p99, "ms"))
+    return out
