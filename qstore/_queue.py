@@ -245,6 +245,12 @@ class Queue:
         with core.writing:
             q = self._state()
             qid = q.qid
+            if q.rec.dedup:
+                # A message whose TTL ran out is gone even before a pass removed it:
+                # run the pass, so that its dedup key matches no push.
+                now_us = keys.to_us(core.clock())
+                if q.next_event_us <= now_us:
+                    core.promote(q, now_us)
             fresh: list[int] = []  # rows really enqueued
             first_of: dict[bytes, int] = {}  # dedup digest -> first row in this batch
             dup_of: dict[int, int] = {}  # row -> earlier row with the same digest

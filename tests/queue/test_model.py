@@ -6,6 +6,17 @@ extends, clock moves, redrives, purges and reopens, and compares every
 result, every error and every counter with the model after each step. An
 invariant also recounts each queue straight from its RocksDB indexes.
 
+Each queue also draws the options of contract section 10, and the model
+follows them with the same injected clock: a TTL (per push, per batch, per
+item or the queue's default; ``on_expire`` drop or dead) expires a message in
+any state but dead, before a lease or delay that runs out at the same time
+is promoted; an aging queue's ready messages sit at their pushed priority
+plus one level per ``aging`` seconds since their push (up to ``aging_cap``),
+so every pop is compared with the model's aged priorities; a rate-limited
+queue's pops take tokens from a bucket refilled by the clock (full again
+after a reopen). ``stats().expired`` and the options are compared too, and
+``configure`` changes the TTL, ``on_expire`` and rate of a live queue.
+
 Times are whole or half seconds, so that ``clock() + lease`` and its
 microsecond key round-trip exactly and the model can compare deadlines with
 ``==``.
@@ -13,11 +24,13 @@ microsecond key round-trip exactly and the model can compare deadlines with
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -62,6 +75,11 @@ delays = st.sampled_from([0, 0, 0.0, 1, 2.5, 7])
 leases = st.sampled_from([1, 2, 5, 10, 20.5, 100])
 dedup_keys = st.sampled_from([None, None, None, "k1", b"k1", "k2"])
 advances = st.sampled_from([0.5, 1, 2, 5, 10, 20, 30])
+ttls = st.sampled_from([None] * 5 + [1, 2.5, 6, 20])
+on_expires = st.sampled_from(["drop", "dead"])
+agings = st.sampled_from([None, None, 1, 2.5, 4])
+aging_caps = st.sampled_from([None, None, 1, 3])
+rates = st.sampled_from([None, None, None, (1, 2.0), (2, 1.0), (3, 10.0)])
 # A clock move at the start of an operation, before any stats() call promotes what
 # became due: the operation itself must see expired leases and due delays.
 ticks = st.sampled_from([None] * 7 + ["event", "before", 1])
@@ -80,16 +98,81 @@ class Rec:
     when: float = 0.0  # due time (delayed) or lease deadline (in_flight)
     attempts: int = 0
     receipt: str | None = None  # the live delivery, while in_flight
+    expires: float | None = None  # when its TTL runs out (None: no TTL, or dead)
+    reason: str | None = None  # "expired": a dead letter made by its TTL
+    base: int | str = 0  # the pushed priority (``priority`` is the aged one)
+
+
+@dataclass
+class Options:
+    """The options of contract section 10 as the model holds them."""
+
+    ttl: float | None = None
+    on_expire: str = "drop"
+    aging: float | None = None
+    aging_cap: int | None = None
+    rate: tuple[int, float] | None = None
 
 
 class ModelQueue:
-    def __init__(self, name: str, order: str, ptype: str, max_attempts: int, dedup: bool) -> None:
+    def __init__(self, name: str, order: str, ptype: str, max_attempts: int, dedup: bool,
+                 opts: Options, now: float) -> None:
         self.name = name
         self.order = order
         self.ptype = ptype
         self.max_attempts = max_attempts
         self.dedup = dedup
+        self.opts = opts
         self.msgs: dict[int, Rec] = {}
+        self.expired = 0
+        self.tokens = Fraction(0)
+        self.tokens_at = Fraction(now)
+        self.fill_bucket(now)
+
+    # -- rate limit: a token bucket, in exact fractions ------------------------
+
+    def fill_bucket(self, now: float) -> None:
+        """A new bucket (create, reopen, a changed rate) starts full."""
+        if self.opts.rate is not None:
+            self.tokens, self.tokens_at = Fraction(self.opts.rate[0]), Fraction(now)
+
+    def tokens_available(self, now: float) -> int:
+        if self.opts.rate is None:
+            return 2**31
+        n, per = self.opts.rate
+        t = Fraction(now)
+        if t > self.tokens_at:
+            self.tokens = min(Fraction(n), self.tokens + (t - self.tokens_at) * n / Fraction(per))
+            self.tokens_at = t
+        return math.floor(self.tokens)
+
+    def take_tokens(self, k: int) -> None:
+        if self.opts.rate is not None:
+            self.tokens -= k
+
+    # -- aging -----------------------------------------------------------------
+
+    def gain(self, rec: Rec, now: float) -> int:
+        """Levels a message pushed at ``rec.enqueued_at`` has gained by ``now``."""
+        a = self.opts.aging
+        assert a is not None
+        k = math.floor((Fraction(now) - Fraction(rec.enqueued_at)) / Fraction(a))
+        k = max(k, 0)
+        return k if self.opts.aging_cap is None else min(k, self.opts.aging_cap)
+
+    def aged(self, rec: Rec, now: float) -> int:
+        assert isinstance(rec.base, int)
+        k = self.gain(rec, now)
+        return max(INT_MIN, rec.base - k) if self.order == "min" else min(INT_MAX, rec.base + k)
+
+    def next_gain(self, rec: Rec, now: float) -> float | None:
+        """When a ready message next gains a level (None: it reached its cap)."""
+        a = self.opts.aging
+        assert a is not None
+        k = self.gain(rec, now)
+        if self.opts.aging_cap is not None and k >= self.opts.aging_cap:
+            return None
+        return rec.enqueued_at + (k + 1) * a
 
     def priority(self, given: int | str | None) -> int | str:
         if given is None:
@@ -127,22 +210,41 @@ class ModelQueue:
         """A lease ends without an ack (nack or expiry)."""
         m.receipt = None
         if m.attempts >= self.max_attempts:
-            m.state, m.when = "dead", 0.0
+            m.state, m.when, m.expires = "dead", 0.0, None  # dead letters do not expire
         elif delay > 0:
             m.state, m.when = "delayed", now + delay
         else:
             m.state, m.when = "ready", 0.0
 
     def settle(self, now: float) -> None:
-        """Expire leases and release delays whose time has come (clock() >= when)."""
+        """What the store's pass does at ``now``, in its order: expire the TTLs that ran
+        out (clock() >= expires), then expire leases and release delays whose time has
+        come (clock() >= when), then age the ready messages."""
+        for m in list(self.msgs.values()):
+            if m.expires is not None and now >= m.expires:
+                self.expired += 1
+                if self.opts.on_expire == "dead":
+                    m.state, m.when, m.receipt = "dead", 0.0, None
+                    m.expires, m.reason = None, "expired"
+                else:
+                    del self.msgs[m.id]
         for m in self.msgs.values():
             if m.state == "in_flight" and now >= m.when:
                 self.give_back(m, now, 0.0)
             elif m.state == "delayed" and now >= m.when:
                 m.state, m.when = "ready", 0.0
+        if self.opts.aging is not None:
+            for m in self.msgs.values():
+                if m.state == "ready":
+                    m.priority = self.aged(m, now)
 
-    def events(self) -> list[float]:
-        return [m.when for m in self.msgs.values() if m.state in ("in_flight", "delayed")]
+    def events(self, now: float) -> list[float]:
+        out = [m.when for m in self.msgs.values() if m.state in ("in_flight", "delayed")]
+        out += [m.expires for m in self.msgs.values() if m.expires is not None]
+        if self.opts.aging is not None:
+            out += [t for m in self.msgs.values() if m.state == "ready"
+                    for t in [self.next_gain(m, now)] if t is not None]
+        return out
 
     def counts(self) -> Counts:
         n = {s: 0 for s in ("ready", "delayed", "in_flight", "dead")}
@@ -187,18 +289,29 @@ class QueueMachine(RuleBasedStateMachine):
         b_type=st.sampled_from(["int", "str"]),
         b_attempts=st.sampled_from([1, 2, 3, 3]),
         b_dedup=st.booleans(),
+        opts=st.lists(st.tuples(ttls, on_expires, agings, aging_caps, rates), min_size=2,
+                      max_size=2),
     )
     def open_store(self, durability: str, a_type: str, a_attempts: int, a_dedup: bool,
-                   b_order: str, b_type: str, b_attempts: int, b_dedup: bool) -> None:
+                   b_order: str, b_type: str, b_attempts: int, b_dedup: bool,
+                   opts: list[tuple[Any, ...]]) -> None:
         self.options = {"clock": self.clock, "compactor": False, "segment_max_bytes": 4096,
                         "sweep_interval": 3600.0, "durability": durability}
         self.store = qstore.open(self.path, **self.options)
         configs = {"a": (self.ORDER, a_type, a_attempts, a_dedup),
                    "ab": (b_order, b_type, b_attempts, b_dedup)}
-        for name, (order, ptype, attempts, dedup) in configs.items():
+        for (name, (order, ptype, attempts, dedup)), drawn in zip(configs.items(), opts,
+                                                                  strict=True):
+            o = Options(*drawn)
+            if ptype != "int" or order == "fifo":
+                o.aging = o.aging_cap = None  # aging needs int priorities and an order
+            elif o.aging is None:
+                o.aging_cap = None
             self.handles[name] = self.store.create_queue(
-                name, order=order, priority_type=ptype, max_attempts=attempts, dedup=dedup)
-            self.model[name] = ModelQueue(name, order, ptype, attempts, dedup)
+                name, order=order, priority_type=ptype, max_attempts=attempts, dedup=dedup,
+                ttl=o.ttl, on_expire=o.on_expire, aging=o.aging, aging_cap=o.aging_cap,
+                rate=o.rate)
+            self.model[name] = ModelQueue(name, order, ptype, attempts, dedup, o, self.now)
 
     def teardown(self) -> None:
         if self.store is not None:
@@ -211,10 +324,10 @@ class QueueMachine(RuleBasedStateMachine):
     def now(self) -> float:
         return self.clock.now
 
-    def _record_push(self, mq: ModelQueue, rows: list[tuple[bytes, Any, float, Any]],
+    def _record_push(self, mq: ModelQueue, rows: list[tuple[bytes, Any, float, Any, Any]],
                      ids: list[int]) -> None:
         assert len(ids) == len(rows)
-        for (payload, prio, delay, key), mid in zip(rows, ids, strict=True):
+        for (payload, prio, delay, key, ttl), mid in zip(rows, ids, strict=True):
             digest = mq.digest(payload, key)
             existing = mq.live_with(digest)
             if existing is not None:
@@ -224,6 +337,11 @@ class QueueMachine(RuleBasedStateMachine):
             self.last_id = mid
             self.ids.append(mid)
             rec = Rec(mid, mq.priority(prio), payload, self.now, digest)
+            rec.base = rec.priority
+            if ttl is None:
+                ttl = mq.opts.ttl
+            if ttl is not None:
+                rec.expires = self.now + ttl
             if delay > 0:
                 rec.state, rec.when = "delayed", self.now + delay
             mq.msgs[mid] = rec
@@ -250,6 +368,7 @@ class QueueMachine(RuleBasedStateMachine):
                                                              rec.enqueued_at)
         assert msg.receipt is None
         assert msg.lease_deadline == (rec.when if rec.state == "in_flight" else None)
+        assert (msg.expires_at, msg.dead_reason) == (rec.expires, rec.reason)
 
     def _pick(self, data: st.DataObject, *, edge_ok: bool = True) -> qstore.Message:
         """A delivery: mostly one whose lease is live, else any (likely stale) one.
@@ -290,35 +409,37 @@ class QueueMachine(RuleBasedStateMachine):
     # -- pushing --------------------------------------------------------------
 
     @rule(name=st.sampled_from(NAMES), payload=payloads, pi=int_priorities, ps=str_priorities,
-          delay=delays, key=dedup_keys, tick=ticks)
+          delay=delays, key=dedup_keys, ttl=ttls, tick=ticks)
     def push(self, name: str, payload: bytes, pi: int | None, ps: str | None, delay: float,
-             key: str | bytes | None, tick: Any) -> None:
+             key: str | bytes | None, ttl: float | None, tick: Any) -> None:
         self._tick(tick)
         mq = self.model[name]
         prio = pi if mq.ptype == "int" else ps
         key = key if mq.dedup else None
-        mid = self.handles[name].push(payload, priority=prio, delay=delay, dedup_key=key)
-        self._record_push(mq, [(payload, prio, delay, key)], [mid])
+        mid = self.handles[name].push(payload, priority=prio, delay=delay, dedup_key=key,
+                                      ttl=ttl)
+        self._record_push(mq, [(payload, prio, delay, key, ttl)], [mid])
 
-    @rule(name=st.sampled_from(NAMES), batch_delay=delays,
+    @rule(name=st.sampled_from(NAMES), batch_delay=delays, batch_ttl=ttls,
           items=st.lists(st.tuples(payloads, int_priorities, str_priorities, delays, dedup_keys,
-                                   st.sampled_from(["bytes", 1, 2, 3, 4])), max_size=5))
-    def push_many(self, name: str, batch_delay: float,
-                  items: list[tuple[bytes, Any, Any, float, Any, Any]]) -> None:
+                                   ttls, st.sampled_from(["bytes", 1, 2, 3, 4, 5])),
+                         max_size=5))
+    def push_many(self, name: str, batch_delay: float, batch_ttl: float | None,
+                  items: list[tuple[bytes, Any, Any, float, Any, Any, Any]]) -> None:
         mq = self.model[name]
         args: list[Any] = []
         rows = []
-        for payload, pi, ps, delay, key, shape in items:
+        for payload, pi, ps, delay, key, ttl, shape in items:
             prio = pi if mq.ptype == "int" else ps
             key = key if mq.dedup else None
             if shape == "bytes":
                 args.append(payload)
-                rows.append((payload, None, batch_delay, None))
+                rows.append((payload, None, batch_delay, None, batch_ttl))
             else:
-                full = (payload, prio, delay, key)
+                full = (payload, prio, delay, key, ttl)
                 args.append(full[:shape])
-                rows.append(full[:shape] + (None, None, batch_delay, None)[shape:])
-        ids = self.handles[name].push_many(args, delay=batch_delay)
+                rows.append(full[:shape] + (None, None, batch_delay, None, batch_ttl)[shape:])
+        ids = self.handles[name].push_many(args, delay=batch_delay, ttl=batch_ttl)
         self._record_push(mq, rows, ids)
 
     # -- leasing --------------------------------------------------------------
@@ -327,21 +448,25 @@ class QueueMachine(RuleBasedStateMachine):
     def pop(self, name: str, lease: float, tick: Any) -> None:
         self._tick(tick)
         mq = self.model[name]
-        head = mq.ready()[:1]
+        mq.settle(self.now)
+        head = mq.ready()[:min(1, mq.tokens_available(self.now))]
         got = self.handles[name].pop(lease=lease)
         if not head:
             assert got is None
             return
         assert got is not None, f"pop returned nothing; the model has {head[0].id} ready"
+        mq.take_tokens(1)
         self._check_delivery(mq, got, head[0], lease)
 
     @rule(name=st.sampled_from(NAMES), n=st.integers(1, 5), lease=leases, tick=ticks)
     def pop_many(self, name: str, n: int, lease: float, tick: Any) -> None:
         self._tick(tick)
         mq = self.model[name]
-        head = mq.ready()[:n]
+        mq.settle(self.now)
+        head = mq.ready()[:min(n, mq.tokens_available(self.now))]
         got = self.handles[name].pop_many(n, lease=lease)
         assert [m.id for m in got] == [r.id for r in head]
+        mq.take_tokens(len(got))
         for msg, rec in zip(got, head, strict=True):
             self._check_delivery(mq, msg, rec, lease)
 
@@ -430,7 +555,7 @@ class QueueMachine(RuleBasedStateMachine):
         if tick is None:
             return
         if tick in ("event", "before"):
-            events = [w for mq in self.model.values() for w in mq.events()]
+            events = [w for mq in self.model.values() for w in mq.events(self.now)]
             if not events:
                 return
             target = min(events) - (0.5 if tick == "before" else 0.0)
@@ -451,6 +576,7 @@ class QueueMachine(RuleBasedStateMachine):
     def get(self, data: st.DataObject, name: str, tick: Any) -> None:
         self._tick(tick)
         mid = data.draw(st.sampled_from(self.ids))
+        self.model[name].settle(self.now)
         rec = self.model[name].msgs.get(mid)
         got, err = outcome(lambda: self.handles[name].get(mid))
         if rec is None:
@@ -463,10 +589,12 @@ class QueueMachine(RuleBasedStateMachine):
           tick=st.sampled_from([None, "event", "event", 1]))
     def redrive(self, name: str, n: int, tick: Any) -> None:
         self._tick(tick)
-        want = self.model[name].dead()[:n]
+        mq = self.model[name]
+        mq.settle(self.now)
+        want = mq.dead()[:n]
         assert self.handles[name].redrive(n) == len(want)
-        for rec in want:
-            rec.state, rec.attempts = "ready", 0
+        for rec in want:  # ready again, without its reason (and without a TTL)
+            rec.state, rec.attempts, rec.reason = "ready", 0, None
 
     @rule(name=st.sampled_from(NAMES), go=st.integers(0, 3))
     def purge(self, name: str, go: int) -> None:
@@ -488,6 +616,23 @@ class QueueMachine(RuleBasedStateMachine):
             q = self.handles[name] = self.store.queue(name)
             assert (q.order, q.priority_type, q.max_attempts, q.dedup) == (
                 mq.order, mq.ptype, mq.max_attempts, mq.dedup)
+            mq.fill_bucket(self.now)  # the bucket lives in memory: full again
+
+    @rule(name=st.sampled_from(NAMES), what=st.sampled_from(["ttl", "on_expire", "rate"]),
+          ttl=ttls, on_expire=on_expires, rate=rates, go=st.integers(0, 2))
+    def configure(self, name: str, what: str, ttl: float | None, on_expire: str,
+                  rate: tuple[int, float] | None, go: int) -> None:
+        """Change one option of a live queue; messages keep the TTL they were given."""
+        if go:
+            return
+        assert self.store is not None
+        value = {"ttl": ttl, "on_expire": on_expire, "rate": rate}[what]
+        self.handles[name] = self.store.configure_queue(name, **{what: value})
+        mq = self.model[name]
+        old_rate = mq.opts.rate
+        setattr(mq.opts, what, value)
+        if what == "rate" and value != old_rate:
+            mq.fill_bucket(self.now)
 
     # -- invariants -----------------------------------------------------------
 
@@ -496,7 +641,12 @@ class QueueMachine(RuleBasedStateMachine):
         if self.store is None:
             return
         for name, mq in self.model.items():
+            mq.settle(self.now)
             assert assert_consistent(self.store, self.handles[name]) == mq.counts()
+            st_ = self.handles[name].stats()
+            o = mq.opts
+            assert (st_.expired, st_.ttl, st_.on_expire, st_.aging, st_.aging_cap, st_.rate) == (
+                mq.expired, o.ttl, o.on_expire, o.aging, o.aging_cap, o.rate)
 
     @invariant()
     def peek_and_dead_letters_equal_model(self) -> None:
@@ -504,6 +654,7 @@ class QueueMachine(RuleBasedStateMachine):
         if self.store is None:
             return
         for name, mq in self.model.items():
+            mq.settle(self.now)
             q = self.handles[name]
             for got, want in ((q.peek(len(mq.msgs) + 1), mq.ready()),
                               (q.dead_letters(len(mq.msgs) + 1), mq.dead())):

@@ -233,3 +233,17 @@ def test_options_persist_and_can_be_changed(store_path: str, clock: FakeClock) -
             None, "dead", 60.0, 3, None)
         assert s.queue("plain").stats().ttl == 5.0
         assert s.check().ok
+
+
+def test_a_push_does_not_dedup_against_a_message_whose_ttl_ran_out(store: qstore.Store,
+                                                                   clock: FakeClock) -> None:
+    q = store.create_queue("q", dedup=True)
+    old = q.push(b"x", dedup_key="k", ttl=1, delay=5)
+    clock.advance(1)  # no pass has run: the push itself must see the expiry
+    new = q.push(b"x", dedup_key="k")
+    assert new != old
+    with pytest.raises(qstore.MessageNotFound):
+        q.get(old)
+    st = q.stats()
+    assert (st.ready, st.delayed, st.expired) == (1, 0, 1)
+    assert_consistent(store, q)

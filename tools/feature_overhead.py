@@ -1,0 +1,74 @@
+"""Plain push and pop+ack of two qstore source trees, alternated, on a queue with no options.
+
+    python tools/feature_overhead.py OLD_TREE NEW_TREE [--rounds 12] [--n 20000]
+
+Each tree is a directory holding a ``qstore`` package (for example a
+``git archive`` of the commit before the section 10 features, and this
+worktree). Rounds alternate the two trees (ABBA order), each in a fresh
+interpreter on a fresh store, so that the load of a shared machine falls on
+both alike; the result is the median time per operation of each and their
+ratio. The contract's budget: the features may not slow these paths by more
+than 5% on a queue that uses none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+CHUNK = """
+import json, sys, tempfile, time, qstore
+n = int(sys.argv[1])
+with tempfile.TemporaryDirectory() as d:
+    with qstore.open(d + "/s", compactor=False) as store:
+        q = store.create_queue("q")
+        body = b"x" * 100
+        for i in range(2000):  # warm up
+            q.ack(q.pop(lease=30.0)) if i % 2 else q.push(body, priority=i % 10)
+        t0 = time.perf_counter()
+        for i in range(n):
+            q.push(body, priority=i % 10)
+        t1 = time.perf_counter()
+        for _ in range(n):
+            q.ack(q.pop(lease=30.0))
+        t2 = time.perf_counter()
+print(json.dumps({"push": (t1 - t0) / n, "pop_ack": (t2 - t1) / n}))
+"""
+
+
+def run_chunk(tree: str, n: int) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=tree)
+    out = subprocess.run([sys.executable, "-c", CHUNK, str(n)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out)  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("old")
+    ap.add_argument("new")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--n", type=int, default=20_000)
+    args = ap.parse_args()
+    times: dict[str, dict[str, list[float]]] = {
+        t: {"push": [], "pop_ack": []} for t in ("old", "new")}
+    for r in range(args.rounds):
+        order = ("old", "new") if r % 2 == 0 else ("new", "old")
+        for which in order:
+            got = run_chunk(getattr(args, which), args.n)
+            for op, sec in got.items():
+                times[which][op].append(sec)
+    for op in ("push", "pop_ack"):
+        old = statistics.median(times["old"][op])
+        new = statistics.median(times["new"][op])
+        print(f"{op}: before {old * 1e6:.1f} us/op ({1 / old:,.0f}/s), "
+              f"after {new * 1e6:.1f} us/op ({1 / new:,.0f}/s), "
+              f"after/before {new / old:.3f} (median of {args.rounds} rounds)")
+
+
+if __name__ == "__main__":
+    main()
