@@ -2,8 +2,8 @@
 
 Layers point one way::
 
-    Store, Queue (facade: validation, the public API)
-      └─> Core (this module): writer lock, commit, ids, queue registry, promotion
+    Store, Queue (facade: validation, the public API), _timers (time-driven passes)
+      └─> Core (this module): writer lock, commit, ids, queue registry
             ├─> _states (the message state machine, as edits to a Txn)
             ├─> _txn (Txn, QueueState), _durability (Syncer)
             └─> meta/ (RocksDB), payload/ (segments)
@@ -24,14 +24,13 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any
 
-from . import _aging as aging
 from . import _states as states
 from ._config import Config
 from ._durability import Syncer
 from ._errors import Corruption, ReadOnlyStore, StorageError, StoreClosed, StoreLocked
 from ._heads import ReadyHeads
 from ._rate import TokenBucket
-from ._txn import NO_EVENT_US, STATE_COUNTER, QueueState, Txn, apply_counts
+from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts
 from .meta import Batch, MetaDB, keys, new_batch, records, write_sst
 from .payload import FRAME_SIZE, PayloadRef, SegmentSet, parse_segment_name
 
@@ -41,7 +40,6 @@ _READY, _INFLIGHT = records.READY, records.INFLIGHT
 _U64 = keys.U64.pack
 
 ID_BLOCK = 4096  # ids reserved per M"id_hwm" write; a restart skips the unused rest
-PROMOTE_BATCH = 1000  # promotions per batch, to bound the time the writer lock is held
 # Message records this process wrote last, kept encoded so that a pop or an ack
 # of a recent message reads no record from RocksDB. Bounded: about 150 bytes each.
 RECORD_CACHE = 65_536
@@ -643,7 +641,7 @@ class Core:
             out.append(records.MessageRecord.decode(raw))
         return out
 
-    # -- time: due delays and expired leases ----------------------------------
+    # -- time (the passes themselves are in _timers.py) ------------------------
 
     def refresh_next_event(self, q: QueueState) -> None:
         """Recompute the earliest due time or lease deadline from the indexes."""
@@ -655,113 +653,6 @@ class Core:
             if first is not None:
                 earliest = min(earliest, keys.timed_parts(first)[0])
         q.next_event_us = earliest
-
-    def promote(self, q: QueueState, now_us: int) -> int:
-        """Move due delayed messages and expired leases of ``q`` (writer lock held).
-
-        The scan and the batch happen under the writer lock, so nothing can ack
-        or extend a message between the look and the action.
-        """
-        moved = self._expire(q, now_us)
-        for kind in (keys.INFLIGHT, keys.DELAYED):
-            base = keys.prefix(kind, q.qid)
-            # Start at the time floor, not at the prefix: everything before it was
-            # promoted, acked or extended away, and its tombstones are not read again.
-            lo = base + keys.U64.pack(q.time_floor_us)
-            hi = base + keys.U64.pack(now_us + 1)
-            while True:
-                due = self.meta.scan_keys(lo, hi, PROMOTE_BATCH)
-                if not due:
-                    break
-                txn = Txn()
-                for key, rec in zip(due, self.records_of(q, due), strict=True):
-                    mid = keys.trailing_id(key)
-                    txn.delete(key)
-                    txn.count(q, STATE_COUNTER[rec.state], -1)
-                    states.requeue(txn, q, mid, rec, now_us / 1e6, 0.0)
-                self.commit(txn)
-                moved += len(due)
-                if len(due) < PROMOTE_BATCH:
-                    break
-                lo = due[-1] + b"\x00"
-        # Nothing due at or before now is left in either index; a later write of an
-        # earlier time (a clock that went back) lowers the floor in commit().
-        q.time_floor_us = max(q.time_floor_us, now_us + 1)
-        if q.rec.aging is not None:
-            moved += self._age(q, now_us)
-        self.refresh_next_event(q)
-        return moved
-
-    def _expire(self, q: QueueState, now_us: int) -> int:
-        """Expire the messages of ``q`` whose TTL ran out by ``now_us``, in batches.
-
-        Read through the expiry index from the time floor: nothing else of the
-        backlog is read. Counts them in the ``E`` totals key, in the same batch.
-        """
-        base = keys.prefix(keys.EXPIRY, q.qid)
-        lo = base + keys.U64.pack(q.time_floor_us)
-        hi = base + keys.U64.pack(now_us + 1)
-        expired = 0
-        while True:
-            due = self.meta.scan_keys(lo, hi, PROMOTE_BATCH)
-            if not due:
-                break
-            txn = Txn()
-            gone = []
-            for key, rec in zip(due, self.records_of(q, due), strict=True):
-                mid = keys.trailing_id(key)
-                if rec.state == _READY:
-                    gone.append(q.index_key(mid, rec))
-                states.expire(txn, q, mid, rec)
-            total = q.expired + len(due)
-            txn.put(keys.totals_key(q.qid), records.encode_totals(total))
-            self.commit(txn)
-            q.expired = total
-            q.heads.removed(gone)
-            expired += len(due)
-            if len(due) < PROMOTE_BATCH:
-                break
-            lo = due[-1] + b"\x00"
-        return expired
-
-    def _age(self, q: QueueState, now_us: int) -> int:
-        """Re-key the ready messages of ``q`` that gained levels by aging (see _aging.py)."""
-        rec_q = q.rec
-        assert rec_q.aging is not None
-        now = now_us / 1e6
-        next_us = NO_EVENT_US
-        moved = 0
-        for start in q.heads.discover_all(self.meta):
-            front = q.heads.front(self.meta, start, aging.SCAN)
-            if not front:
-                continue
-            recs = self.records_of(q, front)
-            plan = aging.plan(rec_q, recs, now)
-            next_us = min(next_us, plan.next_us)
-            if len(plan.moves) == len(front) == aging.SCAN:
-                next_us = now_us  # the level may hold more that are due: go on next time
-            for i in range(0, len(plan.moves), PROMOTE_BATCH):
-                txn = Txn()
-                gone = []
-                for j, priority, aged in plan.moves[i:i + PROMOTE_BATCH]:
-                    mid = keys.trailing_id(front[j])
-                    states.age(txn, q, front[j], mid, recs[j], priority, aged)
-                    gone.append(front[j])
-                self.commit(txn)
-                q.heads.removed(gone)
-                moved += len(gone)
-        q.aging_next_us = max(next_us, now_us + 1)
-        return moved
-
-    def promote_due(self) -> None:
-        """Promote every queue with something due (the sweeper thread)."""
-        with self.lock:
-            if self.closed:
-                return
-            now_us = keys.to_us(self.clock())
-            for q in list(self.queues.values()):
-                if q.next_event_us <= now_us:
-                    self.promote(q, now_us)
 
     # -- closing --------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from . import _states as states
+from . import _timers as timers
 from ._core import Core
 from ._errors import (
     Corruption,
@@ -250,7 +251,7 @@ class Queue:
                 # run the pass, so that its dedup key matches no push.
                 now_us = keys.to_us(core.clock())
                 if q.next_event_us <= now_us:
-                    core.promote(q, now_us)
+                    timers.promote(core, q, now_us)
             fresh: list[int] = []  # rows really enqueued
             first_of: dict[bytes, int] = {}  # dedup digest -> first row in this batch
             dup_of: dict[int, int] = {}  # row -> earlier row with the same digest
@@ -335,7 +336,7 @@ class Queue:
         now = core.clock()
         now_us = keys.to_us(now)
         if q.next_event_us <= now_us:
-            core.promote(q, now_us)
+            timers.promote(core, q, now_us)
         bucket = q.bucket
         if bucket is not None:
             n = min(n, bucket.available(now))
@@ -495,7 +496,7 @@ class Queue:
         if not core.readonly:
             now_us = keys.to_us(core.clock())
             if q.next_event_us <= now_us:
-                core.promote(q, now_us)
+                timers.promote(core, q, now_us)
         return q
 
     def _messages(self, q: QueueState, index_keys: list[bytes]) -> list[Message]:
@@ -581,7 +582,7 @@ class Queue:
             now_us = keys.to_us(now)
             if q.next_event_us <= now_us:
                 # A lease that ran out on its last attempt is dead already.
-                core.promote(q, now_us)
+                timers.promote(core, q, now_us)
             lo = keys.prefix(keys.DEAD, q.qid)
             dead = core.meta.scan_keys(lo, keys.prefix_end(lo), n)
             if not dead:

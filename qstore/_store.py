@@ -14,6 +14,7 @@ import os
 import threading
 from typing import Any
 
+from . import _timers as timers
 from ._check import run_check
 from ._check_report import CheckReport
 from ._compact import CompactionResult, Compactor
@@ -167,7 +168,7 @@ class Store:
     def _sweep_loop(self) -> None:
         while not self._stop.wait(self.config.sweep_interval):
             try:
-                self._core.promote_due()
+                timers.promote_due(self._core)
             except Exception:
                 log.exception("lease/delay sweep failed; it will be retried")
 
