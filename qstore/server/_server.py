@@ -32,7 +32,7 @@ from .._store import Store
 from ._metrics import Metrics
 from ._ops import PARK, Leases, queue_op, store_op
 from ._waiting import Waiter, WaitingPops, try_round
-from ._worker import StoreThread
+from ._worker import InlineStore, StoreThread
 
 log = logging.getLogger("qstore.server")
 
@@ -89,14 +89,15 @@ class Server:
         self._round_running = False  # a retry round of parked pops is in the store thread
         self._again = False  # a wake came while it ran: run another round after it
         self._server: asyncio.base_events.Server | None = None
-        self._thread: StoreThread | None = None
+        self._thread: StoreThread | InlineStore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = StoreThread(self._loop)
+        self._thread = (StoreThread(self._loop) if self.store.config.durability == "always"
+                        else InlineStore(self._loop))
         a = self.address
         if a.kind == "unix":
             old = os.umask(0o177)  # the socket is born mode 0600: no window where others connect
