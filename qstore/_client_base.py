@@ -84,3 +84,37 @@ def client_tls(cafile: str | None) -> ssl.SSLContext:
 
 
 __all__ = ["AuthenticationFailed", "DEFAULT_TIMEOUT"]
+
+
+class QueueInfo:
+    """What both clients' queue handles hold: the queue's name and settings."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.name: str = info["name"]
+        self.order: str = info["order"]
+        self.priority_type: str = info["priority_type"]
+        self.max_attempts: int = info["max_attempts"]
+        self.dedup: bool = info["dedup"]
+
+
+def queue_args(queue: str, args: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """A queue request's arguments, and how much longer than the timeout it may wait."""
+    args["queue"] = queue
+    wait = args.get("wait", 0.0)
+    return args, (wait if isinstance(wait, (int, float)) and 0 <= wait < 1e9 else 0.0)
+
+
+def push_args(payload: bytes, priority: int | str | None, delay: float,
+              dedup_key: str | bytes | None, ttl: float | None) -> dict[str, Any]:
+    args: dict[str, Any] = {"payload": payload, "priority": priority, "delay": delay,
+                            "dedup_key": dedup_key}
+    if ttl is not None:
+        args["ttl"] = ttl
+    return args
+
+
+def push_many_args(items: Iterable[Any], delay: float, ttl: float | None) -> dict[str, Any]:
+    args: dict[str, Any] = {"items": listed(items, "push_many"), "delay": delay}
+    if ttl is not None:
+        args["ttl"] = ttl
+    return args

@@ -130,40 +130,27 @@ async def _read(reader: asyncio.StreamReader) -> Any:
     return wire.unpack(await reader.readexactly(n))
 
 
-class AsyncQueue:
+class AsyncQueue(base.QueueInfo):
     """A queue of a server; the methods of :class:`qstore.Queue`, awaitable."""
 
     def __init__(self, link: _Link, info: dict[str, Any]) -> None:
+        super().__init__(info)
         self._link = link
-        self.name: str = info["name"]
-        self.order: str = info["order"]
-        self.priority_type: str = info["priority_type"]
-        self.max_attempts: int = info["max_attempts"]
-        self.dedup: bool = info["dedup"]
 
     def __repr__(self) -> str:
         return f"<qstore.aio.AsyncQueue {self.name!r} on {self._link.address}>"
 
     async def _call(self, op: str, /, **args: Any) -> Any:
-        args["queue"] = self.name
-        wait = args.get("wait", 0.0)
-        extra = wait if isinstance(wait, (int, float)) and 0 <= wait < 1e9 else 0.0
-        return await self._link.call(op, args, extra)
+        return await self._link.call(op, *base.queue_args(self.name, args))
 
     async def push(self, payload: bytes, priority: int | str | None = None, delay: float = 0.0,
-             dedup_key: str | bytes | None = None, ttl: float | None = None) -> int:
-        args: dict[str, Any] = {"payload": payload, "priority": priority, "delay": delay,
-                                "dedup_key": dedup_key}
-        if ttl is not None:
-            args["ttl"] = ttl
-        return int(await self._call("push", **args))
+                   dedup_key: str | bytes | None = None, ttl: float | None = None) -> int:
+        return int(await self._call("push", **base.push_args(payload, priority, delay, dedup_key,
+                                                             ttl)))
 
     async def push_many(self, items: Iterable[bytes | Sequence[Any]], *, delay: float = 0.0,
-                  ttl: float | None = None) -> list[int]:
-        args: dict[str, Any] = {"items": base.listed(items, "push_many"), "delay": delay}
-        if ttl is not None:
-            args["ttl"] = ttl
-        return list(await self._call("push_many", **args))
+                        ttl: float | None = None) -> list[int]:
+        return list(await self._call("push_many", **base.push_many_args(items, delay, ttl)))
 
     async def pop(self, lease: float = 30.0, wait: float = 0.0) -> Message | None:
         return base.maybe_message(await self._call("pop", lease=lease, wait=wait))
