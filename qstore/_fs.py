@@ -24,6 +24,15 @@ def map_read(fd: int, size: int) -> _mmap.mmap:
     return _mmap.mmap(fd, size, access=_mmap.ACCESS_READ)
 
 
+def map_write(fd: int, size: int) -> _mmap.mmap:
+    """A shared, writable memory map of the first ``size`` bytes of ``fd``.
+
+    Only for bytes backed by allocated blocks (``posix_fallocate``): a store
+    into a hole of a full file system would raise SIGBUS instead of an error.
+    """
+    return _mmap.mmap(fd, size, access=_mmap.ACCESS_WRITE)
+
+
 class FileCalls:
     """The file calls the store makes on its payload segments and small files.
 
@@ -46,6 +55,7 @@ class FileCalls:
         self.replace = os.replace
         self.unlink = os.unlink
         self.mmap = map_read
+        self.mmap_write = map_write
 
 
 calls = FileCalls()
