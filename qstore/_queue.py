@@ -331,55 +331,58 @@ class Queue:
                 got = self._pop_locked(n, lease)
 
     def _pop_locked(self, n: int, lease: float) -> list[Message]:
-        core = self._core
-        q = self._state()
-        now = core.clock()
-        now_us = keys.to_us(now)
-        if q.next_event_us <= now_us:
-            timers.promote(core, q, now_us)
-        bucket = q.bucket
-        if bucket is not None:
-            n = min(n, bucket.available(now))
-            if n == 0:
+        # A loop, not recursion: each round that meets damaged heads moves them
+        # aside (at least one) and pops again; a long run of them must not overflow.
+        while True:
+            core = self._core
+            q = self._state()
+            now = core.clock()
+            now_us = keys.to_us(now)
+            if q.next_event_us <= now_us:
+                timers.promote(core, q, now_us)
+            bucket = q.bucket
+            if bucket is not None:
+                n = min(n, bucket.available(now))
+                if n == 0:
+                    return []
+            plan = q.heads.plan(core.meta, n)
+            ready_keys = plan.keys
+            if not ready_keys:
                 return []
-        plan = q.heads.plan(core.meta, n)
-        ready_keys = plan.keys
-        if not ready_keys:
-            return []
-        deadline = now + lease
-        when = keys.to_us(deadline)
-        name, qid = q.name, q.qid
-        read = core.payload.read
-        recs = core.records_of(q, ready_keys)
-        try:  # costs nothing unless raised (Python 3.11): damage is the cold path
-            if len(recs) == 1:
-                rkey, rec = ready_keys[0], recs[0]
-                mid = keys.trailing_id(rkey)
-                payload = read(PayloadRef(rec.file_id, rec.offset, rec.length))
-                core.deliver_one(q, rkey, mid, rec, when)
-                out = [_popped(qid, mid, name, rec, payload, deadline)]
-            else:
-                txn = Txn()
-                out = []
-                for rkey, rec in zip(ready_keys, recs, strict=True):
+            deadline = now + lease
+            when = keys.to_us(deadline)
+            name, qid = q.name, q.qid
+            read = core.payload.read
+            recs = core.records_of(q, ready_keys)
+            try:  # costs nothing unless raised (Python 3.11): damage is the cold path
+                if len(recs) == 1:
+                    rkey, rec = ready_keys[0], recs[0]
                     mid = keys.trailing_id(rkey)
                     payload = read(PayloadRef(rec.file_id, rec.offset, rec.length))
-                    states.deliver(txn, q, rkey, mid, rec, when)
-                    out.append(_popped(qid, mid, name, rec, payload, deadline))
-                txn.count(q, READY, -len(out))
-                txn.count(q, INFLIGHT, len(out))
-                txn.add_event(q, when)
-                core.commit(txn)
-        except Corruption:
-            # Nothing was written: move the damaged ones aside and pop again
-            # (each round removes at least one, so this ends).
-            if not self._bury_damaged(q, ready_keys, core.records_of(q, ready_keys)):
-                raise
-            return self._pop_locked(n, lease)
-        q.heads.taken(plan)
-        if bucket is not None:
-            bucket.take(now, len(out))
-        return out
+                    core.deliver_one(q, rkey, mid, rec, when)
+                    out = [_popped(qid, mid, name, rec, payload, deadline)]
+                else:
+                    txn = Txn()
+                    out = []
+                    for rkey, rec in zip(ready_keys, recs, strict=True):
+                        mid = keys.trailing_id(rkey)
+                        payload = read(PayloadRef(rec.file_id, rec.offset, rec.length))
+                        states.deliver(txn, q, rkey, mid, rec, when)
+                        out.append(_popped(qid, mid, name, rec, payload, deadline))
+                    txn.count(q, READY, -len(out))
+                    txn.count(q, INFLIGHT, len(out))
+                    txn.add_event(q, when)
+                    core.commit(txn)
+            except Corruption:
+                # Nothing was written: move the damaged ones aside and pop again
+                # (each round removes at least one, so this ends).
+                if not self._bury_damaged(q, ready_keys, core.records_of(q, ready_keys)):
+                    raise
+                continue
+            q.heads.taken(plan)
+            if bucket is not None:
+                bucket.take(now, len(out))
+            return out
 
     def _bury_damaged(self, q: QueueState, ready_keys: list[bytes],
                       recs: list[records.MessageRecord]) -> list[bytes]:

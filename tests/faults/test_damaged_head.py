@@ -8,6 +8,7 @@ recorded and go on, and compaction of the segment holding it completes.
 from __future__ import annotations
 
 import os
+import sys
 
 import qstore
 from qstore.meta import records
@@ -91,3 +92,19 @@ def test_compaction_of_a_segment_holding_a_damaged_record_completes(store_path: 
                 pass
             else:
                 raise AssertionError("a damaged payload was returned as data")
+
+
+def test_a_long_run_of_damaged_heads_is_buried_without_recursion(store_path: str) -> None:
+    # One pop meets more damaged heads than Python's recursion limit allows
+    # rounds: each round buries one and tries again, in a loop.
+    n = sys.getrecursionlimit() + 50
+    with qstore.open(store_path, compactor=False) as store:
+        q = store.create_queue("q")
+        ids = q.push_many([b"damaged %05d" % i for i in range(n)] + [b"intact"])
+        store.core.syncer.sync_now()
+        for mid in ids[:n]:
+            _flip(store, q, mid)
+        m = q.pop()
+        assert m is not None and (m.id, m.payload) == (ids[-1], b"intact")
+        st = q.stats()
+        assert (st.ready, st.in_flight, st.dead) == (0, 1, n)
