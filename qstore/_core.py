@@ -151,8 +151,10 @@ class Core:
         self.waiters = 0  # pops blocked in ready.wait (lock held to change it)
         self.writing = Writing(self)
         self.closed = False
-        # message key -> its record as last committed by this process (see commit)
-        self._records: dict[bytes, bytes] = {}
+        # message key -> its record as last committed by this process (see commit):
+        # encoded, or decoded (a pop leaves the record it delivered, for the ack);
+        # :meth:`message_record` hands a decoded one over rather than share it.
+        self._records: dict[bytes, bytes | records.MessageRecord] = {}
         self._writer_key: tuple[int, int] | None = None
         _refuse_lost_metadata(path)
         if not config.readonly:
@@ -426,7 +428,7 @@ class Core:
         counts = [c[0] - 1, c[1], c[2] + 1, c[3], c[4]]
         batch.put(q.counts_key, records.encode_counts(counts))
         self._write_hot(batch)
-        self._cache_record(mkey, record)
+        self._cache_record(mkey, rec)  # decoded: the ack needs no decode
         q.counts = counts
         if deadline_us < q.next_event_us:
             q.next_event_us = deadline_us
@@ -462,7 +464,7 @@ class Core:
         q.counts = counts
         self.segments[fid] = seg
 
-    def _cache_record(self, key: bytes, value: bytes) -> None:
+    def _cache_record(self, key: bytes, value: bytes | records.MessageRecord) -> None:
         cache = self._records
         cache[key] = value
         if len(cache) > RECORD_CACHE:
@@ -472,10 +474,20 @@ class Core:
             cache.clear()
             cache.update(newer)
 
-    def record(self, key: bytes) -> bytes | None:
-        """The message record at ``key`` (the record cache, else RocksDB)."""
+    def message_record(self, key: bytes) -> records.MessageRecord | None:
+        """The message record at ``key`` (the record cache, else RocksDB), the caller's to change.
+
+        A decoded record in the cache is handed over (removed), never shared:
+        the caller changes it in place and commits it, or drops it.
+        """
         value = self._records.get(key)
-        return value if value is not None else self.meta.get(key)
+        if value is None:
+            raw = self.meta.get(key)
+            return None if raw is None else records.MessageRecord.decode(raw)
+        if type(value) is bytes:
+            return records.MessageRecord.decode(value)
+        del self._records[key]
+        return value  # type: ignore[return-value]
 
     def _write_hot(self, batch: Batch) -> None:
         """The tail every hot-path batch shares with :meth:`commit`: the synced mark."""
@@ -631,9 +643,11 @@ class Core:
         """The message records the index keys of ``q`` name, in order."""
         mids = [keys.trailing_id(k) for k in index_keys]
         if len(mids) == 1:  # a multi-get costs several times a get
-            raws = [self.record(keys.message_key(q.qid, mids[0]))]
-        else:
-            raws = self.meta.multi_get([keys.message_key(q.qid, m) for m in mids])
+            rec = self.message_record(q.message_prefix + keys.U64.pack(mids[0]))
+            if rec is None:
+                raise missing_record(q, mids[0])
+            return [rec]
+        raws = self.meta.multi_get([keys.message_key(q.qid, m) for m in mids])
         out = []
         for mid, raw in zip(mids, raws, strict=True):
             if raw is None:

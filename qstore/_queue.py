@@ -419,10 +419,9 @@ class Queue:
         qid, mid, delivery = _receipt_parts(item)
         if qid != q.qid:
             raise InvalidArgument(f"receipt belongs to another queue, not {q.name!r}")
-        raw = self._core.record(keys.message_key(qid, mid))
-        if raw is None:
+        rec = self._core.message_record(q.message_prefix + keys.U64.pack(mid))
+        if rec is None:
             raise MessageNotFound(q.name, mid)
-        rec = records.MessageRecord.decode(raw)
         if 0 < rec.expires_us <= now_us and q.rec.on_expire == "drop":
             raise MessageNotFound(q.name, mid)  # expired: as good as gone already
         if (rec.state != _ST.INFLIGHT or rec.deliveries != delivery or rec.when_us <= now_us
