@@ -279,7 +279,32 @@ class ReadyHeads:
             i += 1
         return plan
 
+    def known_head(self) -> bytes | None:
+        """The key a single pop takes, when :meth:`plan` would find it in memory
+        at the front of the first active level (no returns, no seek, nothing
+        drained); else None. Follow a commit of it with :meth:`took_head`."""
+        active = self.active
+        if active and (self.known_upto >= self.base_end or self.known_upto > active[0]):
+            lv = self.levels[active[0]]
+            if not lv.returns and lv.maybe and len(lv.known) > lv.k0:
+                return lv.known[lv.k0]
+        return None
+
     # -- after a pop commits ----------------------------------------------------
+
+    def took_head(self, key: bytes) -> None:
+        """:meth:`taken` for the one key :meth:`known_head` returned."""
+        lv = self.levels[self.active[0]]
+        lv.frontier = key + b"\x00"
+        lv.k0 += 1
+        self.known_total -= 1
+        known = lv.known
+        if lv.k0 == len(known):
+            known.clear()
+            lv.k0 = 0
+        elif lv.k0 >= 1024 and lv.k0 * 2 >= len(known):
+            del known[: lv.k0]
+            lv.k0 = 0
 
     def taken(self, plan: Plan) -> None:
         for key in plan.keys:

@@ -345,10 +345,16 @@ class Queue:
                 n = min(n, bucket.available(now))
                 if n == 0:
                     return []
-            plan = q.heads.plan(core.meta, n)
-            ready_keys = plan.keys
-            if not ready_keys:
-                return []
+            heads = q.heads
+            head = heads.known_head() if n == 1 else None
+            if head is not None:  # the usual single pop: no plan, no seek
+                plan = None
+                ready_keys = [head]
+            else:
+                plan = heads.plan(core.meta, n)
+                ready_keys = plan.keys
+                if not ready_keys:
+                    return []
             deadline = now + lease
             when = keys.to_us(deadline)
             name, qid = q.name, q.qid
@@ -379,7 +385,10 @@ class Queue:
                 if not self._bury_damaged(q, ready_keys, core.records_of(q, ready_keys)):
                     raise
                 continue
-            q.heads.taken(plan)
+            if plan is None:
+                heads.took_head(ready_keys[0])
+            else:
+                heads.taken(plan)
             if bucket is not None:
                 bucket.take(now, len(out))
             return out

@@ -8,6 +8,7 @@ already acked: each such key is a RocksDB tombstone a seek would step over.
 from __future__ import annotations
 
 import bisect
+import copy
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -225,3 +226,43 @@ def test_expired_and_aged_keys_leave_the_heads_in_exact_order(churn_store: qstor
             del live[m.id]
     assert max(log.crossed, default=0) == 0, "a read crossed a deleted key"
     assert q.stats().expired > 0
+
+
+def _level_state(heads: _heads.ReadyHeads) -> Any:
+    return (heads.known_upto, heads.known_total, list(heads.active),
+            {s: (lv.frontier, list(lv.returns), lv.maybe, lv.known[lv.k0:], lv.exact)
+             for s, lv in heads.levels.items()})
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_single_pop_fast_path_matches_plan_and_taken(churn_store: qstore.Store,
+                                                          clock: FakeClock, seed: int) -> None:
+    # Before every single pop, the fast path (known_head/took_head) and the
+    # general one (plan/taken) are run on copies of the heads: wherever the fast
+    # path answers, it must pick the same key and leave the same knowledge.
+    rnd = random.Random(seed)
+    q = churn_store.create_queue("q")
+    leased: list[qstore.Message] = []
+    fast = 0
+    for _ in range(3000):
+        op = rnd.random()
+        if op < 0.45:
+            q.push(b"x", priority=rnd.randrange(4))
+        elif op < 0.9:
+            heads = q._q.heads
+            a, b = copy.deepcopy(heads), copy.deepcopy(heads)
+            head = a.known_head()
+            plan = b.plan(churn_store.core.meta, 1)
+            if head is not None:
+                fast += 1
+                assert plan.keys == [head]
+                a.took_head(head)
+                b.taken(plan)
+                assert _level_state(a) == _level_state(b)
+            m = q.pop()
+            if m is not None:
+                leased.append(m)
+        elif leased:
+            m = leased.pop(rnd.randrange(len(leased)))
+            q.nack(m) if rnd.random() < 0.5 else q.ack(m)
+    assert fast > 500  # the fast path is the common one
