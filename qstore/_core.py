@@ -30,7 +30,7 @@ from ._durability import Syncer
 from ._errors import Corruption, ReadOnlyStore, StorageError, StoreClosed, StoreLocked
 from ._heads import ReadyHeads
 from ._rate import TokenBucket
-from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts
+from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts, plain_push
 from .meta import Batch, MetaDB, keys, new_batch, records, write_sst
 from .payload import FRAME_SIZE, PayloadRef, SegmentSet, parse_segment_name
 
@@ -393,15 +393,19 @@ class Core:
         frame = FRAME_SIZE + length
         end = offset + frame
         old = self.segments.get(fid)
-        seg = [frame, 1, end] if old is None else [old[0] + frame, old[1] + 1, max(old[2], end)]
+        seg = ([frame, 1, end] if old is None
+               else [old[0] + frame, old[1] + 1, end if end > old[2] else old[2]])
         batch.put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
         self._write_hot(batch)
-        self._cache_record(mkey, record)
+        cache = self._records
+        cache[mkey] = record
+        if len(cache) > RECORD_CACHE:
+            self._trim_records()
         q.counts = counts
         self.segments[fid] = seg
         if hwm is not None:
             self._id_hwm = hwm
-        q.heads.added((rkey,))
+        q.heads.added_one(rkey)
         if self.waiters:
             self.ready.notify_all()
         return mid
@@ -468,11 +472,15 @@ class Core:
         cache = self._records
         cache[key] = value
         if len(cache) > RECORD_CACHE:
-            # Keep the newer half. (Deleting the oldest key one at a time would
-            # cost O(n) each: a dict's iterator skips every slot deleted before.)
-            newer = list(islice(cache.items(), RECORD_CACHE // 2, None))
-            cache.clear()
-            cache.update(newer)
+            self._trim_records()
+
+    def _trim_records(self) -> None:
+        # Keep the newer half. (Deleting the oldest key one at a time would
+        # cost O(n) each: a dict's iterator skips every slot deleted before.)
+        cache = self._records
+        newer = list(islice(cache.items(), RECORD_CACHE // 2, None))
+        cache.clear()
+        cache.update(newer)
 
     def message_record(self, key: bytes) -> records.MessageRecord | None:
         """The message record at ``key`` (the record cache, else RocksDB), the caller's to change.
@@ -594,6 +602,7 @@ class Core:
         """Bring the in-memory state of ``q`` in line with its (new) record."""
         old = q.rec
         q.rec = rec
+        q.plain = plain_push(rec)
         if rec.rate is None:
             q.bucket = None
         elif q.bucket is None or old.rate != rec.rate:

@@ -126,6 +126,18 @@ class ReadyHeads:
         if i < len(self.active) and self.active[i] == lv.start:
             del self.active[i]
 
+    def added_one(self, key: bytes) -> None:
+        """:meth:`added` for one key (a push)."""
+        lv = self.levels.get(key[:-_ID_BYTES])
+        if lv is not None and lv.maybe and key >= lv.frontier:
+            known = lv.known
+            if lv.exact and len(known) > lv.k0 and key > known[-1] \
+                    and self.known_total < KNOWN_CAP:
+                known.append(key)  # the usual push: the end of an active level
+                self.known_total += 1
+                return
+        self.added((key,))
+
     def added(self, new_keys: Iterable[bytes]) -> None:
         """Ready keys that were just committed (push, nack, promotion, redrive)."""
         for key in new_keys:

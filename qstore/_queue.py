@@ -32,7 +32,6 @@ from ._errors import (
 from ._message import Message, QueueStats
 from ._txn import BYTES, DEAD, DELAYED, INFLIGHT, READY, QueueState, Txn
 from .meta import keys, records
-from .payload import PayloadRef
 
 Receipted = Message | str
 log = logging.getLogger("qstore")
@@ -195,9 +194,8 @@ class Queue:
         the queue's ``ttl``, if any).
         """
         q = self._q
-        if (dedup_key is not None or q.rec.dedup or type(payload) is not bytes
-                or delay != 0 or type(delay) not in (int, float) or ttl is not None
-                or q.rec.ttl is not None or q.rec.aging is not None):
+        if (dedup_key is not None or not q.plain or type(payload) is not bytes
+                or delay != 0 or type(delay) not in (int, float) or ttl is not None):
             return self._push([(payload, priority, delay, dedup_key, ttl)])[0]
         # The common case, without the batch machinery: same checks, same keys.
         if not (type(priority) is int and q.int_prio and INT_MIN <= priority <= INT_MAX):
@@ -364,7 +362,7 @@ class Queue:
                 if len(recs) == 1:
                     rkey, rec = ready_keys[0], recs[0]
                     mid = keys.trailing_id(rkey)
-                    payload = read(PayloadRef(rec.file_id, rec.offset, rec.length))
+                    payload = read(rec)
                     core.deliver_one(q, rkey, mid, rec, when)
                     out = [_popped(qid, mid, name, rec, payload, deadline)]
                 else:
@@ -372,7 +370,7 @@ class Queue:
                     out = []
                     for rkey, rec in zip(ready_keys, recs, strict=True):
                         mid = keys.trailing_id(rkey)
-                        payload = read(PayloadRef(rec.file_id, rec.offset, rec.length))
+                        payload = read(rec)
                         states.deliver(txn, q, rkey, mid, rec, when)
                         out.append(_popped(qid, mid, name, rec, payload, deadline))
                     txn.count(q, READY, -len(out))
@@ -407,7 +405,7 @@ class Queue:
         gone = []
         for rkey, rec in zip(ready_keys, recs, strict=True):
             try:
-                read(PayloadRef(rec.file_id, rec.offset, rec.length))
+                read(rec)
             except Corruption as exc:
                 mid = keys.trailing_id(rkey)
                 reason = f"{records.DAMAGED_REASON}: {exc.reason}"
@@ -494,7 +492,7 @@ class Queue:
             txn = Txn()
             states.extend(txn, q, mid, rec, keys.to_us(now + lease))
             core.commit(txn)
-            payload = core.payload.read(PayloadRef(rec.file_id, rec.offset, rec.length))
+            payload = core.payload.read(rec)
             return Message(mid, q.name, rec.priority, payload, rec.attempts, rec.enqueued_at,
                            now + lease, make_receipt(q.qid, mid, rec.deliveries))
 
@@ -516,7 +514,7 @@ class Queue:
                 for k, rec in zip(index_keys, recs, strict=True)]
 
     def _message(self, q: QueueState, mid: int, rec: records.MessageRecord) -> Message:
-        payload = self._core.payload.read(PayloadRef(rec.file_id, rec.offset, rec.length))
+        payload = self._core.payload.read(rec)
         deadline = rec.when_us / 1e6 if rec.state == _ST.INFLIGHT else None
         return Message(mid, q.name, rec.priority, payload, rec.attempts, rec.enqueued_at,
                        deadline, None, _ST.STATE_NAMES[rec.state],
@@ -543,7 +541,7 @@ class Queue:
 
     def _damaged(self, rec: records.MessageRecord) -> bool:
         try:
-            self._core.payload.read(PayloadRef(rec.file_id, rec.offset, rec.length))
+            self._core.payload.read(rec)
         except Corruption:
             return True
         return False

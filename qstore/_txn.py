@@ -21,6 +21,11 @@ STATE_COUNTER = {records.READY: READY, records.DELAYED: DELAYED,
 NO_EVENT_US = 2**64  # "no due time or deadline pending"
 
 
+def plain_push(rec: records.QueueRecord) -> bool:
+    """Whether a push with default arguments takes the hot path (no dedup, TTL or aging)."""
+    return not rec.dedup and rec.ttl is None and rec.aging is None
+
+
 class QueueState:
     """What the store keeps in memory per queue (shared by all its handles).
 
@@ -30,11 +35,12 @@ class QueueState:
 
     __slots__ = ("name", "rec", "qid", "counts", "counts_key", "heads", "next_event_us",
                  "time_floor_us", "deleted", "pkeys", "ready_prefix", "message_prefix",
-                 "inflight_prefix", "int_prio", "expired", "bucket", "aging_next_us")
+                 "inflight_prefix", "int_prio", "expired", "bucket", "aging_next_us", "plain")
 
     def __init__(self, name: str, rec: records.QueueRecord, counts: list[int]) -> None:
         self.name = name
         self.rec = rec
+        self.plain = plain_push(rec)
         self.qid = rec.qid
         self.counts = counts
         # Where each priority level's ready messages start (see _heads.py):

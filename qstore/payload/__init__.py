@@ -4,13 +4,14 @@ Message bodies live here; the metadata refers to them by
 :class:`PayloadRef` ``(file_id, offset, length)``. See docs/payload-format.md.
 """
 
-from ._format import FRAME_SIZE, HEADER_SIZE, PayloadRef, parse_segment_name
+from ._format import FRAME_SIZE, HEADER_SIZE, Located, PayloadRef, parse_segment_name
 from ._reader import SegmentCheck, SegmentReader
 from ._segments import RecoveryReport, SegmentSet, TailRepair
 
 __all__ = [
     "FRAME_SIZE",
     "HEADER_SIZE",
+    "Located",
     "PayloadRef",
     "RecoveryReport",
     "SegmentCheck",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 MAGIC = b"QSTSEG\r\n"  # never change: 8 bytes; \r\n catches text-mode mangling
 FORMAT_VERSION = 1  # never change the meaning of 1
@@ -42,6 +42,20 @@ BAD_CRC = "record checksum mismatch"
 BAD_LENGTH = "record length does not match the reference"
 OUT_OF_BOUNDS = "reference points past the end of the segment"
 MISSING_SEGMENT = "segment file is missing"
+
+
+class Located(Protocol):
+    """Anything that says where a payload lives: a :class:`PayloadRef`, or a
+    message record (reads take the record itself, with no ref built for it)."""
+
+    @property
+    def file_id(self) -> int: ...
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
 
 
 class PayloadRef(NamedTuple):

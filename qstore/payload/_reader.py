@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .._errors import Corruption
 from .._fs import calls as fcalls
 from . import _format as fmt
-from ._format import PayloadRef
+from ._format import Located, PayloadRef
 
 
 def frame_problem(view: memoryview, offset: int, length: int, bound: int) -> str | None:
@@ -106,7 +106,7 @@ class SegmentReader:
             return b""
         return m[start:end]
 
-    def read(self, ref: PayloadRef, limit: int | None = None) -> bytes:
+    def read(self, ref: Located, limit: int | None = None) -> bytes:
         """The payload bytes of ``ref``, checked against its frame and CRC.
 
         ``limit`` is the end of valid data when known (the writer's end offset);

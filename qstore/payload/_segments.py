@@ -15,7 +15,7 @@ from .._errors import Corruption, PayloadTooLarge, StorageError
 from .._fs import calls as fcalls
 from .._fs import fsync_dir, write_file_durably
 from . import _format as fmt
-from ._format import PayloadRef
+from ._format import Located, PayloadRef
 from ._reader import ScanError, SegmentReader, frame_problem, is_zero_from
 from ._writer import SegmentWriter, create_segment_file
 
@@ -419,7 +419,7 @@ class SegmentSet:
 
     # -- reading --------------------------------------------------------------
 
-    def read(self, ref: PayloadRef) -> bytes:
+    def read(self, ref: Located) -> bytes:
         reader = self._readers.get(ref.file_id)
         if reader is None:
             reader = self._open_reader(ref.file_id)
