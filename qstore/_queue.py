@@ -217,15 +217,51 @@ class Queue:
         or ``(payload, priority, delay, dedup_key, ttl)`` tuple; ``delay`` and
         ``ttl`` are the defaults of items that do not give theirs.
         """
+        q = self._q
+        # The usual batch (bodies, or (body, priority) pairs, no delay, TTL or
+        # dedup) is collected as two lists for the core's hot path; the first
+        # item that needs more turns the batch into rows for the general path.
+        plain = q.plain and ttl is None and delay == 0 and type(delay) in (int, float)
+        bodies: list[bytes] = []
+        prios: list[int | str] = []
+        default = 0 if q.int_prio else ""
         defaults = (None, None, delay, None, ttl)
-        rows = []
+        rows: list[tuple[Any, ...]] = []
         for item in _iterate(items, "push_many"):
+            if plain:
+                kind = type(item)
+                if kind is bytes:
+                    bodies.append(item)
+                    prios.append(default)
+                    continue
+                if (kind is tuple or kind is list) and len(item) == 2 \
+                        and type(item[0]) is bytes:
+                    body, priority = item
+                    bodies.append(body)
+                    prios.append(priority if type(priority) is int and q.int_prio
+                                 and INT_MIN <= priority <= INT_MAX
+                                 else self._priority(priority))
+                    continue
+                plain = False
+                rows = [(b, p, delay, None, ttl) for b, p in zip(bodies, prios, strict=True)]
             if isinstance(item, (bytes, bytearray, memoryview)):
                 rows.append((item, None, delay, None, ttl))
             elif isinstance(item, (tuple, list)) and 1 <= len(item) <= 5:
                 rows.append(tuple(item) + defaults[len(item):])
             else:
                 raise InvalidArgument(f"push_many item must be bytes or a tuple, not {item!r:.60}")
+        if plain:
+            if not bodies:
+                return []
+            core = self._core
+            limit = core.max_payload_bytes
+            for body in bodies:
+                if len(body) > limit:
+                    core.payload.check_size(body)  # raises PayloadTooLarge
+            with core.writing:
+                if q.deleted:
+                    raise QueueNotFound(q.name)
+                return core.push_ready(q, bodies, prios)
         return self._push(rows) if rows else []
 
     def _push(self, rows: list[tuple[Any, ...]]) -> list[int]:
@@ -333,7 +369,9 @@ class Queue:
         # aside (at least one) and pops again; a long run of them must not overflow.
         while True:
             core = self._core
-            q = self._state()
+            q = self._q
+            if q.deleted:
+                raise QueueNotFound(q.name)
             now = core.clock()
             now_us = keys.to_us(now)
             if q.next_event_us <= now_us:
@@ -422,7 +460,9 @@ class Queue:
 
     def _leased(self, item: Receipted, now_us: int) -> tuple[int, records.MessageRecord]:
         """The in-flight record ``item`` holds a live lease on (writer lock held)."""
-        q = self._state()
+        q = self._q
+        if q.deleted:
+            raise QueueNotFound(q.name)
         qid, mid, delivery = _receipt_parts(item)
         if qid != q.qid:
             raise InvalidArgument(f"receipt belongs to another queue, not {q.name!r}")

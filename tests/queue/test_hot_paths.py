@@ -73,6 +73,35 @@ def test_hot_paths_write_what_the_state_machine_writes(tmp_path: Any,
             s.close()
 
 
+@pytest.mark.parametrize("queue", [{}, {"order": "fifo"}, {"priority_type": "str"}])
+def test_the_push_many_hot_path_writes_what_the_state_machine_writes(
+        tmp_path: Any, queue: dict[str, Any], monkeypatch: Any) -> None:
+    # Batches that rotate segments (small segments) and move the id high-water
+    # mark more than once (a small ID_BLOCK): Core.push_ready against
+    # states.enqueue + commit, which the general store is made to take.
+    from qstore import _core
+
+    monkeypatch.setattr(_core, "ID_BLOCK", 7)
+    clock = FakeClock()
+    stores = [qstore.open(os.path.join(str(tmp_path), name), clock=clock, compactor=False,
+                          durability="none", segment_max_bytes=400) for name in ("hot", "general")]
+    try:
+        hot, general = (s.create_queue("q", **queue) for s in stores)
+        general._q.plain = False  # the general path (what a dedup or TTL queue takes)
+        prio = (lambda i: "p%d" % (i % 3)) if queue.get("priority_type") else (lambda i: i % 3)
+        for size in (1, 5, 23, 2):
+            batch = [(b"body %d" % i * 3, prio(i)) for i in range(size)]
+            assert hot.push_many(batch) == general.push_many(batch)
+            assert hot.push_many([b for b, _ in batch]) == general.push_many([b for b, _ in batch])
+            clock.advance(0.5)
+            _same(stores)
+        assert hot.pop_many(100, lease=5.0) == general.pop_many(100, lease=5.0)
+        assert stores[0].check().ok
+    finally:
+        for s in stores:
+            s.close()
+
+
 def test_the_record_cache_stays_bounded_and_right(tmp_path: Any, monkeypatch: Any) -> None:
     """Past its cap the cache keeps the newer half; every read still sees the database."""
     from qstore import _core
@@ -91,6 +120,9 @@ def test_the_record_cache_stays_bounded_and_right(tmp_path: Any, monkeypatch: An
         for m in popped[1::2]:
             q.ack(m)
         assert len(s.core._records) <= 8
+        m = q.pop(lease=10.0)  # a single pop leaves its record decoded in the cache
+        assert m is not None
         for key, value in s.core._records.items():
-            assert s.core.meta.get(key) == value  # nothing cached differs from the database
+            encoded = value if isinstance(value, bytes) else value.encode()
+            assert s.core.meta.get(key) == encoded  # nothing cached differs from the database
         assert s.check().ok
