@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from ._core import Core
 from ._errors import InvalidArgument, StorageError, StoreClosed
+from ._retry_log import RetryLog
 from ._txn import Txn
 from .meta import keys, records
 from .payload import FRAME_SIZE as _FRAME_SIZE
@@ -149,11 +150,16 @@ class Compactor:
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._core.config.compact_interval):
+        interval = self._core.config.compact_interval
+        retries = RetryLog(log, "background compaction pass", interval)
+        while not self._stop.wait(interval):
             try:
                 self.run_pass()
+                retries.worked()
             except StoreClosed:
                 return
+            except StorageError as exc:  # a full disk, an I/O error: the pass rolled back
+                retries.failed(exc)
             except Exception:
                 # The store stays consistent whatever failed (see docs/compaction.md);
                 # the error is reported and the pass retried at the next interval.
@@ -202,6 +208,9 @@ class Compactor:
         if self._stop.is_set():
             raise StoreClosed(f"store {core.path!r} is closing")
         started = time.perf_counter()
+        with core.lock:
+            core.check_writable()
+            core.resume()  # after a failed metadata write (a full disk): reopen it first
         sealed = self._seal_if_worth(threshold)
         _step("sealed")
         deleted = self._delete_dead_segments()
@@ -212,6 +221,9 @@ class Compactor:
             output, moved, copied, written, more = self._compact(sources, progress)
             deleted.extend(more)
         self.passes += 1
+        if deleted:
+            with core.lock:
+                core.reserve.restore()  # a full disk released it: space is back
         return CompactionResult(
             sealed=sealed,
             segments_read=tuple(sources),

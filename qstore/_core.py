@@ -17,6 +17,7 @@ number read-only.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import threading
@@ -30,8 +31,9 @@ from ._durability import Syncer
 from ._errors import Corruption, ReadOnlyStore, StorageError, StoreClosed, StoreLocked
 from ._heads import ReadyHeads
 from ._rate import TokenBucket
+from ._reserve import SpaceReserve, free_bytes
 from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts, plain_push
-from .meta import Batch, MetaDB, keys, new_batch, records, write_sst
+from .meta import Batch, MetaDB, keys, new_batch, records, space_to_open, write_sst
 from .payload import FRAME_SIZE, PayloadRef, SegmentSet, parse_segment_name
 
 log = logging.getLogger("qstore")
@@ -108,9 +110,13 @@ class Writing:
     def __enter__(self) -> None:
         core = self._core
         core.lock.acquire()
-        if core.closed or core.readonly:
-            core.lock.release()
-            core.check_writable()
+        if core.closed or core.readonly or core.meta.failed is not None:
+            try:
+                core.check_writable()
+                core.resume()  # after a failed metadata write
+            except BaseException:
+                core.lock.release()
+                raise
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         core = self._core
@@ -161,12 +167,15 @@ class Core:
         self._records: dict[bytes, bytes | records.MessageRecord] = {}
         self._writer_key: tuple[int, int] | None = None
         _refuse_lost_metadata(path)
+        self.reserve = SpaceReserve(path)
         if not config.readonly:
             os.makedirs(path, exist_ok=True)
             self._writer_key = _claim_writer(path)
         elif not os.path.isdir(os.path.join(path, "meta")):
             raise StorageError(f"{path!r} is not a qstore directory (no meta/)")
         try:
+            if not config.readonly:
+                self._make_room("opening the store")
             self.meta = MetaDB(os.path.join(path, "meta"), readonly=config.readonly,
                                store_path=path)
         except BaseException:
@@ -181,7 +190,19 @@ class Core:
         self.syncer = Syncer(config.durability, config.sync_interval, self.payload, self.meta)
         if not self.readonly:
             self._drop_lost_tails()
+            self.reserve.restore()
             self.syncer.start()
+
+    def _make_room(self, doing: str) -> bool:
+        """Release the space reserve if the disk lacks what RocksDB needs for ``doing``.
+
+        True if there is (now) about enough free space.
+        """
+        need = space_to_open(os.path.join(self.path, "meta"))
+        if free_bytes(self.path) >= need:
+            return True
+        self.reserve.release(f"{doing} needs about {need} bytes free")
+        return free_bytes(self.path) >= need
 
     # -- opening --------------------------------------------------------------
 
@@ -204,20 +225,9 @@ class Core:
         qnext = self.meta.get(keys.QID_NEXT_KEY)
         self._next_qid = records.unpack(qnext, "qid")[1] if qnext else 1
         self.queues: dict[str, QueueState] = {}
-        for key, value in self.meta.scan(keys.QUEUE, keys.prefix_end(keys.QUEUE)):
-            rec = records.QueueRecord.decode(value)
-            raw = self.meta.get(keys.counts_key(rec.qid))
-            counts = records.decode_counts(raw) if raw else [0, 0, 0, 0, 0]
-            state = QueueState(key[1:].decode("utf-8"), rec, counts)
-            totals = self.meta.get(keys.totals_key(rec.qid))
-            state.expired = records.decode_totals(totals) if totals else 0
-            self.set_options(state, rec)
-            self.queues[state.name] = state
-            self.refresh_next_event(state)
+        self._load_queues()
         # file_id -> [live bytes, live count, end]: what the S records say.
-        self.segments: dict[int, list[int]] = {}
-        for key, value in self.meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT)):
-            self.segments[keys.segment_id(key)] = list(records.decode_segment(value))
+        self.segments: dict[int, list[int]] = self._load_segments()
         hints = {fid: v[2] for fid, v in self.segments.items()}
         synced = self.meta.get(keys.SYNCED_KEY)
         if synced is not None:
@@ -244,6 +254,72 @@ class Core:
             next_file_id_floor=max(self.segments, default=0) + 1,
             hints_are_durable_marks=True,
         )
+
+    def _load_queues(self) -> None:
+        """Bring ``self.queues`` in line with the database, keeping the states that
+        exist (queue handles share them); a state the database lacks is dropped."""
+        found: set[str] = set()
+        for key, value in self.meta.scan(keys.QUEUE, keys.prefix_end(keys.QUEUE)):
+            rec = records.QueueRecord.decode(value)
+            raw = self.meta.get(keys.counts_key(rec.qid))
+            counts = records.decode_counts(raw) if raw else [0, 0, 0, 0, 0]
+            name = key[1:].decode("utf-8")
+            state = self.queues.get(name)
+            if state is None or state.qid != rec.qid:
+                state = QueueState(name, rec, counts)
+                self.queues[name] = state
+            else:  # what was learnt from batches that may not have been written goes
+                state.counts = counts
+                state.heads = ReadyHeads(rec.qid)
+                state.time_floor_us = 0
+                state.next_event_us = 0
+            totals = self.meta.get(keys.totals_key(rec.qid))
+            state.expired = records.decode_totals(totals) if totals else 0
+            self.set_options(state, rec)
+            self.refresh_next_event(state)
+            found.add(name)
+        for name in set(self.queues) - found:
+            self.queues.pop(name).deleted = True
+
+    def _load_segments(self) -> dict[int, list[int]]:
+        return {keys.segment_id(key): list(records.decode_segment(value))
+                for key, value in self.meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT))}
+
+    def resume(self) -> None:
+        """Make metadata writes work again after a failed one (writer lock held).
+
+        A failed RocksDB write (a full disk, an I/O error) leaves the database
+        refusing every write; the binding cannot resume it, so it is reopened,
+        and everything this process keeps in memory about it (counters, segment
+        accounting, ids, queue heads, the record cache) is read back from it:
+        the in-memory state is what the database holds, whatever the failed
+        batch did. Raises :class:`StorageError` if the reopen fails (the next
+        write tries again).
+        """
+        failed = self.meta.failed
+        if failed is None:
+            return
+        if not self._make_room("reopening the metadata database"):
+            # Closing the database now would leave no handle to read with.
+            err = StorageError(f"not enough free space to reopen the metadata database "
+                               f"(about {space_to_open(self.meta.path)} bytes needed) after "
+                               f"{failed}")
+            err.errno = errno.ENOSPC
+            raise err
+        self.meta.reopen()
+        self._records.clear()
+        self._synced_mark = None
+        hwm = self.meta.get(keys.ID_HWM_KEY)
+        if hwm is not None:
+            self._id_hwm = records.unpack(hwm, "id")[1]
+            self._next_id = max(self._next_id, self._id_hwm)
+        qnext = self.meta.get(keys.QID_NEXT_KEY)
+        if qnext is not None:
+            self._next_qid = max(self._next_qid, records.unpack(qnext, "qid")[1])
+        self._load_queues()
+        self.segments = self._load_segments()
+        self.reserve.restore()
+        log.warning("metadata writes work again: the database was reopened after %s", failed)
 
     def _drop_lost_tails(self) -> None:
         """Forget messages whose payload bytes did not survive a power loss.
@@ -758,25 +834,61 @@ class Core:
     # -- closing --------------------------------------------------------------
 
     def close(self) -> None:
-        """Make everything durable and release the database (background work stopped)."""
+        """Make everything durable and release the database (background work stopped).
+
+        The database and the in-process writer claim are released whatever
+        fails; then a :class:`StorageError` is raised if something that returned
+        could not be made durable (the payload fsync, the WAL sync).
+        """
         self.syncer.stop()
         with self.lock:
-            if self.readonly:
-                self.payload.close()
-            else:
-                active = (self.payload.active_id, self.payload.active_end)
-                self.payload.close()  # cuts the preallocated tail and fsyncs the segment
-                # Record that all of it is durable, so the next open scans nothing
-                # (in durability="none" nothing else ever records it).
-                batch = new_batch()
-                batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *active]))
-                self.meta.write(batch)
-                # Flushing the memtable now means the next open replays no WAL:
-                # it opens faster and without that memory.
-                self.meta.flush()
-                self.meta.sync_wal()
-            self.meta.close()
-            _release_writer(self._writer_key)
+            error: StorageError | None = None
+            try:
+                if self.readonly:
+                    self.payload.close()
+                else:
+                    error = self._close_writer()
+            finally:
+                try:
+                    self.meta.close()
+                except StorageError as exc:
+                    log.warning("%s", exc)
+                _release_writer(self._writer_key)
+        if error is not None:
+            raise error
+
+    def _close_writer(self) -> StorageError | None:
+        active = (self.payload.active_id, self.payload.active_end)
+        try:
+            self.payload.close()  # cuts the preallocated tail and fsyncs the segment
+        except OSError as exc:
+            return _os_error(exc, "closing the active segment failed")
+        try:
+            self.resume()  # after a failed write, reopening replays and flushes the WAL
+            self.meta.sync_wal()
+        except StorageError as exc:
+            log.error("closing %s: the last metadata changes may not be durable: %s",
+                      self.path, exc)
+            return exc
+        try:
+            # Record that all of it is durable, so the next open scans nothing
+            # (in durability="none" nothing else ever records it). Flushing the
+            # memtable now means the next open replays no WAL: it opens faster
+            # and without that memory. Both are only savings: on a full disk they
+            # may fail, and everything is already durable.
+            batch = new_batch()
+            batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *active]))
+            self.meta.write(batch)
+            self.meta.flush()
+        except StorageError as exc:
+            log.warning("closing %s: %s (the next open replays the log)", self.path, exc)
+        return None
+
+
+def _os_error(exc: OSError, doing: str) -> StorageError:
+    err = StorageError(f"{doing}: {exc}")
+    err.errno = exc.errno
+    return err
 
 
 def missing_record(q: QueueState, mid: int) -> StorageError:

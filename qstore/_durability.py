@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from ._errors import StorageError
+from ._retry_log import RetryLog
 
 if TYPE_CHECKING:
     from .meta import MetaDB
@@ -51,6 +52,7 @@ class Syncer:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.syncs = 0
+        self._retries = RetryLog(log, "background sync", interval)
 
     def wrote(self) -> None:
         """A batch was written (writer lock held)."""
@@ -110,14 +112,24 @@ class Syncer:
             self._thread.start()
 
     def _loop(self) -> None:
-        interval = self._interval
-        while not self._stop.wait(interval):
-            if self._dirty:
-                try:
-                    self.sync_now()
-                except Exception:
-                    log.exception("background sync failed; it will be retried")
-                    self._dirty = True
+        while not self._stop.wait(self._interval):
+            self.background_sync()
+
+    def background_sync(self) -> None:
+        """One attempt of the background thread: sync if something was written.
+
+        A failure (a full disk, metadata writes stopped after an error) is
+        logged once per episode, not at every interval, and retried next time.
+        """
+        if not self._dirty:
+            return
+        try:
+            self.sync_now()
+        except StorageError as exc:
+            self._dirty = True
+            self._retries.failed(exc)
+            return
+        self._retries.worked()
 
     def stop(self) -> None:
         self._stop.set()

@@ -93,8 +93,10 @@ class StorageError(QStoreError):
     """An unexpected failure of RocksDB or the operating system (a full disk, an I/O error).
 
     ``errno`` is the OS error number when an ``OSError`` caused it (``errno.ENOSPC``
-    for a full disk), else None. Nothing the failed operation meant to change
-    was changed (docs/faults.md).
+    for a full disk), or when RocksDB's message names one, else None. Nothing
+    the failed operation meant to change was changed (docs/faults.md). Once
+    the cause is gone (space freed), the next write works in the same process:
+    after a failed metadata write it reopens the database first.
     """
 
     errno: int | None = None

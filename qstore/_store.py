@@ -23,6 +23,7 @@ from ._core import Core
 from ._errors import InvalidArgument, QueueExists, QueueNotFound, StorageError
 from ._message import SegmentStats, StoreStats
 from ._queue import MAX_SECONDS, Queue
+from ._retry_log import RetryLog
 from ._snapshot import take_snapshot
 from .meta import records
 
@@ -166,9 +167,14 @@ class Store:
     # -- maintenance ----------------------------------------------------------
 
     def _sweep_loop(self) -> None:
-        while not self._stop.wait(self.config.sweep_interval):
+        interval = self.config.sweep_interval
+        retries = RetryLog(log, "lease/delay sweep", interval)
+        while not self._stop.wait(interval):
             try:
                 timers.promote_due(self._core)
+                retries.worked()
+            except StorageError as exc:  # a full disk, an I/O error: nothing was committed
+                retries.failed(exc)
             except Exception:
                 log.exception("lease/delay sweep failed; it will be retried")
 

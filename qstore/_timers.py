@@ -124,6 +124,7 @@ def promote_due(core: Core) -> None:
     with core.lock:
         if core.closed:
             return
+        core.resume()  # after a failed metadata write: no client write may come to do it
         now_us = keys.to_us(core.clock())
         for q in list(core.queues.values()):
             if q.next_event_us <= now_us:

@@ -16,10 +16,22 @@ this module works around:
   handle is alive: each read method drops its iterator when it ends (a
   :meth:`MetaDB.scan` generator when it is exhausted or closed), and callers
   close the database only after finishing their scans.
+
+After a failed write (a full disk, an I/O error) RocksDB refuses every later
+write with "Writer has previous error", even once space is back, and the
+binding has no ``Resume()``. :class:`MetaDB` remembers the failure in
+:attr:`MetaDB.failed`, refuses writes while it is set, and :meth:`MetaDB.reopen`
+closes and reopens the database (the caller holds the writer lock and reloads
+whatever it keeps in memory, see ``Core.resume``). Until a reopen succeeds the
+old handle keeps serving reads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno as _errno
+import logging
+import os
 from collections.abc import Generator, Iterable, Iterator
 from typing import cast
 
@@ -29,6 +41,7 @@ from rocksdict import (
     IngestExternalFileOptions,
     Options,
     Rdict,
+    RdictIter,
     ReadOptions,
     SstFileWriter,
     WriteBatch,
@@ -39,6 +52,24 @@ from .._errors import StorageError, StoreLocked
 
 Batch = WriteBatch
 
+log = logging.getLogger("qstore")
+
+# OS errors RocksDB names in its messages (it keeps no errno): the StorageError
+# gets the number back, so callers can tell a full disk from an I/O error.
+_KNOWN_ERRNOS = (_errno.ENOSPC, _errno.EDQUOT, _errno.EIO, _errno.EROFS, _errno.EACCES,
+                 _errno.EPERM, _errno.ENOENT, _errno.EMFILE, _errno.ENFILE, _errno.EFBIG)
+
+
+def storage_error(doing: str, exc: BaseException) -> StorageError:
+    """The :class:`StorageError` a rocksdict error becomes, with the errno its message names."""
+    text = str(exc)
+    err = StorageError(f"{doing}: {text}")
+    for code in _KNOWN_ERRNOS:
+        if os.strerror(code) in text:
+            err.errno = code
+            break
+    return err
+
 
 def _options(create: bool) -> Options:
     opts = Options(raw_mode=True)
@@ -48,7 +79,36 @@ def _options(create: bool) -> Options:
     # regular compaction keep seeks short (pops also seek from per-level heads
     # past the tombstones, see qstore/_heads.py).
     opts.set_write_buffer_size(64 * 1024 * 1024)
+    # Every open moves the info LOG aside (LOG.old.<time>); on a full disk each
+    # failed attempt would leave one more. Keep a few.
+    opts.set_keep_log_file_num(4)
     return opts
+
+
+# What a read-write open (or a reopen) of the database writes besides the
+# replay of its write-ahead log, measured with rocksdict 0.3.29 on a tmpfs: an
+# OPTIONS file (about 8 KiB), a MANIFEST, an info LOG (16-26 KiB), and the
+# table file's own blocks. Twice that, rounded up.
+OPEN_MARGIN = 128 * 1024
+
+
+def space_to_open(path: str) -> int:
+    """About the free bytes a read-write open of the database at ``path`` needs.
+
+    Recovery replays the write-ahead logs into a table file (about their size
+    or less), plus :data:`OPEN_MARGIN`. A failed preallocation of the next
+    log is ignored by RocksDB, so that needs nothing.
+    """
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return OPEN_MARGIN
+    wal = 0
+    for name in names:
+        if name.endswith(".log"):
+            with contextlib.suppress(OSError):
+                wal += os.path.getsize(os.path.join(path, name))
+    return wal + OPEN_MARGIN
 
 
 def _locked(exc: Exception) -> bool:
@@ -62,23 +122,60 @@ class MetaDB:
     def __init__(self, path: str, *, readonly: bool, store_path: str) -> None:
         self.path = path
         self.readonly = readonly
-        access = AccessType.read_only() if readonly else AccessType.read_write()
-        try:
-            self._db = Rdict(path, _options(not readonly), access_type=access)
-        except Exception as exc:
-            if not readonly and _locked(exc):
-                raise StoreLocked(store_path) from None
-            raise StorageError(f"cannot open metadata at {path}: {exc}") from None
+        self._store_path = store_path
+        # Why writes are refused (a failed write put RocksDB in its error state),
+        # or None. Cleared by a successful reopen().
+        self.failed: StorageError | None = None
+        self._db = self._open(create=not readonly)
         self._wopts = WriteOptions()
         self._wopts_sync = WriteOptions()
         self._wopts_sync.sync = True
+
+    def _open(self, *, create: bool) -> Rdict:
+        readonly = self.readonly
+        access = AccessType.read_only() if readonly else AccessType.read_write()
+        try:
+            return Rdict(self.path, _options(create), access_type=access)
+        except Exception as exc:
+            if not readonly and _locked(exc):
+                raise StoreLocked(self._store_path) from None
+            raise storage_error(f"cannot open metadata at {self.path}", exc) from None
+
+    def _failure(self, doing: str, exc: Exception) -> StorageError:
+        err = storage_error(doing, exc)
+        if not self.readonly:
+            self.failed = err
+        return err
+
+    def reopen(self) -> None:
+        """Close and reopen the database after a failed write (writer lock held).
+
+        RocksDB replays its WAL on open: batches whose write failed are not in
+        it (or only as a torn tail, which recovery drops), and recovery writes
+        the replayed memtable to a table file, so it needs some free space.
+        Raises :class:`StorageError` (``failed`` stays set) if the reopen fails;
+        the old handle, if it could not be closed, keeps serving reads.
+        """
+        old = self._db
+        try:
+            old.close()
+        except Exception as exc:  # the error state itself; closing still releases it
+            log.debug("closing metadata after a failed write: %s", exc)
+        del old
+        try:
+            self._db = self._open(create=False)
+        except StorageError as exc:
+            self.failed = exc
+            self._db = _Unavailable(exc)  # type: ignore[assignment]
+            raise
+        self.failed = None
 
     def get(self, key: bytes) -> bytes | None:
         try:
             value: bytes | None = self._db.get(key)
             return value
         except Exception as exc:
-            raise StorageError(f"metadata read failed: {exc}") from None
+            raise storage_error("metadata read failed", exc) from None
 
     def multi_get(self, keys: list[bytes]) -> list[bytes | None]:
         try:
@@ -88,22 +185,40 @@ class MetaDB:
             raise StorageError(f"metadata read failed: {exc}") from None
 
     def write(self, batch: WriteBatch, *, sync: bool = False) -> None:
+        if self.failed is not None:
+            raise self._refused()
         try:
             self._db.write(batch, self._wopts_sync if sync else self._wopts)
         except Exception as exc:
-            raise StorageError(f"metadata write failed: {exc}") from None
+            raise self._failure("metadata write failed", exc) from None
+
+    def _refused(self) -> StorageError:
+        failed = self.failed
+        assert failed is not None
+        err = StorageError(f"metadata writes are stopped until the database is reopened "
+                           f"after an earlier failure ({failed})")
+        err.errno = failed.errno
+        return err
 
     def sync_wal(self) -> None:
+        if self.failed is not None:
+            raise self._refused()
         try:
             self._db.flush_wal(True)
         except Exception as exc:
-            raise StorageError(f"metadata sync failed: {exc}") from None
+            raise self._failure("metadata sync failed", exc) from None
+
+    def _iter(self, ro: ReadOptions) -> RdictIter:
+        try:
+            return self._db.iter(ro)
+        except Exception as exc:  # the database is unavailable (closed, a failed reopen)
+            raise StorageError(f"metadata read failed: {exc}") from None
 
     def scan(self, lo: bytes, hi: bytes, limit: int | None = None) -> Iterator[tuple[bytes, bytes]]:
         """(key, value) for lo <= key < hi in order, from a point-in-time iterator."""
         ro = ReadOptions()
         ro.set_iterate_upper_bound(hi)  # NOT set_iterate_lower_bound: it sets the upper one
-        it = self._db.iter(ro)
+        it = self._iter(ro)
         try:
             it.seek(lo)
             n = 0
@@ -134,7 +249,7 @@ class MetaDB:
     def scan_keys(self, lo: bytes, hi: bytes, limit: int | None = None) -> list[bytes]:
         ro = ReadOptions()
         ro.set_iterate_upper_bound(hi)
-        it = self._db.iter(ro)
+        it = self._iter(ro)
         it.seek(lo)
         keys: list[bytes] = []
         while it.valid() and (limit is None or len(keys) < limit):
@@ -146,7 +261,7 @@ class MetaDB:
     def first_key(self, lo: bytes, hi: bytes) -> bytes | None:
         ro = ReadOptions()
         ro.set_iterate_upper_bound(hi)
-        it = self._db.iter(ro)
+        it = self._iter(ro)
         it.seek(lo)
         key: bytes | None = it.key() if it.valid() else None
         del it
@@ -154,7 +269,7 @@ class MetaDB:
 
     def last_key(self, lo: bytes, hi: bytes) -> bytes | None:
         """The largest key in [lo, hi), or None."""
-        it = self._db.iter(ReadOptions())
+        it = self._iter(ReadOptions())
         try:
             it.seek_for_prev(hi)
             while it.valid():
@@ -181,25 +296,49 @@ class MetaDB:
         try:
             self._db.ingest_external_file(paths, opts)
         except Exception as exc:
-            raise StorageError(f"ingesting {len(paths)} table files failed: {exc}") from None
+            raise storage_error(f"ingesting {len(paths)} table files failed", exc) from None
 
     def checkpoint(self, dest: str) -> None:
         try:
             Checkpoint(self._db).create_checkpoint(dest)
         except Exception as exc:
-            raise StorageError(f"checkpoint to {dest} failed: {exc}") from None
+            raise storage_error(f"checkpoint to {dest} failed", exc) from None
 
     def compact_range(self, lo: bytes | None, hi: bytes | None) -> None:
-        self._db.compact_range(lo, hi)
+        try:
+            self._db.compact_range(lo, hi)
+        except Exception as exc:
+            raise self._failure("metadata compaction failed", exc) from None
 
     def flush(self) -> None:
-        self._db.flush()
+        if self.failed is not None:
+            raise self._refused()
+        try:
+            self._db.flush()
+        except Exception as exc:
+            raise self._failure("metadata flush failed", exc) from None
 
     def close(self) -> None:
+        """Release the database; its LOCK is released even when closing reports an error."""
         try:
             self._db.close()
         except Exception as exc:
-            raise StorageError(f"closing metadata failed: {exc}") from None
+            raise storage_error("closing metadata failed", exc) from None
+        finally:
+            self._db = _Unavailable(StorageError("the metadata database is closed"))  # type: ignore[assignment]
+
+
+class _Unavailable:
+    """Stands for the database while it is closed or a reopen failed: every call raises."""
+
+    def __init__(self, why: StorageError) -> None:
+        self._why = why
+
+    def __getattr__(self, name: str) -> object:
+        raise Exception(f"metadata database unavailable: {self._why}")
+
+    def close(self) -> None:
+        pass
 
 
 class SstWriter:

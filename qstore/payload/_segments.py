@@ -610,13 +610,24 @@ class SegmentSet:
         return self._path(file_id)
 
     def close(self) -> None:
+        """Seal nothing: cut the active segment's preallocated tail, fsync it, close every file.
+
+        Every file is closed even when the cut or the fsync fails (that error
+        is raised after).
+        """
         with self._lock:
-            if self._writer is not None:
-                self._writer.finish()
-                self._writer = None
-            for reader in self._readers.values():
-                reader.close()
-            self._readers.clear()
+            writer, self._writer = self._writer, None
+            try:
+                if writer is not None:
+                    try:
+                        writer.finish()
+                    except BaseException:
+                        writer.abandon()
+                        raise
+            finally:
+                for reader in self._readers.values():
+                    reader.close()
+                self._readers.clear()
 
 
 class _Flusher:

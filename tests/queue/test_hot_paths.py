@@ -88,7 +88,7 @@ def test_the_push_many_hot_path_writes_what_the_state_machine_writes(
     try:
         hot, general = (s.create_queue("q", **queue) for s in stores)
         general._q.plain = False  # the general path (what a dedup or TTL queue takes)
-        prio = (lambda i: "p%d" % (i % 3)) if queue.get("priority_type") else (lambda i: i % 3)
+        prio = (lambda i: f"p{i % 3}") if queue.get("priority_type") else (lambda i: i % 3)
         for size in (1, 5, 23, 2):
             batch = [(b"body %d" % i * 3, prio(i)) for i in range(size)]
             assert hot.push_many(batch) == general.push_many(batch)

@@ -1,0 +1,240 @@
+"""A real full disk: a small tmpfs mounted by the test, filled until writes fail.
+
+In every durability mode, with the payload running out first and with RocksDB
+running out first (issue 11 case 10): the failing call raises StorageError
+with errno ENOSPC, every push that returned reads back, the check is clean,
+the in-memory counters match the database, and once space is freed pushes
+work again in the same process; close releases the store and a reopen finds
+everything. A store on a disk with no byte free opens (its space reserve is
+released) so that acks and compaction can free space.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import pytest
+
+import qstore
+from qstore._reserve import RESERVE_NAME, free_bytes
+from qstore.meta import MetaDB
+
+T = TypeVar("T")
+MODES = ["always", "interval", "none"]
+SEGMENT = 1024 * 1024
+
+
+@pytest.fixture
+def small_disk(tmp_path: object) -> Iterator[str]:
+    """A 16 MiB tmpfs, unmounted at the end whatever happened."""
+    where = os.path.join(str(tmp_path), "disk")
+    os.mkdir(where)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", where],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({done.stderr.strip()}): "
+                    "the real disk-full tests need root")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", where], check=False)
+
+
+def _fill(path: str) -> None:
+    """A file that takes every free byte left (down to single bytes)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for chunk in (1 << 20, 1 << 16, 4096, 1):
+            data = b"f" * chunk
+            while True:
+                try:
+                    os.write(fd, data)
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC
+                    break
+    finally:
+        os.close(fd)
+
+
+def _push_until_full(q: qstore.Queue, body: bytes, kept: dict[int, bytes]) -> qstore.StorageError:
+    for i in range(1_000_000):
+        b = body + b"%d" % i
+        try:
+            kept[q.push(b)] = b
+        except qstore.StorageError as exc:
+            return exc
+    raise AssertionError("the disk never filled up")
+
+
+def _twice(op: Callable[[], T]) -> T:
+    """``op()``; once more if it found the disk full. The first metadata write that
+    fails stops RocksDB; the next one reopens it with the space reserve's room."""
+    try:
+        return op()
+    except qstore.StorageError as exc:
+        assert exc.errno == errno.ENOSPC
+        return op()
+
+
+def _assert_intact(store: qstore.Store, kept: dict[int, bytes]) -> None:
+    q = store.queue("q")
+    for mid, body in kept.items():
+        assert q.get(mid).payload == body
+    # the in-memory counters never ran ahead of what was written
+    assert q.stats().ready == len(kept)
+    report = store.check()
+    assert report.ok, report.summary()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_metadata_full_then_space_freed_writes_work_again(small_disk: str, mode: str) -> None:
+    path = os.path.join(small_disk, "s")
+    store = qstore.open(path, durability=mode, compactor=False, segment_max_bytes=4 * SEGMENT)
+    q = store.create_queue("q")
+    kept: dict[int, bytes] = {}
+    for i in range(50):
+        kept[q.push(b"before %d" % i)] = b"before %d" % i
+    filler = os.path.join(small_disk, "filler")
+    # The reserve would be handed to RocksDB: take it away first so that this
+    # test sees the plain error path (the next test covers the reserve).
+    os.unlink(os.path.join(path, RESERVE_NAME))
+    _fill(filler)
+    # The active segment's preallocated blocks take small payloads: RocksDB fails first.
+    exc = _push_until_full(q, b"small ", kept)
+    assert exc.errno == errno.ENOSPC
+    assert isinstance(exc, qstore.StorageError)
+    with pytest.raises(qstore.StorageError) as again:
+        q.push(b"still full")
+    assert again.value.errno == errno.ENOSPC
+    _assert_intact(store, kept)  # reads and the check work while writes fail
+
+    os.unlink(filler)  # space is back: the same process writes again
+    for i in range(20):
+        kept[q.push(b"after %d" % i)] = b"after %d" % i
+    m = q.pop()
+    assert m is not None
+    q.ack(m)
+    del kept[m.id]
+    _assert_intact(store, kept)
+    store.close()
+    with qstore.open(path, durability=mode, compactor=False) as again_store:
+        _assert_intact(again_store, kept)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_payload_full_then_ack_and_compact_frees_space(small_disk: str, mode: str) -> None:
+    path = os.path.join(small_disk, "s")
+    store = qstore.open(path, durability=mode, compactor=False, segment_max_bytes=SEGMENT)
+    q = store.create_queue("q")
+    kept: dict[int, bytes] = {}
+    exc = _push_until_full(q, b"x" * 3000, kept)
+    assert exc.errno == errno.ENOSPC
+    assert len(kept) > 1000
+    _assert_intact(store, kept)
+
+    # Ack the oldest two thirds (on a full disk: RocksDB may need the reserve),
+    # then compact: whole segments die and are deleted.
+    for m in _twice(lambda: q.pop_many(len(kept) * 2 // 3)):
+        q.ack(m)
+        del kept[m.id]
+    result = store.compact()
+    assert result.bytes_freed > SEGMENT
+    assert free_bytes(small_disk) > SEGMENT
+    for i in range(100):
+        kept[q.push(b"after %d" % i)] = b"after %d" % i
+    _assert_intact(store, kept)
+    store.close()
+    with qstore.open(path, durability=mode, compactor=False) as again:
+        _assert_intact(again, kept)
+
+
+def test_store_on_a_disk_with_no_byte_free_opens_to_ack_and_compact(small_disk: str) -> None:
+    path = os.path.join(small_disk, "s")
+    store = qstore.open(path, compactor=False, segment_max_bytes=SEGMENT)
+    q = store.create_queue("q")
+    kept: dict[int, bytes] = {}
+    _push_until_full(q, b"x" * 3000, kept)
+    store.close()
+    _fill(os.path.join(small_disk, "filler"))
+    assert free_bytes(small_disk) == 0
+    assert os.path.exists(os.path.join(path, RESERVE_NAME))
+
+    with qstore.open(path, compactor=False, segment_max_bytes=SEGMENT) as store:
+        assert not os.path.exists(os.path.join(path, RESERVE_NAME))  # given to RocksDB
+        _assert_intact(store, kept)
+        q = store.queue("q")
+        for m in _twice(lambda: q.pop_many(len(kept))):
+            q.ack(m)
+            del kept[m.id]
+        assert store.compact().bytes_freed > SEGMENT
+        assert os.path.exists(os.path.join(path, RESERVE_NAME))  # space is back: made again
+        kept[q.push(b"after")] = b"after"
+        _assert_intact(store, kept)
+    with qstore.open(path, readonly=True) as view:
+        assert view.queue("q").get(next(iter(kept))).payload == b"after"
+
+
+def test_close_after_a_metadata_failure_releases_the_store(small_disk: str) -> None:
+    path = os.path.join(small_disk, "s")
+    store = qstore.open(path, compactor=False, segment_max_bytes=4 * SEGMENT)
+    q = store.create_queue("q")
+    kept: dict[int, bytes] = {q.push(b"first"): b"first"}
+    os.unlink(os.path.join(path, RESERVE_NAME))
+    _fill(os.path.join(small_disk, "filler"))
+    _push_until_full(q, b"small ", kept)
+    # Closing cuts the active segment's preallocated tail, which gives RocksDB
+    # the room to reopen and make everything durable: nothing to report.
+    store.close()
+    with qstore.open(path, compactor=False) as again:  # same process: not locked
+        _assert_intact(again, kept)
+
+
+def test_close_that_cannot_reopen_the_metadata_raises_but_unlocks(
+        small_disk: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = os.path.join(small_disk, "s")
+    store = qstore.open(path, compactor=False, segment_max_bytes=4 * SEGMENT)
+    q = store.create_queue("q")
+    kept: dict[int, bytes] = {q.push(b"first"): b"first"}
+    os.unlink(os.path.join(path, RESERVE_NAME))
+    _fill(os.path.join(small_disk, "filler"))
+    _push_until_full(q, b"small ", kept)
+    with monkeypatch.context() as mp:
+        def refuse(self: MetaDB, *, create: bool) -> None:
+            raise qstore.StorageError("cannot open metadata (test)")
+
+        mp.setattr(MetaDB, "_open", refuse)
+        with pytest.raises(qstore.StorageError, match="cannot open metadata"):
+            store.close()
+    with qstore.open(path, compactor=False) as again:  # released: the same process opens it
+        _assert_intact(again, kept)
+
+
+def test_background_sync_logs_one_line_per_failure_episode(
+        small_disk: str, caplog: pytest.LogCaptureFixture) -> None:
+    path = os.path.join(small_disk, "s")
+    store = qstore.open(path, compactor=False, sync_interval=3600.0,
+                        segment_max_bytes=4 * SEGMENT)
+    q = store.create_queue("q")
+    kept: dict[int, bytes] = {}
+    os.unlink(os.path.join(path, RESERVE_NAME))
+    filler = os.path.join(small_disk, "filler")
+    _fill(filler)
+    _push_until_full(q, b"small ", kept)
+    syncer = store.core.syncer
+    with caplog.at_level(logging.WARNING, logger="qstore"):
+        for _ in range(5):  # what the thread does at each interval
+            syncer.background_sync()
+        failed = [r for r in caplog.records if "background sync failed" in r.getMessage()]
+        assert len(failed) == 1
+        assert failed[0].exc_info is None  # one clear line, no traceback
+        os.unlink(filler)
+        kept[q.push(b"resumed")] = b"resumed"  # reopens the database
+        syncer.background_sync()
+        assert any("background sync works again" in r.getMessage() for r in caplog.records)
+    _assert_intact(store, kept)
+    store.close()
