@@ -221,7 +221,8 @@ class Queue:
         # The usual batch (bodies, or (body, priority) pairs, no delay, TTL or
         # dedup) is collected as two lists for the core's hot path; the first
         # item that needs more turns the batch into rows for the general path.
-        plain = q.plain and ttl is None and delay == 0 and type(delay) in (int, float)
+        plain = (q.plain and q.hot_paths and ttl is None and delay == 0
+                 and type(delay) in (int, float))
         bodies: list[bytes] = []
         prios: list[int | str] = []
         default = 0 if q.int_prio else ""
@@ -403,6 +404,11 @@ class Queue:
                     payload = read(rec)
                     core.deliver_one(q, rkey, mid, rec, when)
                     out = [_popped(qid, mid, name, rec, payload, deadline)]
+                elif q.hot_paths:
+                    payloads = [read(rec) for rec in recs]  # all read before anything changes
+                    core.deliver_many(q, ready_keys, recs, when)
+                    out = [_popped(qid, keys.trailing_id(rkey), name, rec, payload, deadline)
+                           for rkey, rec, payload in zip(ready_keys, recs, payloads, strict=True)]
                 else:
                     txn = Txn()
                     out = []
@@ -492,16 +498,25 @@ class Queue:
         core = self._core
         with core.writing:
             now_us = keys.to_us(core.clock())
-            txn = Txn()
-            seen = set()
             q = self._q
+            mids: list[int] = []
+            recs: list[records.MessageRecord] = []
+            seen = set()
             for item in items:
                 mid, rec = self._leased(item, now_us)
                 if mid in seen:
                     raise InvalidArgument(f"message {mid} appears twice in one ack_many")
                 seen.add(mid)
-                states.remove(txn, q, mid, rec)
-            if items:
+                mids.append(mid)
+                recs.append(rec)
+            if not items:
+                pass
+            elif q.hot_paths:
+                core.remove_many(q, mids, recs)
+            else:
+                txn = Txn()
+                for mid, rec in zip(mids, recs, strict=True):
+                    states.remove(txn, q, mid, rec)
                 core.commit(txn)
         return len(items)
 

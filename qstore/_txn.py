@@ -35,12 +35,16 @@ class QueueState:
 
     __slots__ = ("name", "rec", "qid", "counts", "counts_key", "heads", "next_event_us",
                  "time_floor_us", "deleted", "pkeys", "ready_prefix", "message_prefix",
-                 "inflight_prefix", "int_prio", "expired", "bucket", "aging_next_us", "plain")
+                 "inflight_prefix", "int_prio", "expired", "bucket", "aging_next_us", "plain",
+                 "hot_paths")
 
     def __init__(self, name: str, rec: records.QueueRecord, counts: list[int]) -> None:
         self.name = name
         self.rec = rec
         self.plain = plain_push(rec)
+        # False: batches go through the state machine (_states + Core.commit), as
+        # a test does to compare the two; the hot paths write the same bytes.
+        self.hot_paths = True
         self.qid = rec.qid
         self.counts = counts
         # Where each priority level's ready messages start (see _heads.py):

@@ -130,11 +130,18 @@ class SegmentWriter:
         parts: list[bytes] = []
         refs: list[PayloadRef] = []
         pos = self.end
+        fid = self.file_id
+        frame_size = fmt.FRAME_SIZE
+        seed = -1
+        size = -1
         for body in bodies:
-            parts.append(fmt.encode_frame(body))
+            n = len(body)
+            if n != size:  # the CRC of the 4 length bytes, once per run of one size
+                size, seed = n, _crc32(_LENGTH_PACK(n))
+            parts.append(_FRAME_PACK(n, _crc32(body, seed)))  # fmt.encode_frame
             parts.append(body)
-            refs.append(PayloadRef(self.file_id, pos, len(body)))
-            pos += fmt.FRAME_SIZE + len(body)
+            refs.append(PayloadRef(fid, pos, n))
+            pos += frame_size + n
         write_at(self._fd, parts, self.end)
         self.end = pos
         self.unsynced = True

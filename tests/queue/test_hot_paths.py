@@ -25,6 +25,7 @@ def _pair(tmp_path: Any, **queue: Any) -> tuple[list[qstore.Store], list[qstore.
     stores = [qstore.open(os.path.join(str(tmp_path), name), clock=clock, compactor=False,
                           durability="none") for name in ("hot", "general")]
     queues = [s.create_queue("q", **queue) for s in stores]
+    queues[1]._q.hot_paths = False  # batches through the state machine
     return stores, queues, clock
 
 
@@ -73,12 +74,14 @@ def test_hot_paths_write_what_the_state_machine_writes(tmp_path: Any,
             s.close()
 
 
-@pytest.mark.parametrize("queue", [{}, {"order": "fifo"}, {"priority_type": "str"}])
-def test_the_push_many_hot_path_writes_what_the_state_machine_writes(
+@pytest.mark.parametrize("queue", [{}, {"order": "fifo"}, {"priority_type": "str"},
+                                   {"dedup": True}, {"ttl": 100.0}])
+def test_the_batch_hot_paths_write_what_the_state_machine_writes(
         tmp_path: Any, queue: dict[str, Any], monkeypatch: Any) -> None:
     # Batches that rotate segments (small segments) and move the id high-water
-    # mark more than once (a small ID_BLOCK): Core.push_ready against
-    # states.enqueue + commit, which the general store is made to take.
+    # mark more than once (a small ID_BLOCK): Core.push_ready, deliver_many and
+    # remove_many against states.enqueue, deliver and remove + commit, which
+    # the general store is made to take.
     from qstore import _core
 
     monkeypatch.setattr(_core, "ID_BLOCK", 7)
@@ -87,15 +90,26 @@ def test_the_push_many_hot_path_writes_what_the_state_machine_writes(
                           durability="none", segment_max_bytes=400) for name in ("hot", "general")]
     try:
         hot, general = (s.create_queue("q", **queue) for s in stores)
-        general._q.plain = False  # the general path (what a dedup or TTL queue takes)
+        general._q.hot_paths = False  # batches through the state machine
         prio = (lambda i: f"p{i % 3}") if queue.get("priority_type") else (lambda i: i % 3)
         for size in (1, 5, 23, 2):
-            batch = [(b"body %d" % i * 3, prio(i)) for i in range(size)]
+            batch = [(b"body %d %d" % (size, i) * 3, prio(i)) for i in range(size)]
             assert hot.push_many(batch) == general.push_many(batch)
-            assert hot.push_many([b for b, _ in batch]) == general.push_many([b for b, _ in batch])
+            bodies = [b"plain %d %d" % (size, i) for i in range(size)]
+            assert hot.push_many(bodies) == general.push_many(bodies)
             clock.advance(0.5)
             _same(stores)
-        assert hot.pop_many(100, lease=5.0) == general.pop_many(100, lease=5.0)
+        for n in (7, 1, 30):
+            popped = hot.pop_many(n, lease=5.0)
+            assert popped == general.pop_many(n, lease=5.0)
+            _same(stores)
+            clock.advance(0.5)
+            assert hot.ack_many(popped[::2]) == general.ack_many(popped[::2])
+            _same(stores)
+            for m in popped[1::2]:  # an ack of a record a batch pop left decoded
+                hot.ack(m)
+                general.ack(m.receipt)
+            _same(stores)
         assert stores[0].check().ok
     finally:
         for s in stores:
