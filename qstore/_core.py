@@ -25,7 +25,7 @@ from itertools import islice
 from typing import Any
 
 from . import _states as states
-from ._config import Config
+from ._config import Config, checked_clock
 from ._durability import Syncer
 from ._errors import Corruption, ReadOnlyStore, StorageError, StoreClosed, StoreLocked
 from ._heads import ReadyHeads
@@ -143,7 +143,7 @@ class Core:
     def __init__(self, path: str, config: Config) -> None:
         self.path = path
         self.config = config
-        self.clock = config.clock
+        self.clock = checked_clock(config.clock)  # a bad time raises, never is stored
         self.readonly = config.readonly
         self.max_payload_bytes = config.max_payload_bytes
         self.lock = threading.RLock()
@@ -368,6 +368,7 @@ class Core:
         :meth:`commit` would write (a test compares the two byte for byte),
         built straight into one batch: no Txn, no per-call dictionaries.
         """
+        now = self.clock()  # before the append: a clock that fails leaves nothing behind
         ref = self.payload.append_one(body)
         fid, offset, length = ref
         batch = new_batch()
@@ -382,8 +383,7 @@ class Core:
         rkey = q.ready_prefix + (q.priority_key(prio) if pkey is None else pkey) + id_bytes
         batch.put(rkey, b"")
         mkey = q.message_prefix + id_bytes
-        record = records.encode_message(_READY, prio, fid, offset, length, 0, 0, self.clock(), 0,
-                                        None)
+        record = records.encode_message(_READY, prio, fid, offset, length, 0, 0, now, 0, None)
         batch.put(mkey, record)
         c = q.counts
         counts = [c[0] + 1, c[1], c[2], c[3], c[4] + length]
