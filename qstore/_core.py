@@ -29,6 +29,7 @@ from ._config import Config, checked_clock
 from ._durability import Syncer
 from ._errors import Corruption, ReadOnlyStore, StorageError, StoreClosed, StoreLocked
 from ._heads import ReadyHeads
+from ._migrate import migrate_dedup
 from ._rate import TokenBucket
 from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts
 from .meta import Batch, MetaDB, keys, new_batch, records, write_sst
@@ -140,6 +141,9 @@ class ReadySignal(threading.Condition):
 class Core:
     """Everything an open store holds, and the only code that commits changes."""
 
+    payload: SegmentSet
+    format: int  # the store format (records.STORE_FORMAT once a writer opened it)
+
     def __init__(self, path: str, config: Config) -> None:
         self.path = path
         self.config = config
@@ -168,7 +172,13 @@ class Core:
             raise
         try:
             self._load()
+            if not self.readonly and self.format != records.STORE_FORMAT:
+                migrate_dedup(self.meta, self.payload,
+                              [q.qid for q in self.queues.values() if q.rec.dedup])
+                self.format = records.STORE_FORMAT
         except BaseException:
+            if hasattr(self, "payload"):
+                self.payload.close()
             self.meta.close()
             _release_writer(self._writer_key)
             raise
@@ -190,8 +200,10 @@ class Core:
             batch.put(keys.FORMAT_KEY, records.pack([records.RECORD_VERSION,
                                                      records.STORE_FORMAT]))
             self.meta.write(batch, sync=True)
-        elif fmt is not None and records.unpack(fmt, "format")[1] != records.STORE_FORMAT:
-            raise StorageError(f"unsupported store format in {self.path}")
+        self.format = records.STORE_FORMAT if fmt is None else records.unpack(fmt, "format")[1]
+        if self.format not in records.READABLE_FORMATS:
+            raise StorageError(f"unsupported store format {self.format!r} in {self.path} "
+                               f"(this version reads {records.READABLE_FORMATS})")
         hwm = self.meta.get(keys.ID_HWM_KEY)
         self._next_id = records.unpack(hwm, "id")[1] if hwm else 1
         self._id_hwm = self._next_id

@@ -177,7 +177,7 @@ class Queue:
 
     def _digest(self, body: bytes, dedup_key: object) -> bytes | None:
         if dedup_key is None:
-            return keys.legacy_payload_digest(body) if self._q.rec.dedup else None
+            return keys.payload_digest(body) if self._q.rec.dedup else None
         if isinstance(dedup_key, str):
             try:
                 dedup_key = dedup_key.encode("utf-8")
