@@ -27,7 +27,14 @@ from typing import Any
 from . import _states as states
 from ._config import Config, checked_clock
 from ._durability import Syncer
-from ._errors import Corruption, ReadOnlyStore, StorageError, StoreClosed, StoreLocked
+from ._errors import (
+    Corruption,
+    InvalidArgument,
+    ReadOnlyStore,
+    StorageError,
+    StoreClosed,
+    StoreLocked,
+)
 from ._heads import ReadyHeads
 from ._migrate import migrate_dedup
 from ._rate import TokenBucket
@@ -88,10 +95,49 @@ def _refuse_lost_metadata(path: str) -> None:
     meta = os.path.join(path, "meta")
     if os.path.exists(os.path.join(meta, "CURRENT")):
         return
+    if os.path.lexists(meta) and not os.path.isdir(meta):
+        raise StorageError(f"cannot read the store at {path!r}: {meta!r} is not a directory")
     found = _segment_files(os.path.join(path, "payload"))
     if found:
         raise Corruption(meta, 0, f"{LOST_METADATA} ({len(found)} segment file(s), "
                                   "no meta/CURRENT)")
+
+
+def require_store(path: str) -> None:
+    """Raise unless ``path`` holds a store; for opens that must never create one.
+
+    Used by read-only opens and by the commands that only make sense on an
+    existing store (``qstore pop``, ``push`` without ``--create``, ``compact``...),
+    so that a mistyped path creates nothing. ``InvalidArgument`` (exit 2)
+    when there is no store at all; ``StorageError`` naming the problem when
+    something is there but cannot be read as one; ``Corruption`` when payload
+    segments lie there without metadata.
+    """
+    _refuse_lost_metadata(path)
+    meta = os.path.join(path, "meta")
+    if not os.path.lexists(path):
+        raise InvalidArgument(f"no store at {path!r}: the path does not exist "
+                              "(nothing was created)")
+    if not os.path.isdir(path):
+        raise InvalidArgument(f"no store at {path!r}: it is a file, not a store directory")
+    if not os.path.lexists(meta):
+        raise InvalidArgument(f"{path!r} is not a qstore store: it has no meta/ "
+                              "(nothing was created)")
+    if not os.path.isdir(meta):
+        raise StorageError(f"cannot read the store at {path!r}: {meta!r} is not a directory")
+    try:
+        names = os.listdir(meta)
+    except OSError as exc:
+        err = StorageError(f"cannot read the store at {path!r}: cannot list {meta!r} "
+                           f"({exc.strerror})")
+        err.errno = exc.errno
+        raise err from None
+    if "CURRENT" not in names:
+        raise InvalidArgument(f"{path!r} is not a qstore store: {meta!r} holds no database "
+                              "(no CURRENT)")
+    current = os.path.join(meta, "CURRENT")
+    if not os.path.isfile(current):
+        raise StorageError(f"cannot read the store at {path!r}: {current!r} is not a file")
 
 
 class Writing:
@@ -162,8 +208,8 @@ class Core:
         if not config.readonly:
             os.makedirs(path, exist_ok=True)
             self._writer_key = _claim_writer(path)
-        elif not os.path.isdir(os.path.join(path, "meta")):
-            raise StorageError(f"{path!r} is not a qstore directory (no meta/)")
+        else:
+            require_store(path)  # a read-only open creates nothing
         try:
             self.meta = MetaDB(os.path.join(path, "meta"), readonly=config.readonly,
                                store_path=path)

@@ -5,6 +5,7 @@ See docs/meta-schema.md for every prefix and value layout.
 
 from . import _keys as keys
 from . import _records as records
-from ._db import Batch, MetaDB, SstWriter, new_batch, write_sst
+from ._db import Batch, MetaDB, SstWriter, new_batch, private_copy, write_sst
 
-__all__ = ["Batch", "MetaDB", "SstWriter", "keys", "new_batch", "records", "write_sst"]
+__all__ = ["Batch", "MetaDB", "SstWriter", "keys", "new_batch", "private_copy", "records",
+           "write_sst"]
