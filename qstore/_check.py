@@ -4,7 +4,8 @@ One pass over every message record (streamed: nothing per message is kept
 but small per-queue and per-segment recounts) checks that it decodes, that
 its payload reference resolves to an intact record (through
 :class:`qstore.payload.SegmentReader`), and that the one index key its state
-implies (``keys.index_key``), its dedup key and, with a TTL, its expiry key
+implies (``keys.index_key``), its dedup key (a live message's; a dead letter
+holds none from store format 2) and, with a TTL, its expiry key
 (``keys.expiry_key``) exist. A pass over each index
 then checks that every key belongs to a message that implies exactly that key.
 Finally the ``C`` counters and ``S`` segment records are compared with the
@@ -138,6 +139,15 @@ class _Check:
         self.messages = 0
         self.verified = 0
         self._pending: list[tuple[bytes, bytes | None, str, int, str]] = []
+        # Format 1 dead letters keep their dedup key; from format 2 they hold none.
+        self.dead_keep_dedup = self._format() == 1
+
+    def _format(self) -> int:
+        raw = self.meta.get(keys.FORMAT_KEY)
+        try:
+            return int(records.unpack(raw, "format")[1]) if raw else records.STORE_FORMAT
+        except (StorageError, ValueError, TypeError, IndexError):
+            return records.STORE_FORMAT
 
     def add(self, kind: str, **where: object) -> None:
         self.findings.append(Finding(kind, **where))  # type: ignore[arg-type]
@@ -233,7 +243,7 @@ class _Check:
             pkey = keys.priority_key(rec_q.order, rec_q.priority_type, rec.priority)
             want = keys.index_key(rec.state, qid, mid, pkey, rec.when_us)
             self._expect(want, None, name or "", mid, records.STATE_NAMES[rec.state])
-            if rec.digest is not None:  # dead letters keep theirs (as the audit expects)
+            if rec.digest is not None and (rec.state != records.DEAD or self.dead_keep_dedup):
                 self._expect(keys.dedup_key(qid, rec.digest), keys.U64.pack(mid), name or "",
                              mid, "dedup")
             if rec.expires_us:
@@ -300,6 +310,9 @@ class _Check:
             if kind == keys.DEDUP:
                 if rec.digest != key[5:]:
                     self._stray(name, mid, kind, key, "its message has another digest")
+                elif rec.state == records.DEAD and not self.dead_keep_dedup:
+                    self._stray(name, mid, kind, key, "its message is a dead letter (dead "
+                                                      "letters release their dedup key)")
                 continue
             if kind == keys.EXPIRY:
                 if not rec.expires_us or keys.expiry_key(qid, rec.expires_us, mid) != key:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ._address import SOCKET_NAME
 from ._client import Client, connect
+from ._core import require_store
 from ._net_errors import ConnectionLost
 from ._store import open_store
 
@@ -49,16 +50,20 @@ def server_of(target: str, token: str | None, keep_leases: bool = False) -> Clie
 
 @contextmanager
 def open_target(target: str, token_file: str | None = None, *, readonly: bool = False,
-                keep_leases: bool = False) -> Iterator[Any]:
+                keep_leases: bool = False, create: bool = False) -> Iterator[Any]:
     """A :class:`~qstore.Client` of the running server, else the store opened here.
 
     ``keep_leases``: leases taken through the server outlive this command
-    (``pop --no-ack``).
+    (``pop --no-ack``). Unless ``create``, a path that holds no store is an
+    error (``require_store``) and nothing is created: a mistyped path must
+    not become a new empty store.
     """
     client = server_of(target, read_token(token_file), keep_leases)
     if client is not None:
         with client:
             yield client
         return
+    if not create:
+        require_store(target)
     with open_store(target, readonly=readonly, compactor=False) as store:
         yield store

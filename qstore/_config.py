@@ -18,6 +18,35 @@ MAX_INTERVAL = 100 * 366 * 86400  # seconds: a century, as for delays and leases
 MAX_RECORD_LENGTH = 0xFFFF_FFFF  # a payload frame's u32 length field (docs/payload-format.md)
 
 
+# The latest time a clock may return: far past any real date, and far enough below
+# 2**64 microseconds that a time plus a century still fits a u64 key.
+MAX_CLOCK = 1e13
+
+
+def checked_clock(clock: Clock) -> Clock:
+    """``clock``, refusing what it returns unless that is a finite time in [0, MAX_CLOCK].
+
+    A NaN or infinite time would be stored in records and keys (NaN compares
+    false with everything, so leases would never expire): the operation that
+    read it raises InvalidArgument instead, before anything is written. The
+    default ``time.time`` is trusted and not wrapped (the hot paths call it).
+    """
+    if clock is time.time:
+        return clock
+
+    def checked() -> float:
+        now = clock()
+        if type(now) is float and 0.0 <= now <= MAX_CLOCK:  # also false for nan
+            return now
+        if (isinstance(now, bool) or not isinstance(now, (int, float))
+                or not 0 <= now <= MAX_CLOCK):
+            raise InvalidArgument(f"the store's clock returned {now!r:.60}, not a finite "
+                                  f"number of seconds since the epoch in [0, {MAX_CLOCK:.0e}]")
+        return float(now)
+
+    return checked
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """Options of :func:`qstore.open`. Unknown options are an error."""
@@ -48,14 +77,15 @@ class Config:
                                       f"up to {MAX_INTERVAL}, not {value!r}")
         for name in ("segment_max_bytes", "max_payload_bytes", "compact_max_bytes"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidArgument(f"{name} must be a positive int, not {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2**63:
+                raise InvalidArgument(f"{name} must be a positive int below 2**63, "
+                                      f"not {value!r:.60}")
         if self.max_payload_bytes > MAX_RECORD_LENGTH:
             raise InvalidArgument(f"max_payload_bytes must be at most {MAX_RECORD_LENGTH} "
                                   f"(a frame's length field), not {self.max_payload_bytes!r}")
         t = self.compact_threshold
-        if (not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t)
-                or not 0.0 < t <= 1.0):
+        if (not isinstance(t, (int, float)) or isinstance(t, bool)
+                or (isinstance(t, float) and not math.isfinite(t)) or not 0.0 < t <= 1.0):
             raise InvalidArgument(f"compact_threshold must be a number in (0, 1], not {t!r}")
         if self.clock is None:  # None means the default clock
             object.__setattr__(self, "clock", time.time)

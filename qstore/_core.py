@@ -26,10 +26,18 @@ from itertools import islice
 from typing import Any
 
 from . import _states as states
-from ._config import Config
+from ._config import Config, checked_clock
 from ._durability import Syncer
-from ._errors import Corruption, ReadOnlyStore, StorageError, StoreClosed, StoreLocked
+from ._errors import (
+    Corruption,
+    InvalidArgument,
+    ReadOnlyStore,
+    StorageError,
+    StoreClosed,
+    StoreLocked,
+)
 from ._heads import ReadyHeads
+from ._migrate import migrate_dedup
 from ._rate import TokenBucket
 from ._reserve import SpaceReserve, free_bytes
 from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts, plain_push
@@ -89,10 +97,49 @@ def _refuse_lost_metadata(path: str) -> None:
     meta = os.path.join(path, "meta")
     if os.path.exists(os.path.join(meta, "CURRENT")):
         return
+    if os.path.lexists(meta) and not os.path.isdir(meta):
+        raise StorageError(f"cannot read the store at {path!r}: {meta!r} is not a directory")
     found = _segment_files(os.path.join(path, "payload"))
     if found:
         raise Corruption(meta, 0, f"{LOST_METADATA} ({len(found)} segment file(s), "
                                   "no meta/CURRENT)")
+
+
+def require_store(path: str) -> None:
+    """Raise unless ``path`` holds a store; for opens that must never create one.
+
+    Used by read-only opens and by the commands that only make sense on an
+    existing store (``qstore pop``, ``push`` without ``--create``, ``compact``...),
+    so that a mistyped path creates nothing. ``InvalidArgument`` (exit 2)
+    when there is no store at all; ``StorageError`` naming the problem when
+    something is there but cannot be read as one; ``Corruption`` when payload
+    segments lie there without metadata.
+    """
+    _refuse_lost_metadata(path)
+    meta = os.path.join(path, "meta")
+    if not os.path.lexists(path):
+        raise InvalidArgument(f"no store at {path!r}: the path does not exist "
+                              "(nothing was created)")
+    if not os.path.isdir(path):
+        raise InvalidArgument(f"no store at {path!r}: it is a file, not a store directory")
+    if not os.path.lexists(meta):
+        raise InvalidArgument(f"{path!r} is not a qstore store: it has no meta/ "
+                              "(nothing was created)")
+    if not os.path.isdir(meta):
+        raise StorageError(f"cannot read the store at {path!r}: {meta!r} is not a directory")
+    try:
+        names = os.listdir(meta)
+    except OSError as exc:
+        err = StorageError(f"cannot read the store at {path!r}: cannot list {meta!r} "
+                           f"({exc.strerror})")
+        err.errno = exc.errno
+        raise err from None
+    if "CURRENT" not in names:
+        raise InvalidArgument(f"{path!r} is not a qstore store: {meta!r} holds no database "
+                              "(no CURRENT)")
+    current = os.path.join(meta, "CURRENT")
+    if not os.path.isfile(current):
+        raise StorageError(f"cannot read the store at {path!r}: {current!r} is not a file")
 
 
 class Writing:
@@ -150,10 +197,13 @@ class ReadySignal(threading.Condition):
 class Core:
     """Everything an open store holds, and the only code that commits changes."""
 
+    payload: SegmentSet
+    format: int  # the store format (records.STORE_FORMAT once a writer opened it)
+
     def __init__(self, path: str, config: Config) -> None:
         self.path = path
         self.config = config
-        self.clock = config.clock
+        self.clock = checked_clock(config.clock)  # a bad time raises, never is stored
         self.readonly = config.readonly
         self.max_payload_bytes = config.max_payload_bytes
         self.lock = threading.RLock()
@@ -171,8 +221,8 @@ class Core:
         if not config.readonly:
             os.makedirs(path, exist_ok=True)
             self._writer_key = _claim_writer(path)
-        elif not os.path.isdir(os.path.join(path, "meta")):
-            raise StorageError(f"{path!r} is not a qstore directory (no meta/)")
+        else:
+            require_store(path)  # a read-only open creates nothing
         try:
             if not config.readonly:
                 self._make_room("opening the store")
@@ -183,7 +233,13 @@ class Core:
             raise
         try:
             self._load()
+            if not self.readonly and self.format != records.STORE_FORMAT:
+                migrate_dedup(self.meta, self.payload,
+                              [q.qid for q in self.queues.values() if q.rec.dedup])
+                self.format = records.STORE_FORMAT
         except BaseException:
+            if hasattr(self, "payload"):
+                self.payload.close()
             self.meta.close()
             _release_writer(self._writer_key)
             raise
@@ -217,8 +273,10 @@ class Core:
             batch.put(keys.FORMAT_KEY, records.pack([records.RECORD_VERSION,
                                                      records.STORE_FORMAT]))
             self.meta.write(batch, sync=True)
-        elif fmt is not None and records.unpack(fmt, "format")[1] != records.STORE_FORMAT:
-            raise StorageError(f"unsupported store format in {self.path}")
+        self.format = records.STORE_FORMAT if fmt is None else records.unpack(fmt, "format")[1]
+        if self.format not in records.READABLE_FORMATS:
+            raise StorageError(f"unsupported store format {self.format!r} in {self.path} "
+                               f"(this version reads {records.READABLE_FORMATS})")
         hwm = self.meta.get(keys.ID_HWM_KEY)
         self._next_id = records.unpack(hwm, "id")[1] if hwm else 1
         self._id_hwm = self._next_id
@@ -450,6 +508,7 @@ class Core:
         :meth:`commit` would write (a test compares the two byte for byte),
         built straight into one batch: no Txn, no per-call dictionaries.
         """
+        now = self.clock()  # before the append: a clock that fails leaves nothing behind
         ref = self.payload.append_one(body)
         fid, offset, length = ref
         batch = new_batch()
@@ -464,8 +523,7 @@ class Core:
         rkey = q.ready_prefix + (q.priority_key(prio) if pkey is None else pkey) + id_bytes
         batch.put(rkey, b"")
         mkey = q.message_prefix + id_bytes
-        record = records.encode_message(_READY, prio, fid, offset, length, 0, 0, self.clock(), 0,
-                                        None)
+        record = records.encode_message(_READY, prio, fid, offset, length, 0, 0, now, 0, None)
         batch.put(mkey, record)
         c = q.counts
         counts = [c[0] + 1, c[1], c[2], c[3], c[4] + length]
@@ -500,6 +558,7 @@ class Core:
         """
         if not bodies:
             return []
+        now = self.clock()  # before the append: a clock that fails leaves nothing behind
         refs = self.payload.append_many(bodies)
         batch = new_batch()
         put = batch.put
@@ -512,7 +571,6 @@ class Core:
                 if mid + 1 > hwm:
                     hwm = max(hwm, mid) + ID_BLOCK
             put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, hwm]))
-        now = self.clock()
         ready_prefix, message_prefix, pkeys = q.ready_prefix, q.message_prefix, q.pkeys
         encode = records.encode_message
         rkeys = []

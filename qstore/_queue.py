@@ -11,7 +11,6 @@ sweeper thread.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import re
@@ -56,12 +55,14 @@ MAX_SECONDS = 100 * 366 * 86400
 def _seconds(value: object, what: str, *, positive: bool = False) -> float:
     if type(value) is float and (0.0 < value <= MAX_SECONDS or value == 0.0 and not positive):
         return value  # the common case, cheaply
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidArgument(f"{what} must be a finite number of seconds, not {value!r}")
+    # An int is compared as it is: math.isfinite(10**400) would raise OverflowError.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not math.isfinite(value)):
+        raise InvalidArgument(f"{what} must be a finite number of seconds, not {value!r:.60}")
     if value < 0 or (positive and value == 0):
-        raise InvalidArgument(f"{what} must be {'> 0' if positive else '>= 0'}, not {value!r}")
+        raise InvalidArgument(f"{what} must be {'> 0' if positive else '>= 0'}, not {value!r:.60}")
     if value > MAX_SECONDS:
-        raise InvalidArgument(f"{what} must be at most {MAX_SECONDS} seconds, not {value!r}")
+        raise InvalidArgument(f"{what} must be at most {MAX_SECONDS} seconds, not {value!r:.60}")
     return float(value)
 
 
@@ -175,14 +176,17 @@ class Queue:
 
     def _digest(self, body: bytes, dedup_key: object) -> bytes | None:
         if dedup_key is None:
-            return hashlib.blake2b(body, digest_size=16).digest() if self._q.rec.dedup else None
+            return keys.payload_digest(body) if self._q.rec.dedup else None
         if isinstance(dedup_key, str):
-            dedup_key = dedup_key.encode("utf-8")
+            try:
+                dedup_key = dedup_key.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate
+                raise InvalidArgument("dedup_key is not encodable as UTF-8") from None
         if not isinstance(dedup_key, bytes):
             raise InvalidArgument(f"dedup_key must be str or bytes, not {type(dedup_key).__name__}")
         if not self._q.rec.dedup:
             raise InvalidArgument(f"queue {self.name!r} was not created with dedup=True")
-        return hashlib.blake2b(b"k" + dedup_key, digest_size=16).digest()
+        return keys.explicit_digest(dedup_key)
 
     # -- push -----------------------------------------------------------------
 
@@ -302,8 +306,8 @@ class Queue:
                     first_of[digest] = i
                 fresh.append(i)
             if fresh:
+                now = core.clock()  # before the append: a bad time leaves nothing behind
                 refs = core.payload.append_many([bodies[i] for i in fresh])
-                now = core.clock()
                 txn = Txn()
                 default_ttl = q.rec.ttl
                 for i, ref in zip(fresh, refs, strict=True):

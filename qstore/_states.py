@@ -8,6 +8,10 @@ implies (:meth:`QueueState.index_key`, built by ``keys.index_key``)::
       └─> delayed ─(due)─┘     │  └─ nack/expiry, attempts left ──> ready | delayed
                                └──── nack/expiry, attempts used ──> dead ──redrive──> ready
 
+A message pushed on a dedup queue holds a key in the dedup index (``k qid
+digest``) while it is live; it gives the key up when it is acked, dropped or
+becomes a dead letter (:func:`release_dedup`).
+
 A message with a TTL also has a key in the expiry index (``e qid expires_us
 id``) from its push until it leaves: acked, expired (:func:`expire`: dropped,
 or moved to the dead letters with the reason "expired"), or dead (dead letters
@@ -89,6 +93,7 @@ def requeue(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord, now: 
     if rec.state == _INFLIGHT and rec.attempts >= q.rec.max_attempts:
         rec.state, rec.when_us = _DEAD, 0
         txn.put(keys.dead_key(q.qid, mid), b"")
+        release_dedup(txn, q, rec)
         if rec.expires_us:  # dead letters do not expire
             txn.delete(keys.expiry_key(q.qid, rec.expires_us, mid))
             rec.expires_us = 0
@@ -140,6 +145,7 @@ def expire(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> Non
         rec.state, rec.when_us, rec.expires_us = _DEAD, 0, 0
         rec.reason = records.EXPIRED_REASON
         txn.put(keys.dead_key(q.qid, mid), b"")
+        release_dedup(txn, q, rec)
         txn.count(q, STATE_COUNTER[_DEAD], 1)
         txn.put_record(keys.message_key(q.qid, mid), rec.encode())
     else:
@@ -159,8 +165,23 @@ def bury(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord, reason: 
     rec.state, rec.when_us, rec.expires_us = _DEAD, 0, 0
     rec.reason = reason
     txn.put(keys.dead_key(q.qid, mid), b"")
+    release_dedup(txn, q, rec)
     txn.count(q, STATE_COUNTER[_DEAD], 1)
     txn.put_record(keys.message_key(q.qid, mid), rec.encode())
+
+
+def release_dedup(txn: Txn, q: QueueState, rec: records.MessageRecord) -> None:
+    """A message becoming a dead letter gives up its dedup key, for good.
+
+    Dead letters do not dedup (contract section 2): a push with the same key
+    makes a new message. The digest leaves the record too, so that a record
+    holds a digest exactly when it owns that ``k`` key (an ack deletes the key
+    of the digest it holds), and a redriven letter comes back as a plain
+    message: it cannot take back a key another message may hold by then.
+    """
+    if rec.digest is not None:
+        txn.delete(keys.dedup_key(q.qid, rec.digest))
+        rec.digest = None
 
 
 def age(txn: Txn, q: QueueState, ready_key: bytes, mid: int, rec: records.MessageRecord,

@@ -30,6 +30,9 @@ from .meta import records
 log = logging.getLogger("qstore")
 
 MAX_QUEUE_NAME_BYTES = 255
+# Largest max_attempts, aging_cap and rate n: they are stored as msgpack ints (u32
+# is far more than any queue needs; a bigger int could not be encoded at all).
+MAX_COUNT = 2**32 - 1
 
 
 class Store:
@@ -95,8 +98,10 @@ class Store:
             raise InvalidArgument(f"order must be 'max', 'min' or 'fifo', not {order!r}")
         if priority_type not in ("int", "str"):
             raise InvalidArgument(f"priority_type must be 'int' or 'str', not {priority_type!r}")
-        if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
-            raise InvalidArgument(f"max_attempts must be an int >= 1, not {max_attempts!r}")
+        if (not isinstance(max_attempts, int) or isinstance(max_attempts, bool)
+                or not 1 <= max_attempts <= MAX_COUNT):
+            raise InvalidArgument(f"max_attempts must be an int in [1, {MAX_COUNT}], "
+                                  f"not {max_attempts!r:.60}")
         if not isinstance(dedup, bool):
             raise InvalidArgument("dedup must be a bool")
         options = check_options(order, priority_type, {
@@ -249,10 +254,12 @@ OPTION_NAMES = ("ttl", "on_expire", "aging", "aging_cap", "rate")
 
 
 def _positive_seconds(value: object, what: str) -> float:
+    # An int is compared as it is: math.isfinite(10**400) would raise OverflowError.
     if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or value <= 0 or value > MAX_SECONDS):
+            or (isinstance(value, float) and not math.isfinite(value))
+            or value <= 0 or value > MAX_SECONDS):
         raise InvalidArgument(f"{what} must be a number of seconds in (0, {MAX_SECONDS}], "
-                              f"not {value!r}")
+                              f"not {value!r:.60}")
     return float(value)
 
 
@@ -267,14 +274,16 @@ def check_options(order: str, priority_type: str, options: dict[str, Any]) -> di
         aging = _positive_seconds(aging, "aging")
         if priority_type != "int" or order == "fifo":
             raise InvalidArgument("aging needs an int-priority queue of order 'max' or 'min'")
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-        raise InvalidArgument(f"aging_cap must be an int >= 1 or None, not {cap!r}")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int)
+                            or not 1 <= cap <= MAX_COUNT):
+        raise InvalidArgument(f"aging_cap must be an int in [1, {MAX_COUNT}] or None, "
+                              f"not {cap!r:.60}")
     if rate is not None:
         if not isinstance(rate, (tuple, list)) or len(rate) != 2:
             raise InvalidArgument(f"rate must be a pair (n, per_seconds), not {rate!r}")
         n, per = rate
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise InvalidArgument(f"rate needs n, an int >= 1, not {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_COUNT:
+            raise InvalidArgument(f"rate needs n, an int in [1, {MAX_COUNT}], not {n!r:.60}")
         rate = (n, _positive_seconds(per, "rate's per_seconds"))
     return {"ttl": ttl, "on_expire": on_expire, "aging": aging, "aging_cap": cap, "rate": rate}
 
@@ -282,7 +291,11 @@ def check_options(order: str, priority_type: str, options: dict[str, Any]) -> di
 def _check_queue_name(name: object) -> None:
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"queue name must be a non-empty str, not {name!r}")
-    if len(name.encode("utf-8")) > MAX_QUEUE_NAME_BYTES:
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate such as "\udc80"
+        raise InvalidArgument(f"queue name {name!r} is not encodable as UTF-8") from None
+    if size > MAX_QUEUE_NAME_BYTES:
         raise InvalidArgument(f"queue name is over {MAX_QUEUE_NAME_BYTES} UTF-8 bytes")
 
 

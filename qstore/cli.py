@@ -1,7 +1,9 @@
 """The ``qstore`` command line.
 
 Exit codes: 0 success; 1 the command found something (audit or check
-findings, an empty queue on ``pop``/``peek``, a failed demo check); 2 bad usage; 3 the
+findings, an empty queue on ``pop``/``peek``, a failed demo check); 2 bad usage,
+also a STORE path that holds no store (nothing is created: only ``push --create``,
+``serve`` and ``backfill`` create stores); 3 the
 store is locked by another writer, or a Spark run (``audit``, ``backfill``) failed:
 an unreachable master, a failed job; 4 no such queue or message; 5 any other
 qstore error (corruption, storage failure).
@@ -53,10 +55,13 @@ def _store(path: str, *, readonly: bool = False) -> Iterator[Store]:
 
 @contextmanager
 def _target(target: str, token_file: str | None, *, readonly: bool = False,
-            keep_leases: bool = False) -> Iterator[Any]:
-    """The running server's client, or the store opened here (see _cli_target.py)."""
+            keep_leases: bool = False, create: bool = False) -> Iterator[Any]:
+    """The running server's client, or the store opened here (see _cli_target.py).
+
+    Unless ``create``, a path holding no store exits 2 and creates nothing.
+    """
     with _exit_codes(), open_target(target, token_file, readonly=readonly,
-                                    keep_leases=keep_leases) as store:
+                                    keep_leases=keep_leases, create=create) as store:
         yield store
 
 
@@ -94,7 +99,9 @@ def main() -> None:
     """qstore: a durable, embedded priority work queue.
 
     Exit codes: 0 ok, 1 found something (audit/check findings, empty queue),
-    2 bad usage, 3 store locked, 4 no such queue/message, 5 other error.
+    2 bad usage (also: STORE is not a store; only push --create, serve and
+    backfill create one), 3 store locked, 4 no such queue/message, 5 other
+    error (a store that cannot be read, corruption, storage failure).
     """
 
 
@@ -147,7 +154,7 @@ def stats(store_path: str, as_json: bool, token_file: str | None) -> None:
 @click.option("--delay", type=float, default=0.0, show_default=True,
               help="Seconds before it is ready.")
 @click.option("--create", is_flag=True,
-              help="Create the queue (order max, int priorities) if missing.")
+              help="Create the store and the queue (order max, int priorities) if missing.")
 @click.option("--ttl", type=click.FloatRange(0.0, min_open=True), default=None,
               help="Seconds until it expires (default: the queue's ttl).")
 @token_file_option
@@ -161,7 +168,7 @@ def push(store_path: str, queue: str, payload: str | None, file_: Any, priority:
     if (payload is None) == (file_ is None):
         raise click.UsageError("give exactly one of PAYLOAD or --file")
     body = payload.encode("utf-8") if payload is not None else file_.read()
-    with _target(store_path, token_file) as store:
+    with _target(store_path, token_file, create=create) as store:
         if create:
             store.create_queue(queue, exist_ok=True)
         mid = store.queue(queue).push(body, priority=_parse_priority(store, queue, priority),

@@ -168,6 +168,36 @@ def test_dedup_key_pointing_elsewhere_and_missing_dedup_key(
                              ("stray_index_key", "d", dup, None)]
 
 
+@pytest.mark.parametrize("store_format", [1, 2])
+def test_a_dead_letter_holding_a_dedup_key_is_stray_from_format_2(
+        tmp_path: Any, clock: FakeClock, store_format: int) -> None:
+    """Format 2 dead letters release their dedup key; format 1 ones kept it (meta-schema)."""
+    path = str(tmp_path / "store")
+    with qstore.open(path, clock=clock, compactor=False) as s:
+        q = s.create_queue("d", dedup=True, max_attempts=1)
+        mid = q.push(b"poison")
+        q.nack(q.pop())  # type: ignore[arg-type]
+        qid = s.core.queues["d"].qid
+        raw = s.core.meta.get(keys.message_key(qid, mid))
+        assert raw is not None
+        rec = records.MessageRecord.decode(raw)
+        assert rec.state == records.DEAD and rec.digest is None
+        assert s.core.meta.get(keys.dedup_key(qid, keys.payload_digest(b"poison"))) is None
+        assert s.check().ok
+    # What format 1 wrote: the dead letter kept its digest and its key.
+    rec.digest = keys.payload_digest(b"poison")
+    write_meta(path, puts={
+        keys.message_key(qid, mid): rec.encode(),
+        keys.dedup_key(qid, rec.digest): keys.U64.pack(mid),
+        keys.FORMAT_KEY: records.pack([records.RECORD_VERSION, store_format])})
+    report = check_path(path)
+    if store_format == 1:
+        assert report.ok
+    else:
+        assert kinds(report) == [("stray_index_key", "d", mid, None)]
+        assert "dead letter" in report.findings[0].detail
+
+
 def qstore_digest(path: str, qid: int, mid: int) -> bytes:
     meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
     try:

@@ -139,3 +139,56 @@ def test_demo_without_spark_passes_every_check(tmp_path) -> None:  # type: ignor
     from qstore._demo import run_demo
 
     assert run_demo(str(tmp_path / "demo"), fresh=True, messages=600, spark=False) == 0
+
+
+# -- a path that holds no store (issue 11 case 15) ----------------------------------------
+
+NEEDS_A_STORE = [
+    ["pop", "{p}", "jobs"],
+    ["pop", "{p}", "jobs", "--no-ack"],
+    ["push", "{p}", "jobs", "x"],
+    ["compact", "{p}"],
+    ["snapshot", "{p}", "{p}-snap"],
+    ["peek", "{p}", "jobs"],
+    ["stats", "{p}"],
+    ["queues", "{p}"],
+]
+
+
+@pytest.mark.parametrize("args", NEEDS_A_STORE, ids=lambda a: " ".join(a[:1] + a[3:]))
+@pytest.mark.parametrize("kind", ["missing", "empty-dir"])
+def test_a_command_on_a_path_without_a_store_exits_2_and_creates_nothing(
+        runner: CliRunner, tmp_path: pytest.TempPathFactory, args: list[str], kind: str) -> None:
+    path = os.path.join(str(tmp_path), "mistyped")
+    if kind == "empty-dir":
+        os.mkdir(path)
+    r = runner.invoke(main, [a.format(p=path) for a in args])
+    assert r.exit_code == 2, r.output
+    said = " ".join(r.output.split())  # rich wraps long lines
+    assert "no store at" in said or "is not a qstore store" in said
+    assert "nothing was created" in said and "Traceback" not in said
+    assert sorted(os.listdir(str(tmp_path))) == (["mistyped"] if kind == "empty-dir" else [])
+    if kind == "empty-dir":
+        assert os.listdir(path) == []
+
+
+def test_push_with_create_still_creates_the_store(runner: CliRunner, store_path: str) -> None:
+    r = runner.invoke(main, ["push", store_path, "jobs", "x", "--create"])
+    assert r.exit_code == 0, r.output
+    assert os.path.isdir(os.path.join(store_path, "meta"))
+
+
+@pytest.mark.parametrize("command", [["stats"], ["queues"], ["pop", "q"], ["compact"]])
+def test_a_store_whose_meta_is_a_file_says_what_is_wrong(
+        runner: CliRunner, store_path: str, command: list[str]) -> None:
+    with qstore.open(store_path, compactor=False) as store:
+        store.create_queue("q").push(b"x")
+    meta = os.path.join(store_path, "meta")
+    os.rename(meta, meta + ".moved")
+    with open(meta, "w") as f:
+        f.write("not a database")
+    r = runner.invoke(main, [command[0], store_path, *command[1:]])
+    assert r.exit_code == 5, r.output
+    said = " ".join(r.output.split())  # rich wraps long lines
+    assert "meta' is not a directory" in said and "not a qstore directory" not in said
+    assert "Traceback" not in said

@@ -32,8 +32,10 @@ import contextlib
 import errno as _errno
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Generator, Iterable, Iterator
-from typing import cast
+from typing import Any, cast
 
 from rocksdict import (
     AccessType,
@@ -48,7 +50,7 @@ from rocksdict import (
     WriteOptions,
 )
 
-from .._errors import StorageError, StoreLocked
+from .._errors import Corruption, StorageError, StoreLocked
 
 Batch = WriteBatch
 
@@ -111,6 +113,47 @@ def space_to_open(path: str) -> int:
     return wal + OPEN_MARGIN
 
 
+LINKED_SUFFIXES = (".sst", ".log", ".blob")  # large, only read: linked, never copied
+
+
+def private_copy(meta_dir: str) -> str:
+    """A new private directory that RocksDB can open read-only as ``meta_dir``.
+
+    RocksDB and rocksdict write into the directory they open, read-only opens
+    included (rocksdict rewrites its config file, RocksDB starts an info log),
+    which fails on a read-only filesystem. Table and log files are symbolic
+    links (read through, never written); the other files (CURRENT, MANIFEST,
+    OPTIONS, rocksdict's config: a few KiB) are copied, so whatever the open
+    writes lands in the copy. The caller removes it. Raises OSError if
+    ``meta_dir`` cannot be listed.
+    """
+    names = os.listdir(meta_dir)
+    scratch = tempfile.mkdtemp(prefix="qstore-meta-")
+    try:
+        for name in names:
+            src = os.path.join(os.path.abspath(meta_dir), name)
+            if name == "LOCK" or name.startswith("LOG") or not os.path.isfile(src):
+                continue  # a read-only open takes no lock and keeps its own log
+            if name.endswith(LINKED_SUFFIXES):
+                os.symlink(src, os.path.join(scratch, name))
+            else:
+                shutil.copyfile(src, os.path.join(scratch, name))
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return scratch
+
+
+def _read_only_fs(exc: Exception) -> bool:
+    text = str(exc)
+    return "Read-only file system" in text or "os error 30" in text  # EROFS
+
+
+def _corruption(exc: Exception) -> bool:
+    """RocksDB's status "Corruption: ..." (a damaged table, manifest or log)."""
+    return "Corruption:" in str(exc)
+
+
 def _locked(exc: Exception) -> bool:
     text = str(exc)
     return "lock" in text.lower() and ("LOCK" in text or "Resource temporarily" in text)
@@ -126,6 +169,7 @@ class MetaDB:
         # Why writes are refused (a failed write put RocksDB in its error state),
         # or None. Cleared by a successful reopen().
         self.failed: StorageError | None = None
+        self._scratch: str | None = None  # a read-only open's private copy (see _open)
         self._db = self._open(create=not readonly)
         self._wopts = WriteOptions()
         self._wopts_sync = WriteOptions()
@@ -139,7 +183,11 @@ class MetaDB:
         except Exception as exc:
             if not readonly and _locked(exc):
                 raise StoreLocked(self._store_path) from None
-            raise storage_error(f"cannot open metadata at {self.path}", exc) from None
+            if readonly and _read_only_fs(exc):
+                # On a read-only filesystem nothing can change under the view, so
+                # a private copy linking the same table files is the same database.
+                return self._open_copy(self.path)
+            raise _open_error(self.path, exc) from None
 
     def _failure(self, doing: str, exc: Exception) -> StorageError:
         err = storage_error(doing, exc)
@@ -170,19 +218,30 @@ class MetaDB:
             raise
         self.failed = None
 
+    def _open_copy(self, path: str) -> Rdict:
+        try:
+            self._scratch = private_copy(path)
+        except OSError as exc:
+            raise StorageError(f"cannot open metadata at {path} read-only: {exc}") from None
+        try:
+            return Rdict(self._scratch, _options(False), access_type=AccessType.read_only())
+        except Exception as exc:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            raise _open_error(path, exc) from None
+
     def get(self, key: bytes) -> bytes | None:
         try:
             value: bytes | None = self._db.get(key)
             return value
         except Exception as exc:
-            raise storage_error("metadata read failed", exc) from None
+            raise _read_error(self.path, exc) from None
 
     def multi_get(self, keys: list[bytes]) -> list[bytes | None]:
         try:
             values: list[bytes | None] = self._db[keys]  # type: ignore[index,assignment]
             return values
         except Exception as exc:
-            raise StorageError(f"metadata read failed: {exc}") from None
+            raise _read_error(self.path, exc) from None
 
     def write(self, batch: WriteBatch, *, sync: bool = False) -> None:
         if self.failed is not None:
@@ -226,6 +285,7 @@ class MetaDB:
                 yield it.key(), it.value()
                 it.next()
                 n += 1
+            self._status(it)
         finally:
             del it
 
@@ -239,12 +299,27 @@ class MetaDB:
         """
         ro = ReadOptions()  # kept alive here: the iterator points at its bound
         ro.set_iterate_upper_bound(hi)  # NOT set_iterate_lower_bound: it sets the upper one
+        last = None
         try:
             items = cast(Iterator[tuple[bytes, bytes]],  # raw mode: bytes only
                          self._db.items(from_key=lo, read_opt=ro))
-            yield from items
+            for item in items:
+                last = item[0]
+                yield item
         except Exception as exc:
-            raise StorageError(f"metadata read failed: {exc}") from None
+            raise _read_error(self.path, exc) from None
+        # rocksdict's item iterator ends quietly at a damaged block: step past the
+        # last key it gave with an iterator whose status says whether it really ended.
+        it = self._db.iter(ro)
+        try:
+            it.seek(lo if last is None else last)
+            if last is not None and it.valid() and it.key() == last:
+                it.next()
+            if it.valid():
+                raise StorageError(f"metadata scan ended early at {it.key().hex()}")
+            self._status(it)
+        finally:
+            del it
 
     def scan_keys(self, lo: bytes, hi: bytes, limit: int | None = None) -> list[bytes]:
         ro = ReadOptions()
@@ -255,6 +330,7 @@ class MetaDB:
         while it.valid() and (limit is None or len(keys) < limit):
             keys.append(it.key())
             it.next()
+        self._status(it)
         del it
         return keys
 
@@ -264,6 +340,8 @@ class MetaDB:
         it = self._iter(ro)
         it.seek(lo)
         key: bytes | None = it.key() if it.valid() else None
+        if key is None:
+            self._status(it)
         del it
         return key
 
@@ -279,9 +357,18 @@ class MetaDB:
                 if key < hi:
                     return key
                 it.prev()  # seek_for_prev lands on hi itself when it exists
+            self._status(it)
             return None
         finally:
             del it
+
+    def _status(self, it: Any) -> None:
+        """Raise if iterator ``it`` stopped on an error (a damaged block ends an
+        iteration like its last key would: only the status tells them apart)."""
+        try:
+            it.status()
+        except Exception as exc:
+            raise _read_error(self.path, exc) from None
 
     def ingest(self, paths: list[str]) -> None:
         """Add SST files (see :class:`SstWriter`) in one atomic ingestion.
@@ -326,6 +413,9 @@ class MetaDB:
             raise storage_error("closing metadata failed", exc) from None
         finally:
             self._db = _Unavailable(StorageError("the metadata database is closed"))  # type: ignore[assignment]
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None
 
 
 class _Unavailable:
@@ -339,6 +429,19 @@ class _Unavailable:
 
     def close(self) -> None:
         pass
+
+
+def _read_error(path: str, exc: Exception) -> StorageError | Corruption:
+    if _corruption(exc):
+        return Corruption(path, 0, f"metadata is damaged: {exc}")
+    return storage_error("metadata read failed", exc)
+
+
+def _open_error(path: str, exc: Exception) -> StorageError | Corruption:
+    """The error of a failed open: ``Corruption`` when RocksDB found damage."""
+    if _corruption(exc):
+        return Corruption(path, 0, f"metadata is damaged: {exc}")
+    return storage_error(f"cannot open metadata at {path}", exc)
 
 
 class SstWriter:

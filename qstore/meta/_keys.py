@@ -10,6 +10,7 @@ are big-endian so byte order equals numeric order.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import numpy as np
@@ -111,6 +112,29 @@ def trailing_id(key: bytes) -> int:
 
 def dedup_key(qid: int, digest: bytes) -> bytes:
     return DEDUP + U32.pack(qid) + digest
+
+
+# The two dedup namespaces (store format 2; docs/meta-schema.md). NEVER CHANGE either.
+# A payload hash is BLAKE2b personalised with PAYLOAD_PERSON, an explicit key is
+# hashed as b"k" + key without personalisation: different functions, so no
+# payload can hash to the digest of a key (format 1 hashed the bare payload, and
+# push(b"kfoo") collided with dedup_key="foo").
+PAYLOAD_PERSON = b"qstore.payload"
+
+
+def payload_digest(body: bytes) -> bytes:
+    """The dedup digest of a push without a dedup key (a hash of its payload)."""
+    return hashlib.blake2b(body, digest_size=16, person=PAYLOAD_PERSON).digest()
+
+
+def explicit_digest(dedup_key: bytes) -> bytes:
+    """The dedup digest of a push with an explicit ``dedup_key`` (UTF-8 bytes of a str)."""
+    return hashlib.blake2b(b"k" + dedup_key, digest_size=16).digest()
+
+
+def legacy_payload_digest(body: bytes) -> bytes:
+    """Format 1's payload digest (the bare payload's hash): read only by the migration."""
+    return hashlib.blake2b(body, digest_size=16).digest()
 
 
 def priority_key(order: str, ptype: str, priority: int | str) -> bytes:

@@ -28,7 +28,11 @@ EXPIRED_REASON = "expired"  # the reason of a message moved to the dead letters 
 # The reason of a message moved to the dead letters because its payload bytes
 # are damaged: this prefix, then what is wrong ("damaged payload: bad CRC").
 DAMAGED_REASON = "damaged payload"
-STORE_FORMAT = 1  # value of the M"format" key
+# Value of the M"format" key. 2: the dedup namespaces and dead letters without a
+# dedup key (qstore/_migrate.py). A read-write open migrates 1 to 2; a read-only
+# open reads both; any other value is refused.
+STORE_FORMAT = 2
+READABLE_FORMATS = (1, 2)
 
 # Message states (never change).
 READY = 0

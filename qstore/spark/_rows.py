@@ -13,7 +13,6 @@ backfill converts millions of rows.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -215,8 +214,8 @@ def _delays(arr: pa.Array | None, n: int, reasons: list[str | None]) -> np.ndarr
 def digest(body: bytes, dedup_key: bytes | None, dedup: bool) -> bytes | None:
     """The dedup digest push() records (must match ``Queue._digest`` byte for byte)."""
     if dedup_key is None:
-        return hashlib.blake2b(body, digest_size=16).digest() if dedup else None
-    return hashlib.blake2b(b"k" + dedup_key, digest_size=16).digest()
+        return keys.payload_digest(body) if dedup else None
+    return keys.explicit_digest(dedup_key)
 
 
 def _digests(rows: Rows, arr: pa.Array | None) -> list[bytes | None]:

@@ -21,13 +21,12 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .._errors import Corruption, InvalidArgument
 from .._snapshot import read_manifest
-from ..meta import MetaDB, keys, records
+from ..meta import MetaDB, keys, private_copy, records
 from ..payload import PayloadRef, SegmentCheck, SegmentReader
 from ..payload import _format as fmt
 
@@ -36,8 +35,6 @@ ROWS_PER_PARTITION = 100_000  # default partition size when no count is asked fo
 MAX_PARTITIONS = 4096
 
 
-LINKED_SUFFIXES = (".sst", ".log", ".blob")  # large, only read: linked, never copied
-SKIPPED_FILES = ("LOCK",)  # a read-only open takes no lock
 ORDERS = ("max", "min", "fifo")
 PRIORITY_TYPES = ("int", "str")
 
@@ -206,32 +203,15 @@ class Snapshot:
 
 
 def private_meta_copy(meta_dir: str) -> str:
-    """A new private directory that RocksDB can open read-only as ``meta_dir``.
-
-    Table and log files are symbolic links (read through, never written);
-    the other files (CURRENT, MANIFEST, OPTIONS, rocksdict's config: a few
-    KiB) are copied, so whatever the open writes lands in the copy. Raises
-    InvalidArgument if ``meta_dir`` is not a directory.
+    """A new private directory that RocksDB can open read-only as ``meta_dir``
+    (:func:`qstore.meta.private_copy`). Raises InvalidArgument if ``meta_dir``
+    is not a directory.
     """
     try:
-        names = os.listdir(meta_dir)
+        return private_copy(meta_dir)
     except OSError as exc:
         raise InvalidArgument(f"{os.path.dirname(meta_dir)} is not a qstore snapshot: "
                               f"cannot list {meta_dir} ({exc.strerror})") from None
-    scratch = tempfile.mkdtemp(prefix="qstore-snapshot-meta-")
-    try:
-        for name in names:
-            src = os.path.join(os.path.abspath(meta_dir), name)
-            if name in SKIPPED_FILES or name.startswith("LOG") or not os.path.isfile(src):
-                continue
-            if name.endswith(LINKED_SUFFIXES):
-                os.symlink(src, os.path.join(scratch, name))
-            else:
-                shutil.copyfile(src, os.path.join(scratch, name))
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    return scratch
 
 
 def queue_info(key: bytes, value: bytes) -> QueueInfo | str:

@@ -227,7 +227,7 @@ class _Job:
         try:
             spec = LoadSpec(
                 qid=store.core.queues[self.queue].qid, order=q.order,
-                priority_type=q.priority_type, dedup=q.dedup, now=store.config.clock(),
+                priority_type=q.priority_type, dedup=q.dedup, now=store.core.clock(),
                 max_payload_bytes=store.config.max_payload_bytes,
                 segment_max_bytes=store.config.segment_max_bytes,
                 payload_col=self.payload_col, priority_col=self.priority_col,

@@ -21,6 +21,8 @@ from ._support import assert_consistent, dump
 MAX_PAYLOAD = 64
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 NAN, INF = float("nan"), float("inf")
+HUGE = 10**400  # an int no float can hold
+SURROGATE = "\udc80"  # a lone surrogate: a str with no UTF-8 form
 
 
 @dataclass
@@ -185,6 +187,30 @@ def test_priorities_at_the_limits_are_accepted(env: Env) -> None:
     ("dead-letters-zero", lambda e: e.ints.dead_letters(0), IA),
     ("redrive-zero", lambda e: e.ints.redrive(0), IA),
     ("redrive-negative", lambda e: e.ints.redrive(-3), IA),
+    # Ints too large for a float: math.isfinite() raised OverflowError (issue 11 case 13).
+    ("push-delay-beyond-float", lambda e: e.ints.push(b"x", delay=HUGE), IA),
+    ("push-dedup-delay-beyond-float", lambda e: e.dd.push(b"x", delay=HUGE), IA),
+    ("push-ttl-beyond-float", lambda e: e.ints.push(b"x", ttl=HUGE), IA),
+    ("push-many-delay-beyond-float", lambda e: e.ints.push_many([b"x"], delay=HUGE), IA),
+    ("push-many-item-delay-beyond-float", lambda e: e.ints.push_many([(b"x", 1, HUGE)]), IA),
+    ("push-many-ttl-beyond-float", lambda e: e.ints.push_many([b"x"], ttl=HUGE), IA),
+    ("push-many-item-ttl-beyond-float",
+     lambda e: e.ints.push_many([(b"x", 1, 0.0, None, HUGE)]), IA),
+    ("pop-lease-beyond-float", lambda e: e.ints.pop(lease=HUGE), IA),
+    ("pop-wait-beyond-float", lambda e: e.ints.pop(wait=HUGE), IA),
+    ("pop-many-lease-beyond-float", lambda e: e.ints.pop_many(2, lease=HUGE), IA),
+    ("pop-many-wait-beyond-float", lambda e: e.ints.pop_many(2, wait=HUGE), IA),
+    ("nack-delay-beyond-float", lambda e: e.ints.nack(e.held, delay=HUGE), IA),
+    ("extend-lease-beyond-float", lambda e: e.ints.extend(e.held, lease=HUGE), IA),
+    ("queue-ttl-beyond-float", lambda e: e.store.create_queue("n", ttl=HUGE), IA),
+    ("queue-aging-beyond-float", lambda e: e.store.create_queue("n", aging=HUGE), IA),
+    ("queue-rate-per-beyond-float", lambda e: e.store.create_queue("n", rate=(1, HUGE)), IA),
+    ("configure-ttl-beyond-float", lambda e: e.store.configure_queue("ints", ttl=HUGE), IA),
+    # Ints that msgpack cannot store: OverflowError when the queue record was encoded.
+    ("max-attempts-beyond-u32", lambda e: e.store.create_queue("n", max_attempts=HUGE), IA),
+    ("aging-cap-beyond-u32", lambda e: e.store.create_queue("n", aging=1.0, aging_cap=HUGE),
+     IA),
+    ("rate-n-beyond-u32", lambda e: e.store.create_queue("n", rate=(2**64, 1.0)), IA),
 )
 def test_a_bad_time_or_count_is_rejected(env: Env, call: Case, error: type[Exception]) -> None:
     assert_rejected(env, lambda: call(env), error)
@@ -283,6 +309,9 @@ def test_a_bad_or_unknown_message_id_is_rejected(env: Env, call: Case,
     ("key-on-plain-queue", lambda e: e.ints.push(b"x", dedup_key="k"), IA),
     ("int-key", lambda e: e.dd.push(b"x", dedup_key=5), IA),
     ("bytearray-key", lambda e: e.dd.push(b"x", dedup_key=bytearray(b"k")), IA),
+    ("surrogate-key", lambda e: e.dd.push(b"x", dedup_key=SURROGATE), IA),
+    ("surrogate-key-in-batch", lambda e: e.dd.push_many([b"ok", (b"x", 1, 0.0, "a" + SURROGATE)]),
+     IA),
 )
 def test_a_bad_dedup_key_is_rejected(env: Env, call: Case, error: type[Exception]) -> None:
     assert_rejected(env, lambda: call(env), error)
@@ -328,6 +357,9 @@ def test_a_push_many_with_one_bad_item_enqueues_nothing(env: Env, call: Case,
     ("name-none", lambda e: e.store.create_queue(None), IA),
     ("name-256-bytes", lambda e: e.store.create_queue("x" * 256), IA),
     ("name-256-utf8-bytes", lambda e: e.store.create_queue("é" * 128), IA),
+    ("name-surrogate", lambda e: e.store.create_queue("q" + SURROGATE), IA),
+    ("queue-surrogate", lambda e: e.store.queue(SURROGATE), qstore.QueueNotFound),
+    ("delete-surrogate", lambda e: e.store.delete_queue(SURROGATE), qstore.QueueNotFound),
     ("order", lambda e: e.store.create_queue("n", order="random"), IA),
     ("priority-type", lambda e: e.store.create_queue("n", priority_type="float"), IA),
     ("max-attempts-zero", lambda e: e.store.create_queue("n", max_attempts=0), IA),
@@ -369,7 +401,9 @@ def test_a_queue_name_of_255_utf8_bytes_is_accepted(env: Env) -> None:
     {"sweep_interval": 0},
     {"compact_threshold": 0.0},
     {"compact_threshold": 1.5},
-], ids=repr)
+    {"compact_threshold": HUGE},
+    {"segment_max_bytes": 2**64},
+], ids=lambda o: repr(o)[:60])
 def test_a_bad_open_option_raises_invalid_argument_and_creates_nothing(
         tmp_path: Any, options: dict[str, Any]) -> None:
     path = os.path.join(str(tmp_path), "store")
@@ -398,3 +432,29 @@ def test_opening_a_missing_store_readonly_raises_a_typed_error(tmp_path: Any) ->
     with pytest.raises(qstore.QStoreError):
         qstore.open(path, readonly=True)
     assert not os.path.exists(path)
+
+
+# -- the clock ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF, -1.0, "1700000000", None, HUGE, 1e300],
+                         ids=lambda v: repr(v)[:20])
+def test_a_clock_returning_a_bad_time_is_refused_and_nothing_is_stored(
+        store_path: str, bad: Any) -> None:
+    now: list[Any] = [1_700_000_000.0]
+    with qstore.open(store_path, clock=lambda: now[0], compactor=False) as store:
+        plain = store.create_queue("plain")
+        dd = store.create_queue("dd", dedup=True)
+        kept = plain.push(b"kept")
+        before = dump(store)
+        now[0] = bad
+        for call in (lambda: plain.push(b"x"), lambda: dd.push(b"y"),
+                     lambda: plain.push_many([b"a", b"b"]), plain.pop,
+                     lambda: plain.pop_many(2), lambda: store.create_queue("new")):
+            with pytest.raises(qstore.InvalidArgument, match="clock returned"):
+                call()
+        now[0] = 1_700_000_001.0
+        assert dump(store) == before
+        msg = plain.pop()
+        assert msg is not None and msg.id == kept and msg.lease_deadline == 1_700_000_031.0
+        assert store.check().ok

@@ -211,6 +211,7 @@ class ModelQueue:
         m.receipt = None
         if m.attempts >= self.max_attempts:
             m.state, m.when, m.expires = "dead", 0.0, None  # dead letters do not expire
+            m.digest = None  # nor dedup: the key is released for good
         elif delay > 0:
             m.state, m.when = "delayed", now + delay
         else:
@@ -226,6 +227,7 @@ class ModelQueue:
                 if self.opts.on_expire == "dead":
                     m.state, m.when, m.receipt = "dead", 0.0, None
                     m.expires, m.reason = None, "expired"
+                    m.digest = None
                 else:
                     del self.msgs[m.id]
         for m in self.msgs.values():

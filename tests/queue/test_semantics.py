@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import qstore
+from qstore.meta import keys
 
 from ._support import Counts, assert_consistent, dump
 
@@ -554,15 +555,65 @@ def test_dedup_returns_the_live_message_in_any_state(store: qstore.Store, clock:
     delayed = q.push(b"delayed", delay=50.0)
     leased = q.push(b"leased", priority=9)
     assert pop1(q).id == leased
-    dead = q.push(b"dead", priority=8)
-    q.nack(pop1(q))
     before = counts(q)
-    assert q.get(dead).state == "dead"
-    for body, mid in ((b"ready", ready), (b"delayed", delayed), (b"leased", leased),
-                      (b"dead", dead)):
+    for body, mid in ((b"ready", ready), (b"delayed", delayed), (b"leased", leased)):
         assert q.push(body, priority=3) == mid
         assert q.push_many([body]) == [mid]
     assert counts(q) == before
+
+
+@pytest.mark.parametrize("how", ["nack", "lease-expiry", "ttl-expiry", "damaged"])
+@pytest.mark.parametrize("keyed", [False, True], ids=["payload-hash", "explicit-key"])
+def test_a_dead_letter_releases_its_dedup_key(store: qstore.Store, clock: Any, how: str,
+                                               keyed: bool) -> None:
+    """Contract section 2: a dead letter does not dedup, however it became one."""
+    q = store.create_queue("q", dedup=True, max_attempts=1,
+                           on_expire="dead" if how == "ttl-expiry" else "drop")
+    key = "job-7" if keyed else None
+    first = q.push(b"body", dedup_key=key, ttl=5.0 if how == "ttl-expiry" else None)
+    if how == "nack":
+        q.nack(pop1(q))
+    elif how == "lease-expiry":
+        pop1(q, lease=1.0)
+        clock.advance(2.0)
+    elif how == "ttl-expiry":
+        clock.advance(6.0)
+    else:  # its payload bytes are damaged: the pop moves it to the dead letters
+        state = store.core.queues["q"]
+        ref = store.core.records_of(state, [keys.message_key(state.qid, first)])[0]
+        with open(store.core.payload.path_of(ref.file_id), "r+b") as f:
+            f.seek(ref.offset + 8)
+            f.write(b"X")
+        assert q.pop() is None
+    assert [m.id for m in q.dead_letters()] == [first]
+    second = q.push(b"body", dedup_key=key)
+    assert second > first, "a push matching only a dead letter makes a new message"
+    assert q.push(b"body", dedup_key=key) == second, "and the new one dedups"
+    assert q.stats().dead == 1 and q.stats().ready == 1
+    # The check agrees (the damaged payload itself stays a finding: docs/faults.md).
+    assert [f.kind for f in store.check().findings] == (["crc_mismatch"] if how == "damaged"
+                                                        else [])
+    if how == "damaged":
+        return
+    # A redriven letter comes back as a plain message: the key has a new owner.
+    assert q.redrive() == 1
+    assert q.push(b"body", dedup_key=key) == second
+    q.ack(pop1(q))  # the older, redriven one pops first...
+    assert q.push(b"body", dedup_key=key) == second  # ...and its ack frees no key
+    assert store.check().ok
+
+
+def test_a_payload_hash_and_an_explicit_key_never_collide(store: qstore.Store) -> None:
+    """Format 1 hashed b"k" + key and the bare payload: push(b"kfoo") was key "foo"."""
+    q = store.create_queue("q", dedup=True)
+    by_payload = q.push(b"kfoo")
+    by_key = q.push(b"other", dedup_key="foo")
+    assert by_key != by_payload
+    assert q.push_many([(b"x", 0, 0.0, b"foo"), b"kfoo"]) == [by_key, by_payload]
+    keyed_first = q.push(b"payload-2", dedup_key=b"kbar")
+    assert q.push(b"kkbar") != keyed_first
+    assert counts(q).ready == 4
+    assert store.check().ok
 
 
 def test_dedup_forgets_a_message_once_acked_or_purged(store: qstore.Store) -> None:

@@ -124,12 +124,37 @@ def test_store_methods(store: Any) -> None:
     lambda q: q.ack("not-a-receipt"),
     lambda q: q.push_many(5),
     lambda q: q.get(-1),
+    # issue 11 case 13: the same inputs, the same error through the server
+    lambda q: q.push(b"x", delay=10**400),
+    lambda q: q.push(b"x", ttl=10**400),
+    lambda q: q.push_many([(b"x", 1, 10**400)]),
+    lambda q: q.pop(lease=10**400),
+    lambda q: q.pop_many(2, lease=10**400),
+    lambda q: q.pop(wait=10**400),
 ])
 def test_bad_arguments_raise_invalid_argument(store: Any, call: Any) -> None:
     q = store.create_queue("bad")
     with pytest.raises(qstore.InvalidArgument):
         call(q)
     assert q.push(b"still fine") >= 0
+
+
+@pytest.mark.parametrize("call", [
+    lambda s: s.create_queue("q\udc80"),
+    lambda s: s.create_queue("u", dedup=True).push(b"x", dedup_key="\udc80"),
+    lambda s: s.create_queue("u", dedup=True).push_many([(b"x", 1, 0.0, "\udc80")]),
+    lambda s: s.create_queue("m", max_attempts=10**400),
+    lambda s: s.create_queue("t", ttl=10**400),
+    lambda s: s.create_queue("n").extend(s.queue("n").pop() or "0-0-0", lease=10**400),
+    lambda s: s.create_queue("n").nack("1-1-1", delay=10**400),
+], ids=["surrogate-name", "surrogate-key", "surrogate-key-batch", "max-attempts", "queue-ttl",
+        "extend", "nack"])
+def test_unencodable_and_oversized_arguments_raise_invalid_argument(store: Any,
+                                                                    call: Any) -> None:
+    with pytest.raises(qstore.InvalidArgument):
+        call(store)
+    assert store.create_queue("after", exist_ok=True).push(b"still fine") >= 0
+    assert "q\udc80" not in store.queues()
 
 
 def test_payload_too_large_keeps_the_connection(store: Any) -> None:

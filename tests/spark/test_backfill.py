@@ -180,6 +180,29 @@ def test_dedup_rejects_rows_matching_live_messages_or_earlier_rows(spark: Any,
         assert q.stats().ready == 4
 
 
+def test_dedup_ignores_dead_letters_and_keeps_payloads_and_keys_apart(spark: Any,
+                                                                      tmp_path: Path) -> None:
+    """Issue 11 case 14, through the backfill: the same digests as push, the same rules."""
+    store = tmp_path / "store"
+    with qstore.open(store, compactor=False) as s:
+        q = s.create_queue("d", dedup=True, max_attempts=1)
+        q.push(b"dead", dedup_key="gone")
+        q.nack(q.pop())  # type: ignore[arg-type]
+        keyed = q.push(b"v", dedup_key="foo")
+    src = write_parquet(tmp_path / "src.parquet", payload=[b"kfoo", b"w"], key=[None, "gone"])
+    result = run_backfill(str(src), into=store, queue="d", dedup_col="key", spark=spark)
+    assert (result.loaded, result.rejected) == (2, 0)
+    check_consistent(store)
+    with qstore.open(store, compactor=False) as s:
+        snap = s.snapshot(str(tmp_path / "snap"))
+        q = s.queue("d")
+        assert q.push(b"kfoo") == result.first_id
+        assert q.push(b"z", dedup_key="gone") == result.first_id + 1
+        assert q.push(b"z", dedup_key="foo") == keyed
+    audit = run_audit(snap, out=tmp_path / "audit", spark=spark, quiet=True)
+    assert (audit.exit_code, audit.findings) == (0, 0), audit.text
+
+
 def test_loading_into_a_store_with_messages_keeps_them_intact(spark: Any,
                                                              tmp_path: Path) -> None:
     store = tmp_path / "store"
