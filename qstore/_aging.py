@@ -39,11 +39,33 @@ SCAN = 1000  # messages read from the head of one level per pass
 
 
 class Plan:
-    __slots__ = ("moves", "next_us")
+    __slots__ = ("moves", "next_us", "stopped")
 
     def __init__(self) -> None:
         self.moves: list[tuple[int, int, int]] = []  # (index, new priority, levels gained)
         self.next_us = NO_EVENT_US  # when the next of these messages gains a level
+        self.stopped = False  # reached a message too young: nothing later in the level is due
+
+
+class Round:
+    """One aging round of a queue: each active level read once from its head.
+
+    A round may span several calls of the pass (each does a bounded amount of
+    work under the writer lock): ``levels`` holds the levels left (those active
+    when it began: messages moved up land in levels already visited, or in new
+    ones), ``cursors`` where an unfinished level goes on, ``next_us`` the
+    earliest next gain seen.
+    A round belongs to one queue record: changing the options starts a new one.
+    """
+
+    __slots__ = ("rec", "levels", "cursors", "next_us", "spanned")
+
+    def __init__(self, rec: records.QueueRecord, levels: list[bytes]) -> None:
+        self.rec = rec
+        self.levels = levels  # the starts of the levels left, in pop order
+        self.cursors: dict[bytes, bytes] = {}
+        self.next_us = NO_EVENT_US
+        self.spanned = False  # True once the round went on in a later call
 
 
 def levels_gained(rec_q: records.QueueRecord, enqueued_at: float, now: float) -> int:
@@ -71,6 +93,7 @@ def plan(rec_q: records.QueueRecord, recs: Sequence[records.MessageRecord], now:
     for i, rec in enumerate(recs):
         if now - rec.enqueued_at < a - 1e-9:
             out.next_us = min(out.next_us, keys.to_us(rec.enqueued_at + a))
+            out.stopped = True
             break  # every later message of the level was pushed later
         gain = levels_gained(rec_q, rec.enqueued_at, now)
         if gain > rec.aged:

@@ -9,10 +9,15 @@ of the core: it knows keys and records, nothing above it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._heads import ReadyHeads
 from ._rate import TokenBucket
 from .meta import Batch, keys, new_batch, records
 from .payload import FRAME_SIZE, PayloadRef
+
+if TYPE_CHECKING:
+    from ._aging import Round
 
 # Indexes into a queue's counter list: [ready, delayed, in_flight, dead, bytes].
 READY, DELAYED, INFLIGHT, DEAD, BYTES = range(5)
@@ -30,7 +35,8 @@ class QueueState:
 
     __slots__ = ("name", "rec", "qid", "counts", "counts_key", "heads", "next_event_us",
                  "time_floor_us", "deleted", "pkeys", "ready_prefix", "message_prefix",
-                 "inflight_prefix", "int_prio", "expired", "bucket", "aging_next_us")
+                 "inflight_prefix", "int_prio", "expired", "bucket", "aging_next_us",
+                 "cursors", "aging_round")
 
     def __init__(self, name: str, rec: records.QueueRecord, counts: list[int]) -> None:
         self.name = name
@@ -57,6 +63,10 @@ class QueueState:
         self.bucket: TokenBucket | None = None  # the rate limit's tokens (set by the core)
         # When the next ready message may gain a level by aging (us); NO_EVENT_US: none.
         self.aging_next_us = NO_EVENT_US
+        # Where an unfinished pass goes on in each time index (_timers.py), and the
+        # aging round in progress (an _aging.Round), so a pass can span lock holds.
+        self.cursors: dict[bytes, bytes] = {}
+        self.aging_round: Round | None = None
 
     def priority_key(self, priority: int | str) -> bytes:
         pkey = self.pkeys.get(priority)
