@@ -8,13 +8,18 @@ of the ready index: aging re-keys a message (delete its ready key, write one
 at the better level, record the new priority and the levels gained in its
 record, version 2) in batches under the writer lock (``Core._age``).
 
-Cost. A pass reads, per priority level holding ready messages, one seek (the
-ready heads remember the levels) and the messages at the head of the level
-up to the first one pushed less than ``a`` seconds ago: every message after
-it in key order has a larger id, so it was pushed later and is not due
-either. Messages that reached ``aging_cap`` stay at the head and are read
-again by each pass, at most ``SCAN`` per level. Passes run when the
-earliest head may be due (the queue's next event), not on every pop.
+Cost. A round reads, per priority level holding ready messages, one seek
+(the ready heads remember the levels) and the messages at the head of the
+level up to the first one pushed less than ``a`` seconds ago: every message
+after it in key order has a larger id, so it was pushed later and is not due
+either. It reads them in chunks of ``SCAN`` and may span several calls of
+the pass (``Round``; each call does a bounded amount of work under the
+writer lock, see _timers.py), so messages that reached ``aging_cap`` at the
+head of a level never hide due messages behind them, and a round finishes
+on a clock that does not move. Capped messages and messages not yet due for
+their next level are read again by each round (once per round); rounds run
+when the earliest head may be due (the queue's next event), not on every
+pop.
 
 Guarantee. With ``aging_cap`` unset, a message of priority ``p`` pushed at
 ``t`` sits at level ``p + k`` (order "max") from ``t + k*a`` on, and a level

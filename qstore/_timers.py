@@ -30,7 +30,7 @@ from ._txn import STATE_COUNTER, QueueState, Txn
 from .meta import keys, records
 
 PROMOTE_BATCH = 1000  # keys per commit
-BUDGET = 5000  # keys one promote() call handles with the writer lock held
+BUDGET = 1000  # keys one promote() call handles with the writer lock held (about 25 ms)
 _READY = records.READY
 _TIMED = (keys.EXPIRY, keys.INFLIGHT, keys.DELAYED)  # in this order: a TTL wins a tie
 
@@ -184,7 +184,7 @@ def _age(core: Core, q: QueueState, now_us: int, limit: int) -> bool:
     assert rec_q.aging is not None
     now = now_us / 1e6
     rnd = q.aging_round
-    if rnd is None or rnd.rec is not rec_q:
+    if not isinstance(rnd, aging.Round) or rnd.rec is not rec_q:
         rnd = q.aging_round = aging.Round(rec_q, q.heads.discover_all(core.meta))
     else:
         rnd.spanned = True

@@ -9,15 +9,10 @@ of the core: it knows keys and records, nothing above it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ._heads import ReadyHeads
 from ._rate import TokenBucket
 from .meta import Batch, keys, new_batch, records
 from .payload import FRAME_SIZE, PayloadRef
-
-if TYPE_CHECKING:
-    from ._aging import Round
 
 # Indexes into a queue's counter list: [ready, delayed, in_flight, dead, bytes].
 READY, DELAYED, INFLIGHT, DEAD, BYTES = range(5)
@@ -66,7 +61,7 @@ class QueueState:
         # Where an unfinished pass goes on in each time index (_timers.py), and the
         # aging round in progress (an _aging.Round), so a pass can span lock holds.
         self.cursors: dict[bytes, bytes] = {}
-        self.aging_round: Round | None = None
+        self.aging_round: object = None  # an _aging.Round (this module sits below it)
 
     def priority_key(self, priority: int | str) -> bytes:
         pkey = self.pkeys.get(priority)
