@@ -46,10 +46,15 @@ def promote(core: Core, q: QueueState, now_us: int, budget: int | None = None) -
     or extend a message between the look and the action.
     """
     left = BUDGET if budget is None else budget
+    if q.cursors and (q.next_event_us < q.pass_mark_us or now_us < q.pass_mark_us):
+        # Since the last call a key was written with a time before the one this
+        # pass had reached (a commit lowered the next event), or the clock went
+        # back: it may sit behind a resume point, so start again from the floor.
+        q.cursors.clear()
     for kind in _TIMED:
         left -= _timed(core, q, kind, now_us, left)
         if q.cursors.get(kind) is not None:
-            q.next_event_us = now_us
+            q.next_event_us = q.pass_mark_us = now_us
             return False
     # Nothing due at or before now is left in the three indexes; a later write of
     # an earlier time (a clock that went back) lowers the floor in commit().
@@ -89,8 +94,7 @@ def _timed(core: Core, q: QueueState, kind: bytes, now_us: int, limit: int) -> i
     floor = base + keys.U64.pack(q.time_floor_us)
     hi = base + keys.U64.pack(now_us + 1)
     cursor = q.cursors.get(kind)
-    resumed = cursor is not None and cursor > floor
-    lo = cursor if cursor is not None and resumed else floor
+    lo = cursor if cursor is not None and cursor > floor else floor
     used = 0
     while True:
         want = min(PROMOTE_BATCH, limit - used)
@@ -107,12 +111,6 @@ def _timed(core: Core, q: QueueState, kind: bytes, now_us: int, limit: int) -> i
             used += len(due)
             lo = due[-1] + b"\x00"
         if len(due) < want:
-            # The end, unless the pass resumed (the lock was let go meanwhile) past
-            # keys written below its resume point: only a clock that went back
-            # writes such times, but then they must not be skipped.
-            if resumed and core.meta.first_key(floor, lo) is not None:
-                lo, resumed = floor, False
-                continue
             q.cursors.pop(kind, None)
             return used
 

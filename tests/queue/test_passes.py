@@ -146,3 +146,24 @@ def test_aging_a_backlog_larger_than_one_call_on_a_stopped_clock(
     assert state.aging_round is None
     assert {q.get(i).priority for i in ids[5:]} == {1}
     assert_consistent(store, q)
+
+
+def test_a_key_written_behind_the_resume_point_by_a_clock_that_went_back_is_not_skipped(
+        store: qstore.Store, clock: FakeClock, small_budget: int) -> None:
+    q = store.create_queue("q")
+    live = q.push(b"live", priority=9)
+    q.push_many([(b"x", 0)] * 5_000, ttl=10)
+    start = clock.now
+    clock.advance(11)
+    m = q.pop()  # one call of the pass: it stops part way, with a resume point
+    assert m is not None and m.id == live
+    state = store.core.queues["q"]
+    assert 0 < state.expired < 5_000 and state.cursors
+    clock.now = start - 5  # the clock goes back; a TTL runs out before the resume point
+    early = q.push(b"early", ttl=1)
+    clock.now = start + 11
+    stats = q.stats()
+    assert stats.expired == 5_001 and stats.ready == 0
+    with pytest.raises(qstore.MessageNotFound):
+        q.get(early)
+    assert_consistent(store, q)
