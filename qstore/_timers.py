@@ -23,6 +23,8 @@ resume point), and aging reads the heads of the priority levels
 
 from __future__ import annotations
 
+import time
+
 from . import _aging as aging
 from . import _states as states
 from ._core import Core
@@ -83,6 +85,9 @@ def catch_up(core: Core, q: QueueState) -> None:
             now_us = keys.to_us(core.clock())
             if q.next_event_us > now_us or promote(core, q, now_us):
                 return
+        # Yield the GIL: a thread blocked on the writer lock gets it now, instead
+        # of this loop taking it back at once (Python's locks are not fair).
+        time.sleep(0)
 
 
 def _timed(core: Core, q: QueueState, kind: bytes, now_us: int, limit: int) -> int:

@@ -81,6 +81,8 @@ def measure_features(path: str, p: Params) -> list[Metric]:
                n / expiry_s, "msgs/s"),
         Metric("features.push_wait_max", f"longest push while that expiry ran "
                f"({len(waits):,} pushes)", max(waits, default=0.0) * 1e3, "ms"),
+        Metric("features.push_wait_p99", "p99 push latency while that expiry ran",
+               sorted(waits)[int(len(waits) * 0.99)] * 1e3 if waits else 0.0, "ms"),
         Metric("features.aging_rate", f"aging of {n:,} messages by one level",
                n / aging_s, "msgs/s"),
     ]
