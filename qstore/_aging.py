@@ -8,13 +8,18 @@ of the ready index: aging re-keys a message (delete its ready key, write one
 at the better level, record the new priority and the levels gained in its
 record, version 2) in batches under the writer lock (``Core._age``).
 
-Cost. A pass reads, per priority level holding ready messages, one seek (the
-ready heads remember the levels) and the messages at the head of the level
-up to the first one pushed less than ``a`` seconds ago: every message after
-it in key order has a larger id, so it was pushed later and is not due
-either. Messages that reached ``aging_cap`` stay at the head and are read
-again by each pass, at most ``SCAN`` per level. Passes run when the
-earliest head may be due (the queue's next event), not on every pop.
+Cost. A round reads, per priority level holding ready messages, one seek
+(the ready heads remember the levels) and the messages at the head of the
+level up to the first one pushed less than ``a`` seconds ago: every message
+after it in key order has a larger id, so it was pushed later and is not due
+either. It reads them in chunks of ``SCAN`` and may span several calls of
+the pass (``Round``; each call does a bounded amount of work under the
+writer lock, see _timers.py), so messages that reached ``aging_cap`` at the
+head of a level never hide due messages behind them, and a round finishes
+on a clock that does not move. Capped messages and messages not yet due for
+their next level are read again by each round (once per round); rounds run
+when the earliest head may be due (the queue's next event), not on every
+pop.
 
 Guarantee. With ``aging_cap`` unset, a message of priority ``p`` pushed at
 ``t`` sits at level ``p + k`` (order "max") from ``t + k*a`` on, and a level
@@ -39,11 +44,33 @@ SCAN = 1000  # messages read from the head of one level per pass
 
 
 class Plan:
-    __slots__ = ("moves", "next_us")
+    __slots__ = ("moves", "next_us", "stopped")
 
     def __init__(self) -> None:
         self.moves: list[tuple[int, int, int]] = []  # (index, new priority, levels gained)
         self.next_us = NO_EVENT_US  # when the next of these messages gains a level
+        self.stopped = False  # reached a message too young: nothing later in the level is due
+
+
+class Round:
+    """One aging round of a queue: each active level read once from its head.
+
+    A round may span several calls of the pass (each does a bounded amount of
+    work under the writer lock): ``levels`` holds the levels left (those active
+    when it began: messages moved up land in levels already visited, or in new
+    ones), ``cursors`` where an unfinished level goes on, ``next_us`` the
+    earliest next gain seen.
+    A round belongs to one queue record: changing the options starts a new one.
+    """
+
+    __slots__ = ("rec", "levels", "cursors", "next_us", "spanned")
+
+    def __init__(self, rec: records.QueueRecord, levels: list[bytes]) -> None:
+        self.rec = rec
+        self.levels = levels  # the starts of the levels left, in pop order
+        self.cursors: dict[bytes, bytes] = {}
+        self.next_us = NO_EVENT_US
+        self.spanned = False  # True once the round went on in a later call
 
 
 def levels_gained(rec_q: records.QueueRecord, enqueued_at: float, now: float) -> int:
@@ -71,6 +98,7 @@ def plan(rec_q: records.QueueRecord, recs: Sequence[records.MessageRecord], now:
     for i, rec in enumerate(recs):
         if now - rec.enqueued_at < a - 1e-9:
             out.next_us = min(out.next_us, keys.to_us(rec.enqueued_at + a))
+            out.stopped = True
             break  # every later message of the level was pushed later
         gain = levels_gained(rec_q, rec.enqueued_at, now)
         if gain > rec.aged:

@@ -315,7 +315,10 @@ class _Check:
                                                       "letters release their dedup key)")
                 continue
             if kind == keys.EXPIRY:
-                if not rec.expires_us or keys.expiry_key(qid, rec.expires_us, mid) != key:
+                if not rec.expires_us:
+                    self._stray(name, mid, kind, key, (
+                        f"its message ({records.STATE_NAMES[rec.state]}) has no TTL"))
+                elif keys.expiry_key(qid, rec.expires_us, mid) != key:
                     self._stray(name, mid, kind, key, "its message has another expiry time")
                 continue
             pkey = keys.priority_key(rec_q.order, rec_q.priority_type, rec.priority)
@@ -348,6 +351,7 @@ class _Check:
 
     def _counters(self) -> None:
         for qid, (name, _) in sorted(self.queues.items(), key=lambda kv: kv[1][0]):
+            self._totals(qid, name)
             counted = self.counts.get(qid, [0, 0, 0, 0, 0])
             raw = self.meta.get(keys.counts_key(qid))
             if raw is None:
@@ -363,6 +367,20 @@ class _Check:
                          zip(COUNTER_FIELDS, stored, counted, strict=False) if s != c]
                 self.add(k.COUNTER_MISMATCH, queue=name,
                          detail="; ".join(diffs) or f"stored {stored}, recount {counted}")
+
+
+    def _totals(self, qid: int, name: str) -> None:
+        """The ``E`` totals record (expired count), if any, decodes to a count."""
+        raw = self.meta.get(keys.totals_key(qid))
+        if raw is None:
+            return  # nothing expired yet
+        try:
+            expired = records.decode_totals(raw)
+        except (StorageError, ValueError, TypeError, IndexError) as exc:
+            self.add(k.COUNTER_MISMATCH, queue=name, detail=f"E record: {exc}")
+            return
+        if expired < 0:
+            self.add(k.COUNTER_MISMATCH, queue=name, detail=f"E record: expired {expired} < 0")
 
 
 COUNTER_FIELDS = ("ready", "delayed", "in_flight", "dead", "bytes")

@@ -282,15 +282,18 @@ class Queue:
             bodies.append(body)
             prepared.append((prio, d, self._digest(body, dedup_key), t))
         ids = [0] * len(rows)
+        if self._q.rec.dedup:
+            timers.catch_up(core, self._q)
         with core.writing:
             q = self._state()
             qid = q.qid
             if q.rec.dedup:
                 # A message whose TTL ran out is gone even before a pass removed it:
-                # run the pass, so that its dedup key matches no push.
+                # finish the pass (catch_up above did the bulk), so that its dedup
+                # key matches no push.
                 now_us = keys.to_us(core.clock())
                 if q.next_event_us <= now_us:
-                    timers.promote(core, q, now_us)
+                    timers.promote_all(core, q, now_us)
             fresh: list[int] = []  # rows really enqueued
             first_of: dict[bytes, int] = {}  # dedup digest -> first row in this batch
             dup_of: dict[int, int] = {}  # row -> earlier row with the same digest
@@ -379,8 +382,10 @@ class Queue:
                 raise QueueNotFound(q.name)
             now = core.clock()
             now_us = keys.to_us(now)
-            if q.next_event_us <= now_us:
-                timers.promote(core, q, now_us)
+            if q.next_event_us <= now_us and not timers.promote(core, q, now_us):
+                # A large due backlog: the pass goes on in later calls; meanwhile no
+                # expired message at the head may be delivered.
+                timers.expire_head(core, q, now_us, n)
             bucket = q.bucket
             if bucket is not None:
                 n = min(n, bucket.available(now))
@@ -557,6 +562,11 @@ class Queue:
 
     # -- inspection -----------------------------------------------------------
 
+    def _catch_up(self) -> None:
+        """Run the due passes in batches, letting go of the writer lock between them
+        (before an inspection takes the lock for itself)."""
+        timers.catch_up(self._core, self._q)
+
     def _maybe_promote(self) -> QueueState:
         core = self._core
         core.check_open()  # reads of a closed store must not reach rocksdict
@@ -564,7 +574,7 @@ class Queue:
         if not core.readonly:
             now_us = keys.to_us(core.clock())
             if q.next_event_us <= now_us:
-                timers.promote(core, q, now_us)
+                timers.promote_all(core, q, now_us)  # what fell due since _catch_up
         return q
 
     def _messages(self, q: QueueState, index_keys: list[bytes]) -> list[Message]:
@@ -583,6 +593,7 @@ class Queue:
     def peek(self, n: int = 1) -> list[Message]:
         """The first ``n`` ready messages in pop order, without leasing them."""
         _check_count(n)
+        self._catch_up()
         with self._core.lock:
             q = self._maybe_promote()
             while True:
@@ -610,6 +621,7 @@ class Queue:
         if (isinstance(message_id, bool) or not isinstance(message_id, int)
                 or not 0 <= message_id < 2**64):
             raise InvalidArgument(f"message id must be an int in [0, 2**64), not {message_id!r}")
+        self._catch_up()
         with self._core.lock:
             q = self._maybe_promote()
             raw = self._core.meta.get(keys.message_key(q.qid, message_id))
@@ -620,6 +632,7 @@ class Queue:
     def dead_letters(self, n: int = 10) -> list[Message]:
         """Up to ``n`` dead letters, oldest id first."""
         _check_count(n)
+        self._catch_up()
         with self._core.lock:
             q = self._maybe_promote()
             lo = keys.prefix(keys.DEAD, q.qid)
@@ -644,13 +657,14 @@ class Queue:
         """Move up to ``n`` dead letters back to ready with attempts reset to 0."""
         _check_count(n)
         core = self._core
+        self._catch_up()
         with core.writing:
             q = self._state()
             now = core.clock()
             now_us = keys.to_us(now)
             if q.next_event_us <= now_us:
                 # A lease that ran out on its last attempt is dead already.
-                timers.promote(core, q, now_us)
+                timers.promote_all(core, q, now_us)
             lo = keys.prefix(keys.DEAD, q.qid)
             dead = core.meta.scan_keys(lo, keys.prefix_end(lo), n)
             if not dead:
@@ -673,6 +687,7 @@ class Queue:
 
     def stats(self) -> QueueStats:
         """Counts by state; expired leases and due delays are promoted first."""
+        self._catch_up()
         with self._core.lock:
             q = self._maybe_promote()
             c = q.counts

@@ -36,7 +36,7 @@ class QueueState:
     __slots__ = ("name", "rec", "qid", "counts", "counts_key", "heads", "next_event_us",
                  "time_floor_us", "deleted", "pkeys", "ready_prefix", "message_prefix",
                  "inflight_prefix", "int_prio", "expired", "bucket", "aging_next_us", "plain",
-                 "hot_paths")
+                 "hot_paths", "cursors", "pass_mark_us", "aging_round")
 
     def __init__(self, name: str, rec: records.QueueRecord, counts: list[int]) -> None:
         self.name = name
@@ -67,6 +67,11 @@ class QueueState:
         self.bucket: TokenBucket | None = None  # the rate limit's tokens (set by the core)
         # When the next ready message may gain a level by aging (us); NO_EVENT_US: none.
         self.aging_next_us = NO_EVENT_US
+        # Where an unfinished pass goes on in each time index (_timers.py), and the
+        # aging round in progress (an _aging.Round), so a pass can span lock holds.
+        self.cursors: dict[bytes, bytes] = {}
+        self.pass_mark_us = 0  # the time of the call that left the cursors
+        self.aging_round: object = None  # an _aging.Round (this module sits below it)
 
     def priority_key(self, priority: int | str) -> bytes:
         pkey = self.pkeys.get(priority)

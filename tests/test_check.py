@@ -315,3 +315,104 @@ def test_cli_check_exits_0_clean_and_1_with_a_table_of_findings(
     assert f"message {mid}" in found.output
     missing = runner.invoke(main, ["check", str(tmp_path / "nothing")])
     assert missing.exit_code == 2
+
+
+def _ttl_store(path: str, clock: FakeClock) -> dict[str, int]:
+    """A closed store whose queue "t" has TTL messages ready, delayed and in flight,
+    one without a TTL, and a dead letter whose TTL was dropped when it died."""
+    with qstore.open(path, clock=clock, compactor=False) as s:
+        t = s.create_queue("t", ttl=100, on_expire="dead", max_attempts=1)
+        ids = {"ready": t.push(b"r", ttl=50), "delayed": t.push(b"d", delay=10),
+               "plain_ttl": t.push(b"q"), "flight": t.push(b"f", priority=9)}
+        s.configure_queue("t", ttl=None)
+        ids["no_ttl"] = t.push(b"n")
+        ids["dead"] = t.push(b"x", priority=10)
+        dead = t.pop(lease=1)
+        assert dead is not None and dead.id == ids["dead"]
+        clock.advance(2)  # its lease ran out on its last attempt: a dead letter
+        flight = t.pop(lease=30)
+        assert flight is not None and flight.id == ids["flight"]
+        assert t.stats().dead == 1 and t.stats().in_flight == 1
+        assert s.check().ok
+    return ids
+
+
+def _expires_us(path: str, mid: int) -> int:
+    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
+    try:
+        raw = meta.get(keys.message_key(1, mid))
+    finally:
+        meta.close()
+    assert raw is not None
+    return records.MessageRecord.decode(raw).expires_us
+
+
+def test_expiry_index_missing_extra_and_mismatched_keys_are_named(
+        tmp_path: Any, clock: FakeClock) -> None:
+    path = str(tmp_path / "store")
+    ids = _ttl_store(path, clock)
+    qid = 1
+    when = {role: _expires_us(path, ids[role]) for role in ("ready", "delayed", "flight")}
+    assert all(when.values()) and _expires_us(path, ids["no_ttl"]) == 0
+    assert _expires_us(path, ids["dead"]) == 0  # dead letters do not expire
+    # Missing: the ready message's expiry key is deleted.
+    write_meta(path, deletes=[keys.expiry_key(qid, when["ready"], ids["ready"])])
+    report = check_path(path)
+    assert kinds(report) == [("index_missing", "t", ids["ready"], None)]
+    assert "expiry index" in report.findings[0].detail
+    # Mismatched: the delayed message's key moved to another time.
+    write_meta(path, puts={keys.expiry_key(qid, when["delayed"] + 1, ids["delayed"]): b""},
+               deletes=[keys.expiry_key(qid, when["delayed"], ids["delayed"])])
+    report = check_path(path)
+    assert kinds(report) == ordered([("index_missing", "t", ids["ready"], None),
+                                     ("index_missing", "t", ids["delayed"], None),
+                                     ("stray_index_key", "t", ids["delayed"], None)])
+    assert any("another expiry time" in f.detail for f in report.findings)
+
+
+def test_expiry_keys_of_messages_without_ttl_dead_letters_and_no_message_are_stray(
+        tmp_path: Any, clock: FakeClock) -> None:
+    path = str(tmp_path / "store")
+    ids = _ttl_store(path, clock)
+    qid = 1
+    t0 = keys.to_us(clock.now)
+    write_meta(path, puts={
+        keys.expiry_key(qid, t0, ids["no_ttl"]): b"",  # a message without a TTL
+        keys.expiry_key(qid, t0, ids["dead"]): b"",  # a dead letter (they do not expire)
+        keys.expiry_key(qid, t0, 999_999): b"",  # no message at all
+        keys.prefix(keys.EXPIRY, qid) + b"\x00" * 9: b"",  # not e qid expires_us id
+    })
+    report = check_path(path)
+    assert kinds(report) == ordered([("stray_index_key", "t", ids["no_ttl"], None),
+                                     ("stray_index_key", "t", ids["dead"], None),
+                                     ("stray_index_key", "t", 999_999, None),
+                                     ("stray_index_key", "t", None, None)])
+    details = {f.message_id: f.detail for f in report.findings}
+    assert "has no TTL" in details[ids["no_ttl"]]
+    assert "has no TTL" in details[ids["dead"]]
+    assert "no message owns it" in details[999_999]
+    assert "malformed" in details[None]
+
+
+def test_dead_letter_with_an_expiry_time_and_bad_totals_record_are_findings(
+        tmp_path: Any, clock: FakeClock) -> None:
+    path = str(tmp_path / "store")
+    ids = _ttl_store(path, clock)
+    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
+    try:
+        raw = meta.get(keys.message_key(1, ids["dead"]))
+    finally:
+        meta.close()
+    assert raw is not None
+    rec = records.MessageRecord.decode(raw)
+    rec.expires_us = keys.to_us(clock.now + 5)
+    write_meta(path, puts={keys.message_key(1, ids["dead"]): rec.encode(),
+                           keys.expiry_key(1, rec.expires_us, ids["dead"]): b"",
+                           keys.totals_key(1): b"\xc1"})
+    report = check_path(path)
+    found = kinds(report)
+    assert ("bad_record", "t", ids["dead"], None) in found
+    assert ("counter_mismatch", "t", None, None) in found
+    bad = next(f for f in report.findings if f.kind == "bad_record")
+    assert "dead letter has an expiry time" in bad.detail
+    assert any("E record" in f.detail for f in report.findings)

@@ -21,6 +21,7 @@ WORKLOADS: tuple[str, ...] = (
     "compaction",    # compaction rate vs the disk's sequential write rate
     "spark",         # Spark backfill vs push_many, Spark audit vs a plain scan
     "server",        # qstore serve vs beanstalkd, 4 client processes (_server.py)
+    "features",      # expiry and aging of a backlog of `backlog` messages (_features.py)
 )
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
-from . import _results, _scaling, _spark, _targets, _workloads
+from . import _features, _results, _scaling, _spark, _targets, _workloads
 from ._peers import BY_NAME, PEERS, Item, PeerSpec
 from ._plan import MODES, WORKLOADS, KiB, Params
 from ._report import make_console, render
@@ -27,6 +27,7 @@ from ._results import Collected, Failure, Sample
 
 LARGE = 64 * KiB
 EXTRA = ("profile",)  # runs only when asked for (--profile or --only profile)
+ONCE = ("open", "features")  # run once after the repeated workloads, not per repeat
 
 
 def _csv(text: str) -> list[str]:
@@ -206,6 +207,8 @@ class Bench:
                 return _scaling.measure_compaction(path, p)
 
             self.metrics(tag, name, compaction)
+        elif name == "features":
+            self.metrics(tag, name, lambda path: _features.measure_features(path, p))
         elif name == "server":
             from ._server import measure_server
 
@@ -271,8 +274,10 @@ def run(argv: list[str] | None = None) -> int:
     try:
         for r in range(params.repeat):
             for name in workloads:
-                if name != "open":
+                if name not in ONCE:
                     bench.run_workload(name, f"[{r + 1}/{params.repeat}]")
+        if "features" in workloads:
+            bench.run_workload("features", "[features]")
         if "open" in workloads:
             bench.run_open()
         if profile:
