@@ -274,10 +274,15 @@ class Compactor:
             dead = [(fid, size) for fid, size, _, count in self._sealed_segments() if count == 0]
             if not dead:
                 return []
-            core.write_synced(deletes=[keys.segment_key(fid) for fid, _ in dead])
-            for fid, _ in dead:
-                core.segments.pop(fid, None)
-            core.payload.delete(fid for fid, _ in dead)
+            with core.payload.no_view_opening() as free:
+                if not free:
+                    # A read-only view is opening: its metadata may still refer to
+                    # these. They stay (S records with nothing live) for the next pass.
+                    return []
+                core.write_synced(deletes=[keys.segment_key(fid) for fid, _ in dead])
+                for fid, _ in dead:
+                    core.segments.pop(fid, None)
+                core.payload.delete(fid for fid, _ in dead)
         return dead
 
     def _choose(self, threshold: float, max_bytes: int) -> list[int]:
@@ -351,7 +356,7 @@ class Compactor:
         self._write_record(DELETING, output, sources)
         _step("deleting")
         deleted = self._delete_dead_segments()
-        left = [fid for fid in sources if fid in core.segments]
+        left = [fid for fid in sources if core.segments.get(fid, [0, 0])[1]]
         if left:  # cannot happen while pushes only target the active segment
             log.error("segments %s still hold live records after repointing; kept", left)
             self._carry = left

@@ -32,13 +32,16 @@ from ._heads import ReadyHeads
 from ._rate import TokenBucket
 from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts
 from .meta import Batch, MetaDB, keys, new_batch, records, write_sst
-from .payload import FRAME_SIZE, PayloadRef, SegmentSet, parse_segment_name
+from .payload import FRAME_SIZE, PayloadRef, SegmentSet, parse_segment_name, viewing
 
 log = logging.getLogger("qstore")
 
 _READY, _INFLIGHT = records.READY, records.INFLIGHT
 _U64 = keys.U64.pack
 
+# Metadata views a read-only open takes at most while compactions delete the
+# segments the previous one referred to (each attempt costs about 2 ms).
+VIEW_ATTEMPTS = 5
 ID_BLOCK = 4096  # ids reserved per M"id_hwm" write; a restart skips the unused rest
 # Message records this process wrote last, kept encoded so that a pop or an ack
 # of a recent message reads no record from RocksDB. Bounded: about 150 bytes each.
@@ -160,18 +163,22 @@ class Core:
             self._writer_key = _claim_writer(path)
         elif not os.path.isdir(os.path.join(path, "meta")):
             raise StorageError(f"{path!r} is not a qstore directory (no meta/)")
-        try:
-            self.meta = MetaDB(os.path.join(path, "meta"), readonly=config.readonly,
-                               store_path=path)
-        except BaseException:
-            _release_writer(self._writer_key)
-            raise
-        try:
-            self._load()
-        except BaseException:
-            self.meta.close()
-            _release_writer(self._writer_key)
-            raise
+        if config.readonly:
+            self._open_view()
+        else:
+            try:
+                self.meta = MetaDB(os.path.join(path, "meta"), readonly=False,
+                                   store_path=path)
+            except BaseException:
+                _release_writer(self._writer_key)
+                raise
+            try:
+                self._load()
+                self.payload = self._open_payload()
+            except BaseException:
+                self.meta.close()
+                _release_writer(self._writer_key)
+                raise
         self.syncer = Syncer(config.durability, config.sync_interval, self.payload, self.meta)
         if not self.readonly:
             self._drop_lost_tails()
@@ -224,20 +231,69 @@ class Core:
         # one was fsynced when sealed, and bytes missing from it are damage.
         self._active_at_crash = None if synced is None else sfid
         self._synced_mark: tuple[int, int] | None = None
+        self._hints = hints
+
+    def _open_payload(self) -> SegmentSet:
+        """The segments of a read-write open: recovery from the metadata's marks."""
         compaction = self.meta.get(keys.COMPACTION_KEY)
         discard: list[int] = []
         if compaction is not None and records.decode_compaction(compaction)[0] == records.COPYING:
             discard.append(records.decode_compaction(compaction)[1])
-        self.payload = SegmentSet(
+        return SegmentSet(
             os.path.join(self.path, "payload"),
             segment_max_bytes=self.config.segment_max_bytes,
             max_payload_bytes=self.config.max_payload_bytes,
-            readonly=self.readonly,
-            tail_hints=hints,
+            tail_hints=self._hints,
             discard=discard,
             next_file_id_floor=max(self.segments, default=0) + 1,
             hints_are_durable_marks=True,
         )
+
+    def _open_view(self) -> None:
+        """A read-only view: segments pinned first, then a metadata view they cover.
+
+        The writer may be compacting: between listing the segment files and
+        opening the metadata, a pass can delete a source or create an output.
+        Segments are opened (and held) before the metadata, so every segment
+        the metadata refers to was either pinned already or created later; a
+        later one is pinned after. The views lock (payload/_views.py), held
+        shared meanwhile, keeps the writer from unlinking any segment in
+        between. Without a lock file (a store no writer opened since), a
+        segment gone by then means the metadata is older than the pass that
+        deleted it: it is reopened, fresher. A view never reports a segment
+        the writer deleted as missing (issue 11 case 11).
+        """
+        meta_path = os.path.join(self.path, "meta")
+        payload_dir = os.path.join(self.path, "payload")
+        with viewing(payload_dir):
+            self.payload = SegmentSet(
+                payload_dir,
+                segment_max_bytes=self.config.segment_max_bytes,
+                max_payload_bytes=self.config.max_payload_bytes,
+                readonly=True,
+            )
+            self._pin_view(meta_path)
+
+    def _pin_view(self, meta_path: str) -> None:
+        """Open the metadata view and pin every segment it refers to (views lock held)."""
+        try:
+            for attempt in range(VIEW_ATTEMPTS):
+                self.meta = MetaDB(meta_path, readonly=True, store_path=self.path)
+                try:
+                    self._load()
+                    missing = self.payload.pin(
+                        fid for fid, (_, count, _) in sorted(self.segments.items()) if count)
+                except BaseException:
+                    self.meta.close()
+                    raise
+                if not missing or attempt == VIEW_ATTEMPTS - 1:
+                    # Still missing with fresh metadata: damage, which reads report.
+                    return
+                self.meta.close()
+                self.payload.refresh()
+        except BaseException:
+            self.payload.close()
+            raise
 
     def _drop_lost_tails(self) -> None:
         """Forget messages whose payload bytes did not survive a power loss.

@@ -194,9 +194,10 @@ class Store:
             segs = []
             for fid in payload.file_ids():
                 live = core.segments.get(fid, [0, 0, 0])
-                size = payload.segment_size(fid) if fid == active or not self.readonly \
-                    else os.path.getsize(payload.path_of(fid))
-                segs.append(SegmentStats(fid, size, live[0], live[1], fid == active))
+                # A view's segments are pinned: their sizes hold even after the
+                # writer's compaction deleted a file.
+                segs.append(SegmentStats(fid, payload.segment_size(fid), live[0], live[1],
+                                         fid == active))
         return StoreStats(queues, tuple(segs))
 
     def close(self) -> None:
