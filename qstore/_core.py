@@ -181,6 +181,7 @@ class Core:
                 raise
         self.syncer = Syncer(config.durability, config.sync_interval, self.payload, self.meta)
         if not self.readonly:
+            self.syncer.on_synced = self._record_synced_mark
             self._drop_lost_tails()
             self.syncer.start()
 
@@ -541,6 +542,23 @@ class Core:
         self.meta.write(batch)
         self._synced_mark = synced
         self.syncer.wrote()
+
+    def _record_synced_mark(self) -> None:
+        """After a sync: record how far the active segment is now durable (M synced).
+
+        Written before the operations the sync covered return, without a sync
+        of its own (the next sync, or close, makes it durable; a process kill
+        keeps it): a record below the mark is never taken for an unsynced tail
+        on open (see _durability.py).
+        """
+        with self.lock:
+            synced = self.payload.synced_position()
+            if synced == self._synced_mark:
+                return
+            batch = new_batch()
+            batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *synced]))
+            self.meta.write(batch)
+            self._synced_mark = synced
 
     def write_synced(self, puts: Sequence[tuple[bytes, bytes]] = (),
                      deletes: Sequence[bytes] = ()) -> None:
