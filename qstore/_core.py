@@ -543,6 +543,52 @@ class Core:
         self._synced_mark = synced
         self.syncer.wrote()
 
+    def rebuild_derived(self, puts: Sequence[tuple[bytes, bytes]], deletes: Sequence[bytes],
+                        counts: dict[QueueState, list[int]],
+                        segments: dict[int, tuple[int, int, int] | None],
+                        id_hwm: int | None) -> None:
+        """Rewrite derived state from a recount, in one synced batch (``check(repair=True)``).
+
+        ``puts``/``deletes``: index keys; ``counts``: a queue's counters as
+        recounted (written whole, not as deltas: the stored ones are wrong);
+        ``segments``: a segment's S record as recounted, None to delete it;
+        ``id_hwm``: a raised id high-water mark. Lock held. The in-memory
+        state follows: counters, segment records, ready heads (learnt again)
+        and the next due times.
+        """
+        batch = new_batch()
+        for key in deletes:
+            batch.delete(key)
+        for key, value in puts:
+            batch.put(key, value)
+        for q, c in counts.items():
+            batch.put(q.counts_key, records.encode_counts(c))
+        for fid, seg in segments.items():
+            if seg is None:
+                batch.delete(keys.segment_key(fid))
+            else:
+                batch.put(keys.segment_key(fid), records.encode_segment(*seg))
+        if id_hwm is not None:
+            batch.put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, id_hwm]))
+        self.meta.write(batch, sync=True)
+        for q, c in counts.items():
+            q.counts = list(c)
+        for fid, seg in segments.items():
+            if seg is None:
+                self.segments.pop(fid, None)
+            else:
+                self.segments[fid] = list(seg)
+        if id_hwm is not None:
+            self._id_hwm = max(self._id_hwm, id_hwm)
+            self._next_id = max(self._next_id, id_hwm)
+        self._records.clear()
+        for q in self.queues.values():
+            q.heads = ReadyHeads(q.qid)
+            q.time_floor_us = 0
+            self.refresh_next_event(q)
+        if self.waiters:
+            self.ready.notify_all()
+
     def _record_synced_mark(self) -> None:
         """After a sync: record how far the active segment is now durable (M synced).
 
