@@ -267,7 +267,10 @@ class Compactor:
 
         Their counters go first, in one synced batch, then the files; a crash
         between the two leaves files without counters, which the next open
-        deletes. Under the writer lock, so no read can be looking one up.
+        deletes. Under the writer lock, so no read can be looking one up; and
+        only while no read-only view is opening (payload/_views.py): one that is
+        may hold metadata that still refers to them, so they are left (nothing
+        live) for the next pass.
         """
         core = self._core
         with core.lock:
