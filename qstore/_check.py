@@ -65,7 +65,7 @@ def check_path(path: str | os.PathLike[str]) -> CheckReport:
         if active is None and lengths is None:
             active = max(files.sizes, default=None)
         with _readonly_meta(meta_path, path) as meta:
-            return _Check(meta, files, active).run()
+            return Check(meta, files, active).run()
     finally:
         files.close()
 
@@ -89,11 +89,18 @@ def run_check(meta: MetaDB, payload_dir: str, lengths: Mapping[int, int] | None 
     highest id on disk). The caller keeps ``meta`` from changing meanwhile
     (``Store.check`` holds the writer lock).
     """
+    return inspect_store(meta, payload_dir, lengths, active_id=active_id)[0]
+
+
+def inspect_store(meta: MetaDB, payload_dir: str, lengths: Mapping[int, int] | None = None, *,
+                  active_id: int | None = None) -> tuple[CheckReport, Check]:
+    """:func:`run_check`, also returning the :class:`Check` (its recounts, for a repair)."""
     files = SegmentFiles(payload_dir, lengths)
     try:
         if active_id is None:
             active_id = max(files.sizes, default=None)
-        return _Check(meta, files, active_id).run()
+        check = Check(meta, files, active_id)
+        return check.run(), check
     finally:
         files.close()
 
@@ -126,7 +133,9 @@ def decode_message(value: bytes, rec_q: records.QueueRecord | None
     return rec
 
 
-class _Check:
+class Check:
+    """One run of the check; after :meth:`run` its recounts and lists feed a repair."""
+
     def __init__(self, meta: MetaDB, files: SegmentFiles, active_id: int | None) -> None:
         self.meta = meta
         self.files = files
@@ -138,9 +147,17 @@ class _Check:
         self.segs: dict[int, list[int]] = {}  # fid -> [bytes with frames, count, max end]
         self.messages = 0
         self.verified = 0
+        self.max_id = -1
         self._pending: list[tuple[bytes, bytes | None, str, int, str]] = []
         # Format 1 dead letters keep their dedup key; from format 2 they hold none.
         self.dead_keep_dedup = self._format() == 1
+        # What a repair (_repair.py) needs, beyond the findings:
+        # messages with damaged payloads not yet set aside: (qid, id, reason)
+        self.damaged: list[tuple[int, int, str]] = []
+        self.missing_keys: list[tuple[bytes, bytes]] = []  # index keys to put (key, value)
+        self.stray_keys: list[bytes] = []  # index keys no message implies
+        # file id -> messages with damaged payloads in it: [set aside, not set aside]
+        self.damage_by_segment: dict[int, list[int]] = {}
 
     def _format(self) -> int:
         raw = self.meta.get(keys.FORMAT_KEY)
@@ -162,11 +179,22 @@ class _Check:
                 self._index(qid, name, rec_q, kind)
         self._orphan_queue_keys()
         self._counters()
-        self.findings += check_segments(self.meta, self.files, self.segs, self.active_id,
-                                        compaction)
+        for f in check_segments(self.meta, self.files, self.segs, self.active_id, compaction):
+            if f.kind in k.SEGMENT_DAMAGE and f.file_id is not None and self._all_set_aside(
+                    f.file_id):
+                self.notes.append(Finding(k.DAMAGED_SET_ASIDE, file_id=f.file_id,
+                                          offset=f.offset, detail=(
+                    f"{f.kind}: {f.detail}; every message damaged by it was moved to the "
+                    "dead letters")))
+            else:
+                self.findings.append(f)
         return CheckReport(tuple(sorted(self.findings, key=Finding.sort_key)),
                            tuple(self.notes), len(self.queues), self.messages,
                            len(self.files.sizes), self.verified)
+
+    def _all_set_aside(self, file_id: int) -> bool:
+        aside, not_aside = self.damage_by_segment.get(file_id, (0, 0))
+        return aside > 0 and not_aside == 0
 
     # -- queues and the compaction record -----------------------------------
 
@@ -229,12 +257,12 @@ class _Check:
             seg[0] += ref.frame_bytes
             seg[1] += 1
             seg[2] = max(seg[2], rec.offset + ref.frame_bytes)
+            self.max_id = max(self.max_id, mid)
             problem = self.files.check(ref)
             if problem is None:
                 self.verified += rec.length
             else:
-                self.add(k.REASON_KINDS.get(problem, k.BAD_RECORD), queue=name, message_id=mid,
-                         file_id=rec.file_id, offset=rec.offset, detail=problem)
+                self._damaged_payload(qid, mid, name, rec, problem)
             if known is None:
                 self.add(k.MESSAGE_WITHOUT_QUEUE, message_id=mid, file_id=rec.file_id,
                          offset=rec.offset, detail=f"its queue id {qid} has no Q record")
@@ -251,6 +279,22 @@ class _Check:
                              "expiry")
         self._flush()
 
+    def _damaged_payload(self, qid: int, mid: int, name: str | None,
+                         rec: records.MessageRecord, problem: str) -> None:
+        """A finding, or a note if the message was already moved aside for it."""
+        kind = k.REASON_KINDS.get(problem, k.BAD_RECORD)
+        counts = self.damage_by_segment.setdefault(rec.file_id, [0, 0])
+        if rec.state == records.DEAD and (rec.reason or "").startswith(records.DAMAGED_REASON):
+            counts[0] += 1
+            self.notes.append(Finding(k.DAMAGED_SET_ASIDE, queue=name, message_id=mid,
+                                      file_id=rec.file_id, offset=rec.offset, detail=(
+                f"{kind}: {problem}; in the dead letters with reason {rec.reason!r}")))
+            return
+        counts[1] += 1
+        self.damaged.append((qid, mid, problem))
+        self.add(kind, queue=name, message_id=mid, file_id=rec.file_id, offset=rec.offset,
+                 detail=problem)
+
     def _expect(self, key: bytes, value: bytes | None, queue: str, mid: int, index: str) -> None:
         """Queue the check that ``key`` exists (with ``value``, if given)."""
         self._pending.append((key, value, queue, mid, index))
@@ -264,6 +308,7 @@ class _Check:
         got = self.meta.multi_get([p[0] for p in pending])
         for (key, value, queue, mid, index), raw in zip(pending, got, strict=True):
             if raw is None:
+                self.missing_keys.append((key, value if value is not None else b""))
                 self.add(k.INDEX_MISSING, queue=queue, message_id=mid,
                          detail=f"its key in the {index} index is missing ({key.hex()})")
             elif value is not None and raw != value:
@@ -327,6 +372,7 @@ class _Check:
                     f"its message is {records.STATE_NAMES[rec.state]} and implies another key"))
 
     def _stray(self, name: str, mid: int | None, kind: bytes, key: bytes, why: str) -> None:
+        self.stray_keys.append(key)
         self.add(k.STRAY_INDEX_KEY, queue=name, message_id=mid,
                  detail=f"{_INDEX_NAMES[kind]} index key {key.hex()}: {why}")
 

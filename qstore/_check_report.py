@@ -34,6 +34,13 @@ ID_ABOVE_HWM = "id_above_hwm"  # message: its id is not below M"id_hwm" (could b
 BAD_COMPACTION_RECORD = "bad_compaction_record"  # M"compaction" does not decode or disagrees
 # A note, not damage: a compaction pass was interrupted; the next open finishes it.
 COMPACTION_IN_PROGRESS = "compaction_in_progress"
+# A note: damaged payload of a message already moved to the dead letters for it
+# (by a pop, or by `qstore check --repair`), or segment damage that only such
+# messages touch. The bytes are kept as they are; nothing more is to be done.
+DAMAGED_SET_ASIDE = "damaged_set_aside"
+# Segment-level damage kinds that become DAMAGED_SET_ASIDE notes when every
+# damaged message in the segment was set aside.
+SEGMENT_DAMAGE = frozenset({MISSING_SEGMENT, BAD_SEGMENT_HEADER, SEGMENT_TRUNCATED})
 
 NOT_IN_MANIFEST = "segment is not listed in the snapshot manifest"
 HEADER_REASONS = frozenset({fmt.BAD_MAGIC, fmt.BAD_VERSION, fmt.BAD_HEADER_CRC,
@@ -85,8 +92,11 @@ class CheckReport:
     """The result of :func:`qstore.Store.check` (and ``qstore check``).
 
     ``findings`` are inconsistencies (``ok`` is True when there are none);
-    ``notes`` are facts worth knowing that are not damage (an interrupted
-    compaction pass). The counts say how much was checked.
+    ``notes`` are facts worth knowing that need nothing done (an interrupted
+    compaction pass, damage already set aside). The counts say how much was
+    checked. ``repairs`` (only from ``check(repair=True)``) says what the
+    repair did, one entry per action, each a :class:`Finding` whose ``kind``
+    names the action; the findings are then those of a check after it.
     """
 
     findings: tuple[Finding, ...]
@@ -95,6 +105,7 @@ class CheckReport:
     messages: int  # message records read
     segments: int  # segment files found
     payload_bytes: int  # payload bytes read and found intact (frames not counted)
+    repairs: tuple[Finding, ...] = ()
 
     @property
     def ok(self) -> bool:

@@ -279,17 +279,25 @@ class Compactor:
 
         Their counters go first, in one synced batch, then the files; a crash
         between the two leaves files without counters, which the next open
-        deletes. Under the writer lock, so no read can be looking one up.
+        deletes. Under the writer lock, so no read can be looking one up; and
+        only while no read-only view is opening (payload/_views.py): one that is
+        may hold metadata that still refers to them, so they are left (nothing
+        live) for the next pass.
         """
         core = self._core
         with core.lock:
             dead = [(fid, size) for fid, size, _, count in self._sealed_segments() if count == 0]
             if not dead:
                 return []
-            core.write_synced(deletes=[keys.segment_key(fid) for fid, _ in dead])
-            for fid, _ in dead:
-                core.segments.pop(fid, None)
-            core.payload.delete(fid for fid, _ in dead)
+            with core.payload.no_view_opening() as free:
+                if not free:
+                    # A read-only view is opening: its metadata may still refer to
+                    # these. They stay (S records with nothing live) for the next pass.
+                    return []
+                core.write_synced(deletes=[keys.segment_key(fid) for fid, _ in dead])
+                for fid, _ in dead:
+                    core.segments.pop(fid, None)
+                core.payload.delete(fid for fid, _ in dead)
         return dead
 
     def _choose(self, threshold: float, max_bytes: int) -> list[int]:
@@ -363,7 +371,7 @@ class Compactor:
         self._write_record(DELETING, output, sources)
         _step("deleting")
         deleted = self._delete_dead_segments()
-        left = [fid for fid in sources if fid in core.segments]
+        left = [fid for fid in sources if core.segments.get(fid, [0, 0])[1]]
         if left:  # cannot happen while pushes only target the active segment
             log.error("segments %s still hold live records after repointing; kept", left)
             self._carry = left

@@ -42,13 +42,16 @@ from ._rate import TokenBucket
 from ._reserve import SpaceReserve, free_bytes
 from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts, plain_push
 from .meta import Batch, MetaDB, keys, new_batch, records, space_to_open, write_sst
-from .payload import FRAME_SIZE, PayloadRef, SegmentSet, parse_segment_name
+from .payload import FRAME_SIZE, PayloadRef, SegmentSet, parse_segment_name, viewing
 
 log = logging.getLogger("qstore")
 
 _READY, _INFLIGHT = records.READY, records.INFLIGHT
 _U64 = keys.U64.pack
 
+# Metadata views a read-only open takes at most while compactions delete the
+# segments the previous one referred to (each attempt costs about 2 ms).
+VIEW_ATTEMPTS = 5
 ID_BLOCK = 4096  # ids reserved per M"id_hwm" write; a restart skips the unused rest
 # Message records this process wrote last, kept encoded so that a pop or an ack
 # of a recent message reads no record from RocksDB. Bounded: about 150 bytes each.
@@ -223,28 +226,32 @@ class Core:
             self._writer_key = _claim_writer(path)
         else:
             require_store(path)  # a read-only open creates nothing
-        try:
-            if not config.readonly:
+        if config.readonly:
+            self._open_view()
+        else:
+            try:
                 self._make_room("opening the store")
-            self.meta = MetaDB(os.path.join(path, "meta"), readonly=config.readonly,
-                               store_path=path)
-        except BaseException:
-            _release_writer(self._writer_key)
-            raise
-        try:
-            self._load()
-            if not self.readonly and self.format != records.STORE_FORMAT:
-                migrate_dedup(self.meta, self.payload,
-                              [q.qid for q in self.queues.values() if q.rec.dedup])
-                self.format = records.STORE_FORMAT
-        except BaseException:
-            if hasattr(self, "payload"):
-                self.payload.close()
-            self.meta.close()
-            _release_writer(self._writer_key)
-            raise
+                self.meta = MetaDB(os.path.join(path, "meta"), readonly=False,
+                                   store_path=path)
+            except BaseException:
+                _release_writer(self._writer_key)
+                raise
+            try:
+                self._load()
+                self.payload = self._open_payload()
+                if self.format != records.STORE_FORMAT:
+                    migrate_dedup(self.meta, self.payload,
+                                  [q.qid for q in self.queues.values() if q.rec.dedup])
+                    self.format = records.STORE_FORMAT
+            except BaseException:
+                if hasattr(self, "payload"):
+                    self.payload.close()
+                self.meta.close()
+                _release_writer(self._writer_key)
+                raise
         self.syncer = Syncer(config.durability, config.sync_interval, self.payload, self.meta)
         if not self.readonly:
+            self.syncer.on_synced = self._record_synced_mark
             self._drop_lost_tails()
             self.reserve.restore()
             self.syncer.start()
@@ -298,16 +305,19 @@ class Core:
         # one was fsynced when sealed, and bytes missing from it are damage.
         self._active_at_crash = None if synced is None else sfid
         self._synced_mark: tuple[int, int] | None = None
+        self._hints = hints
+
+    def _open_payload(self) -> SegmentSet:
+        """The segments of a read-write open: recovery from the metadata's marks."""
         compaction = self.meta.get(keys.COMPACTION_KEY)
         discard: list[int] = []
         if compaction is not None and records.decode_compaction(compaction)[0] == records.COPYING:
             discard.append(records.decode_compaction(compaction)[1])
-        self.payload = SegmentSet(
+        return SegmentSet(
             os.path.join(self.path, "payload"),
             segment_max_bytes=self.config.segment_max_bytes,
             max_payload_bytes=self.config.max_payload_bytes,
-            readonly=self.readonly,
-            tail_hints=hints,
+            tail_hints=self._hints,
             discard=discard,
             next_file_id_floor=max(self.segments, default=0) + 1,
             hints_are_durable_marks=True,
@@ -378,6 +388,52 @@ class Core:
         self.segments = self._load_segments()
         self.reserve.restore()
         log.warning("metadata writes work again: the database was reopened after %s", failed)
+
+    def _open_view(self) -> None:
+        """A read-only view: segments pinned first, then a metadata view they cover.
+
+        The writer may be compacting: between listing the segment files and
+        opening the metadata, a pass can delete a source or create an output.
+        Segments are opened (and held) before the metadata, so every segment
+        the metadata refers to was either pinned already or created later; a
+        later one is pinned after. The views lock (payload/_views.py), held
+        shared meanwhile, keeps the writer from unlinking any segment in
+        between. Without a lock file (a store no writer opened since), a
+        segment gone by then means the metadata is older than the pass that
+        deleted it: it is reopened, fresher. A view never reports a segment
+        the writer deleted as missing (issue 11 case 11).
+        """
+        meta_path = os.path.join(self.path, "meta")
+        payload_dir = os.path.join(self.path, "payload")
+        with viewing(payload_dir):
+            self.payload = SegmentSet(
+                payload_dir,
+                segment_max_bytes=self.config.segment_max_bytes,
+                max_payload_bytes=self.config.max_payload_bytes,
+                readonly=True,
+            )
+            self._pin_view(meta_path)
+
+    def _pin_view(self, meta_path: str) -> None:
+        """Open the metadata view and pin every segment it refers to (views lock held)."""
+        try:
+            for attempt in range(VIEW_ATTEMPTS):
+                self.meta = MetaDB(meta_path, readonly=True, store_path=self.path)
+                try:
+                    self._load()
+                    missing = self.payload.pin(
+                        fid for fid, (_, count, _) in sorted(self.segments.items()) if count)
+                except BaseException:
+                    self.meta.close()
+                    raise
+                if not missing or attempt == VIEW_ATTEMPTS - 1:
+                    # Still missing with fresh metadata: damage, which reads report.
+                    return
+                self.meta.close()
+                self.payload.refresh()
+        except BaseException:
+            self.payload.close()
+            raise
 
     def _drop_lost_tails(self) -> None:
         """Forget messages whose payload bytes did not survive a power loss.
@@ -810,6 +866,69 @@ class Core:
         self.meta.write(batch)
         self._synced_mark = synced
         self.syncer.wrote()
+
+    def rebuild_derived(self, puts: Sequence[tuple[bytes, bytes]], deletes: Sequence[bytes],
+                        counts: dict[QueueState, list[int]],
+                        segments: dict[int, tuple[int, int, int] | None],
+                        id_hwm: int | None) -> None:
+        """Rewrite derived state from a recount, in one synced batch (``check(repair=True)``).
+
+        ``puts``/``deletes``: index keys; ``counts``: a queue's counters as
+        recounted (written whole, not as deltas: the stored ones are wrong);
+        ``segments``: a segment's S record as recounted, None to delete it;
+        ``id_hwm``: a raised id high-water mark. Lock held. The in-memory
+        state follows: counters, segment records, ready heads (learnt again)
+        and the next due times.
+        """
+        batch = new_batch()
+        for key in deletes:
+            batch.delete(key)
+        for key, value in puts:
+            batch.put(key, value)
+        for q, c in counts.items():
+            batch.put(q.counts_key, records.encode_counts(c))
+        for fid, seg in segments.items():
+            if seg is None:
+                batch.delete(keys.segment_key(fid))
+            else:
+                batch.put(keys.segment_key(fid), records.encode_segment(*seg))
+        if id_hwm is not None:
+            batch.put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, id_hwm]))
+        self.meta.write(batch, sync=True)
+        for q, c in counts.items():
+            q.counts = list(c)
+        for fid, seg in segments.items():
+            if seg is None:
+                self.segments.pop(fid, None)
+            else:
+                self.segments[fid] = list(seg)
+        if id_hwm is not None:
+            self._id_hwm = max(self._id_hwm, id_hwm)
+            self._next_id = max(self._next_id, id_hwm)
+        self._records.clear()
+        for q in self.queues.values():
+            q.heads = ReadyHeads(q.qid)
+            q.time_floor_us = 0
+            self.refresh_next_event(q)
+        if self.waiters:
+            self.ready.notify_all()
+
+    def _record_synced_mark(self) -> None:
+        """After a sync: record how far the active segment is now durable (M synced).
+
+        Written before the operations the sync covered return, without a sync
+        of its own (the next sync, or close, makes it durable; a process kill
+        keeps it): a record below the mark is never taken for an unsynced tail
+        on open (see _durability.py).
+        """
+        with self.lock:
+            synced = self.payload.synced_position()
+            if synced == self._synced_mark:
+                return
+            batch = new_batch()
+            batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *synced]))
+            self.meta.write(batch)
+            self._synced_mark = synced
 
     def write_synced(self, puts: Sequence[tuple[bytes, bytes]] = (),
                      deletes: Sequence[bytes] = ()) -> None:

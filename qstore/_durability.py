@@ -18,12 +18,22 @@ was durable when it was written (the ``M synced`` key): if power fails while
 the WAL is on disk but a payload is not, recovery on open scans the segment
 from that offset, cuts what did not survive, and drops the messages that
 referred to it. They belong to operations that had not returned.
+
+After each sync the mark moves to what that sync covered, in a small batch
+written (not synced: the next sync carries it to disk) before any waiter
+returns (``on_synced``). So once an operation has returned, even a process
+kill right after it leaves a mark covering its bytes, and a record below the
+mark that is later found damaged is damage (kept, reported, Corruption on
+read), never cut as an unsynced tail (issue 11 case 4). Only a power loss
+before the next sync can lose that batch: the mark then lags one sync, and
+damage in that last synced stretch is cut like an unsynced tail.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -53,6 +63,9 @@ class Syncer:
         self._pool: ThreadPoolExecutor | None = None
         self.syncs = 0
         self._retries = RetryLog(log, "background sync", interval)
+        # Called after each successful sync, before any waiter returns: the core
+        # records the new durable mark (M synced) there. See sync_now.
+        self.on_synced: Callable[[], None] | None = None
 
     def wrote(self) -> None:
         """A batch was written (writer lock held)."""
@@ -105,6 +118,8 @@ class Syncer:
         except OSError as exc:
             raise StorageError(f"sync failed: {exc}") from exc
         self.syncs += 1
+        if self.on_synced is not None:
+            self.on_synced()
 
     def start(self) -> None:
         if self.mode == "interval":

@@ -23,6 +23,7 @@ from ._core import Core
 from ._errors import InvalidArgument, QueueExists, QueueNotFound, StorageError
 from ._message import SegmentStats, StoreStats
 from ._queue import MAX_SECONDS, Queue
+from ._repair import repair as run_repair
 from ._retry_log import RetryLog
 from ._snapshot import take_snapshot
 from .meta import records
@@ -205,9 +206,10 @@ class Store:
             segs = []
             for fid in payload.file_ids():
                 live = core.segments.get(fid, [0, 0, 0])
-                size = payload.segment_size(fid) if fid == active or not self.readonly \
-                    else os.path.getsize(payload.path_of(fid))
-                segs.append(SegmentStats(fid, size, live[0], live[1], fid == active))
+                # A view's segments are pinned: their sizes hold even after the
+                # writer's compaction deleted a file.
+                segs.append(SegmentStats(fid, payload.segment_size(fid), live[0], live[1],
+                                         fid == active))
         return StoreStats(queues, tuple(segs))
 
     def close(self) -> None:
@@ -236,18 +238,27 @@ class Store:
         state = "closed" if self._core.closed else "open"
         return f"<qstore.Store {self.path!r} {mode} {state}>"
 
-    def check(self) -> CheckReport:
+    def check(self, *, repair: bool = False) -> CheckReport:
         """Check the whole store's integrity (docs/check.md); returns a :class:`CheckReport`.
 
         Holds the writer lock for the whole check, so nothing changes meanwhile:
         every push, pop and ack of this store waits until it returns (about 15 s
         per million small messages). Reads every message record and payload.
+
+        ``repair=True`` (a read-write store): move messages with damaged
+        payloads to the dead letters and rebuild counters, index keys and
+        segment records from the message records (``_repair.py``); the report
+        is that of a check after the repair, and its ``repairs`` say what was
+        done. No payload and no message record is ever deleted.
         """
         core = self._core
+        payload_dir = os.path.join(self.path, "payload")
+        if repair:
+            with core.writing:
+                return run_repair(core, payload_dir)
         core.check_open()
         with core.lock:
-            return run_check(core.meta, os.path.join(self.path, "payload"),
-                             active_id=core.payload.active_id)
+            return run_check(core.meta, payload_dir, active_id=core.payload.active_id)
 
 
 OPTION_NAMES = ("ttl", "on_expire", "aging", "aging_cap", "rate")

@@ -12,6 +12,7 @@ qstore error (corruption, storage failure).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from ._check import check_path
 from ._cli_target import open_target
 from ._demo import run_demo
 from ._errors import EXIT_FOUND, exit_code
+from ._snapshot import MANIFEST
 from ._store import Store, open_store
 from ._tables import print_stats
 
@@ -316,22 +318,43 @@ def audit(snapshot_path: str, master: str | None, out_dir: str | None) -> None:
 
 @main.command()
 @click.argument("store_path", metavar="STORE")
-def check(store_path: str) -> None:
+@click.option("--repair", is_flag=True, help=(
+    "Move messages with damaged payloads to the dead letters and rebuild counters, "
+    "index keys and segment records from the message records; print what was done. "
+    "Opens STORE read-write (stop its server first). Deletes no payload."))
+def check(store_path: str, repair: bool) -> None:
     """Check the integrity of STORE or of a snapshot, in this process.
 
     Reads every message record and payload (references, frames, CRCs), every
     index key, the queue counters and the segment records, and the segment
     files; prints a summary line and a table of findings (docs/check.md).
-    Opens the store read-only, so it works while a writer runs.
+    Opens the store read-only, so it works while a writer runs; with
+    --repair, read-write, and the report is that of a check after the repair.
 
-    Exit codes: 0 clean, 1 findings, 2 not a store or snapshot, 5 the check
-    could not run (for example metadata missing next to payload segments).
+    Exit codes: 0 clean (after --repair: nothing left), 1 findings, 2 not a
+    store or snapshot (or --repair on a snapshot), 3 --repair on a store
+    another process (a server) has open, 5 the check could not run (for
+    example metadata missing next to payload segments).
     """
-    with _exit_codes():
-        report = check_path(store_path)
+    if repair:
+        if os.path.exists(os.path.join(store_path, MANIFEST)):
+            err.print("[red]error:[/red] a snapshot is never changed: --repair takes a store")
+            sys.exit(errors.EXIT_USAGE)
+        if not os.path.isdir(os.path.join(store_path, "meta")):
+            with _exit_codes():
+                check_path(store_path)  # the error a plain check gives (exit 2 or 5)
+        with _store(store_path) as store, _exit_codes():
+            report = store.check(repair=True)
+        for entry in report.repairs:
+            out.print(f"repaired: {entry}", markup=False, highlight=False, soft_wrap=True)
+        if not report.repairs:
+            out.print("repaired: nothing to repair", markup=False, highlight=False)
+    else:
+        with _exit_codes():
+            report = check_path(store_path)
     out.print(report.summary(), markup=False, highlight=False)
     for note in report.notes:
-        out.print(f"note: {note}", markup=False, highlight=False)
+        out.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     if report.ok:
         return
     table = Table(title="findings")

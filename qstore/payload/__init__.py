@@ -7,6 +7,7 @@ Message bodies live here; the metadata refers to them by
 from ._format import FRAME_SIZE, HEADER_SIZE, Located, PayloadRef, parse_segment_name
 from ._reader import SegmentCheck, SegmentReader
 from ._segments import RecoveryReport, SegmentSet, TailRepair
+from ._views import VIEWS_LOCK, viewing
 
 __all__ = [
     "FRAME_SIZE",
@@ -18,5 +19,7 @@ __all__ = [
     "SegmentReader",
     "SegmentSet",
     "TailRepair",
+    "VIEWS_LOCK",
     "parse_segment_name",
+    "viewing",
 ]

@@ -9,6 +9,7 @@ reason strings of ``_format``.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import zlib
@@ -19,6 +20,8 @@ from .._errors import Corruption
 from .._fs import calls as fcalls
 from . import _format as fmt
 from ._format import Located, PayloadRef
+
+_REMAP_TRIES = 10
 
 
 def frame_problem(view: memoryview, offset: int, length: int, bound: int) -> str | None:
@@ -86,14 +89,28 @@ class SegmentReader:
     def remap(self) -> None:
         if self._fd < 0:
             return  # detached: the file is gone, the map is all there is
-        size = os.fstat(self._fd).st_size
-        if size == self.mapped_size:
-            return
-        # Replace, never close, the old map: a thread may be slicing it right now,
-        # and it is released when the last reference to it goes.
-        m = fcalls.mmap(self._fd, size) if size else None
+        for _ in range(_REMAP_TRIES):
+            size = os.fstat(self._fd).st_size
+            if size == self.mapped_size:
+                return
+            try:
+                # Replace, never close, the old map: a thread may be slicing it right
+                # now, and it is released when the last reference to it goes.
+                m = fcalls.mmap(self._fd, size) if size else None
+                break
+            except ValueError:
+                # The file shrank since the fstat: the writer (another process, for a
+                # read-only view) sealed it, cutting its preallocated tail. Again.
+                continue
+        else:
+            raise OSError(errno.EAGAIN, "segment file kept changing size while mapped",
+                          self.path)
         self._whole = memoryview(m if m is not None else b"")
         self._map = m
+
+    def file_size(self) -> int:
+        """The size of the file now (of the map once detached)."""
+        return os.fstat(self._fd).st_size if self._fd >= 0 else self.mapped_size
 
     @property
     def mapped_size(self) -> int:

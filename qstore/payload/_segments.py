@@ -17,7 +17,8 @@ from .._fs import fsync_dir, write_file_durably
 from . import _format as fmt
 from ._format import Located, PayloadRef
 from ._reader import ScanError, SegmentReader, frame_problem, is_zero_from
-from ._writer import SegmentWriter, create_segment_file
+from ._views import create_views_lock, no_view_opening, viewing
+from ._writer import NEW_SUFFIX, SegmentWriter, create_segment_file
 
 log = logging.getLogger("qstore.payload")
 
@@ -114,6 +115,8 @@ class SegmentSet:
         self._synced = (0, 0)
         if not readonly:
             os.makedirs(directory, exist_ok=True)
+            self._remove_unfinished_creates()
+            create_views_lock(directory)
         ids = self._list_ids()
         if not readonly:
             for fid in discard:
@@ -154,6 +157,10 @@ class SegmentSet:
         for fid in ids[:-1]:
             try:
                 reader = self._readers[fid] = SegmentReader(self._path(fid), fid)
+            except FileNotFoundError:
+                if not readonly:
+                    raise
+                continue  # a view: the writer deleted it since the listing (see pin)
             except Corruption as exc:
                 self.damaged[fid] = exc.reason
                 log.error("segment %s is damaged (%s): the messages in it cannot be read; "
@@ -168,11 +175,7 @@ class SegmentSet:
                 self._recover_tail(reader, hint)
         if readonly:
             if ids:
-                try:
-                    self._readers[ids[-1]] = SegmentReader(self._path(ids[-1]), ids[-1])
-                except Corruption as exc:
-                    self.damaged[ids[-1]] = exc.reason
-                    log.error("segment %s is damaged (%s)", exc.path, exc.reason)
+                self.pin(ids[-1:])
             return
         if ids and ids[-1] not in self.damaged:
             self._open_active(ids[-1], hints.get(ids[-1], fmt.HEADER_SIZE))
@@ -181,6 +184,64 @@ class SegmentSet:
                 log.error("segment %s is damaged (%s): left as it is; a new segment takes "
                           "the pushes", self._path(ids[-1]), self.damaged[ids[-1]])
             self._start_segment()
+
+    def _remove_unfinished_creates(self) -> None:
+        """Remove ``<segment>.new`` files: a crash while creating a segment left them.
+
+        Such a file was never a segment (it is renamed only once its header is
+        durable, see create_segment_file), so no metadata can name it.
+        """
+        removed = False
+        for name in os.listdir(self.directory):
+            if name.endswith(NEW_SUFFIX) and fmt.parse_segment_name(
+                    name[: -len(NEW_SUFFIX)]) is not None:
+                fcalls.unlink(os.path.join(self.directory, name))
+                log.warning("removed %s: a segment whose creation a crash interrupted", name)
+                removed = True
+        if removed:
+            fsync_dir(self.directory)
+
+    # -- read-only views: pinning what they read ------------------------------
+
+    def pin(self, file_ids: Iterable[int]) -> list[int]:
+        """Open (and keep open) a reader of each segment not held yet; the missing ones.
+
+        A read-only view pins the segments its metadata refers to, so a
+        compaction of the writer deleting one afterwards cannot take it away
+        (the open descriptor and map keep the unlinked file's bytes). An id
+        whose file is not there is returned: either the view's metadata is
+        older than a compaction that deleted it (the caller takes a fresh
+        view), or it is damage (reads raise Corruption). A damaged header is
+        recorded in :attr:`damaged`, as on open.
+        """
+        missing = []
+        for fid in file_ids:
+            if fid in self._readers or fid in self.damaged:
+                continue
+            try:
+                reader = SegmentReader(self._path(fid), fid)
+            except FileNotFoundError:
+                missing.append(fid)
+                continue
+            except Corruption as exc:
+                self.damaged[fid] = exc.reason
+                log.error("segment %s is damaged (%s)", exc.path, exc.reason)
+                continue
+            with self._lock:
+                self._readers[fid] = reader
+        return missing
+
+    def viewing(self) -> contextlib.AbstractContextManager[bool]:
+        """Held by a read-only view while it opens (see _views.py)."""
+        return viewing(self.directory)
+
+    def no_view_opening(self) -> contextlib.AbstractContextManager[bool]:
+        """The writer: True inside while no view is opening, so segments may be unlinked."""
+        return no_view_opening(self.directory)
+
+    def refresh(self) -> None:
+        """A view taking fresh metadata: pin the segments created since it opened."""
+        self.pin(self._list_ids())
 
     def _header_problem(self, file_id: int) -> str | None:
         with open(self._path(file_id), "rb") as f:
@@ -601,6 +662,9 @@ class SegmentSet:
         writer = self._writer
         if writer is not None and writer.file_id == file_id:
             return writer.end
+        reader = self._readers.get(file_id)
+        if reader is not None:
+            return reader.file_size()  # a pinned file, even if the writer deleted it since
         return os.path.getsize(self._path(file_id))
 
     def disk_usage(self) -> int:

@@ -29,17 +29,27 @@ GROW_STEP = 8 * 1024 * 1024
 
 _FRAME_PACK, _LENGTH_PACK, _crc32 = fmt.FRAME.pack, fmt.LENGTH.pack, zlib.crc32
 
-__all__ = ["GROW_STEP", "SegmentWriter", "create_segment_file"]
+__all__ = ["GROW_STEP", "NEW_SUFFIX", "SegmentWriter", "create_segment_file"]
+
+
+NEW_SUFFIX = ".new"  # a segment being created: never listed as a segment (see below)
 
 
 def create_segment_file(path: str, file_id: int, *, durable: bool = True) -> None:
     """Create a new segment holding only its header.
 
-    ``durable``: the header and the directory entry are fsynced before this
-    returns (a store's segments). Without it the file is made durable when
-    it is finished (a backfill's staged segment, published by a rename).
+    ``durable``: the header is written and fsynced under a temporary name
+    (``<segment>.new``) that is then renamed to ``path`` and the directory
+    fsynced, so a segment file is never visible without its whole header
+    (a read-only view listing the directory meanwhile would take a
+    header-less file for damage). Without it (a backfill's staged segment,
+    published later by a rename of its own) the file is created in place and
+    made durable when it is finished.
     """
-    fd = fcalls.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    if os.path.exists(path):  # ids are never reused; never clobber a segment
+        raise FileExistsError(errno.EEXIST, "segment file exists", path)
+    tmp = path + NEW_SUFFIX if durable else path
+    fd = fcalls.open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         try:
             header = fmt.encode_header(file_id)
@@ -50,13 +60,16 @@ def create_segment_file(path: str, file_id: int, *, durable: bool = True) -> Non
         finally:
             fcalls.close_fd(fd)
         if durable:
+            fcalls.replace(tmp, path)
             fsync_dir(os.path.dirname(path))
     except BaseException:
         # Never leave a header-less file among the segments (a full disk, an I/O
         # error): a later open would take it for damage. If even the unlink
-        # fails, open removes a short file that no metadata names.
-        with contextlib.suppress(OSError):
-            fcalls.unlink(path)
+        # fails, open removes a leftover ``.new`` file (or a short file that no
+        # metadata names).
+        for leftover in (tmp, path) if durable else (path,):
+            with contextlib.suppress(OSError):
+                fcalls.unlink(leftover)
         raise
 
 

@@ -6,6 +6,13 @@ that finds the unsynced flag already taken by it must wait for that fdatasync.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 from typing import Any
 
@@ -50,3 +57,52 @@ def test_a_sync_finding_the_compactors_fdatasync_in_progress_waits_for_it(
         assert q.push(b"x") >= 1
     finally:
         store.close()
+
+
+# -- case 4, second half: the durable mark covers what was synced before a push returned
+
+ALWAYS_CHILD = textwrap.dedent("""
+    import json, os, signal, sys
+    import qstore
+    from qstore.meta import keys, records
+    store = qstore.open(sys.argv[1], durability="always", compactor=False)
+    q = store.create_queue("q")
+    ids = [q.push(b"always %02d " % i * 8) for i in range(6)]  # each returned: synced
+    raw = store.core.meta.get(keys.message_key(q._q.qid, ids[-1]))
+    rec = records.MessageRecord.decode(raw)
+    print(json.dumps({"ids": ids, "fid": rec.file_id, "offset": rec.offset}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no close: the mark is what the pushes left
+""")
+
+
+def test_a_damaged_final_record_synced_in_always_mode_is_kept_as_damage(
+        store_path: str, caplog: pytest.LogCaptureFixture) -> None:
+    r = subprocess.run([sys.executable, "-c", ALWAYS_CHILD, store_path], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    info = json.loads(r.stdout)
+    ids, last = info["ids"], info["ids"][-1]
+    seg = os.path.join(store_path, "payload", f"{info['fid']:010d}.seg")
+    with open(seg, "r+b") as f:  # flip one byte of the final record's body
+        f.seek(info["offset"] + 8 + 3)
+        b = f.read(1)
+        f.seek(info["offset"] + 8 + 3)
+        f.write(bytes([b[0] ^ 0x5A]))
+    end = info["offset"] + 8 + len(b"always 05 " * 8)
+    with caplog.at_level(logging.WARNING), qstore.open(store_path, compactor=False) as store:
+        q = store.queue("q")
+        # Kept on open, never cut like an unsynced tail: the file still holds it.
+        assert not [m for m in caplog.messages if "torn tail" in m or "dropped" in m]
+        assert os.path.getsize(seg) >= end
+        assert q.stats().ready == 6
+        for i, mid in enumerate(ids[:-1]):
+            assert q.get(mid).payload == b"always %02d " % i * 8
+        with pytest.raises(qstore.Corruption) as exc:
+            q.get(last)
+        assert exc.value.reason == "record checksum mismatch"
+        assert [f.kind for f in store.check().findings] == ["crc_mismatch"]
+        # A pop reaching it moves it aside with the reason, and logs it.
+        assert [m.id for m in q.pop_many(10)] == ids[:-1]
+        [dead] = q.dead_letters(10)
+        assert dead.id == last and dead.dead_reason == "damaged payload: record checksum mismatch"
+        assert any(f"message {last} moved to the dead letters" in m for m in caplog.messages)

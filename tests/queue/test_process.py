@@ -62,6 +62,7 @@ def test_a_second_writer_process_gets_store_locked_naming_the_path(store: qstore
                                                                    store_path: str) -> None:
     q = store.create_queue("q")
     q.push(b"owner")
+    store.core.syncer.sync_now()  # the owner's own sync moves M synced: settle it first
     before = dump(store)
     got = run_child(OPEN_RW, store_path)
     assert got["error"] == "StoreLocked"
