@@ -14,6 +14,7 @@ import itertools
 import os
 import socket
 import ssl
+import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -23,6 +24,9 @@ from ._address import Address, parse_address
 from ._compact import CompactionResult
 from ._message import Message, QueueStats, StoreStats
 from ._net_errors import ConnectionLost, ProtocolError
+
+_TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
+_RECV = 256 * 1024
 
 
 class _Link:
@@ -37,7 +41,9 @@ class _Link:
         self._ssl = ssl_context
         self._hostname = server_hostname
         self._sock: socket.socket | None = None
-        self._rfile: Any = None
+        self._in = bytearray()  # bytes read and not yet cut into frames
+        self._kernel_timeout = False  # the timeout is SO_RCVTIMEO/SO_SNDTIMEO, not Python's
+        self._timeout_now = -1.0
         self._ids = itertools.count(1)
         self.welcome: dict[str, Any] = {}
 
@@ -58,8 +64,15 @@ class _Link:
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_hostname=self._hostname or a.host
                                              or None)
+            else:
+                # A Python socket timeout costs a poll() before every send and recv;
+                # the kernel's own timeouts cost nothing per call.
+                sock.settimeout(None)
+                self._kernel_timeout = True
             self._sock = sock
-            self._rfile = sock.makefile("rb", buffering=256 * 1024)
+            self._in = bytearray()
+            self._timeout_now = -1.0
+            self._set_timeout(self.timeout)
             sock.sendall(base.hello(self._token, self._keep))
             self.welcome = base.check_welcome(self._read())
         except (OSError, EOFError) as exc:
@@ -69,15 +82,36 @@ class _Link:
             self.close()
             raise
 
+    def _set_timeout(self, seconds: float) -> None:
+        if seconds == self._timeout_now:
+            return
+        sock = self._sock
+        assert sock is not None
+        if self._kernel_timeout:
+            # 0 would mean "no timeout" to the kernel: at least a microsecond
+            whole, micros = divmod(max(1, round(seconds * 1e6)), 1_000_000)
+            tv = _TIMEVAL.pack(whole, micros)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        else:
+            sock.settimeout(seconds)
+        self._timeout_now = seconds
+
+    def _take(self, n: int) -> bytes:
+        buf, sock = self._in, self._sock
+        assert sock is not None
+        while len(buf) < n:
+            chunk = sock.recv(max(_RECV, n - len(buf)))
+            if not chunk:
+                raise EOFError("connection closed by the server")
+            buf += chunk
+        out = bytes(buf[:n])
+        del buf[:n]
+        return out
+
     def _read(self) -> Any:
-        head = self._rfile.read(4)
-        if len(head) < 4:
-            raise EOFError("connection closed by the server")
-        (n,) = wire.LENGTH.unpack(head)
-        body = self._rfile.read(n)
-        if len(body) < n:
-            raise EOFError("connection closed mid-frame")
-        return wire.unpack(body)
+        (n,) = wire.LENGTH.unpack(self._take(4))
+        return wire.unpack(self._take(n))
 
     def call(self, op: str, args: dict[str, Any], wait: float = 0.0) -> Any:
         if self._sock is None:
@@ -87,7 +121,7 @@ class _Link:
         rid = next(self._ids)
         frame = base.request(rid, op, args)
         try:
-            sock.settimeout(self.timeout + wait)
+            self._set_timeout(self.timeout + wait)
             sock.sendall(frame)
             value = self._read()
         except (OSError, EOFError) as exc:
@@ -102,9 +136,7 @@ class _Link:
         return base.result(value, rid)
 
     def close(self) -> None:
-        if self._rfile is not None:
-            self._rfile.close()
-            self._rfile = None
+        self._in = bytearray()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
