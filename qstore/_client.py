@@ -119,7 +119,7 @@ class _Link:
         sock = self._sock
         assert sock is not None
         rid = next(self._ids)
-        frame = base.request(rid, op, args)
+        frame = base.request(rid, op, args, self.welcome.get("max_frame"))
         try:
             self._set_timeout(self.timeout + wait)
             sock.sendall(frame)

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from .._address import Address, parse_address
 from .._store import Store
 from ._metrics import Metrics
-from ._server import Limits, Server
+from ._server import Limits, Server, default_max_frame
 
-__all__ = ["Limits", "Server", "serve", "tls_context"]
+__all__ = ["Limits", "Server", "default_max_frame", "serve", "tls_context"]
 
 
 def tls_context(cert: str, key: str) -> ssl.SSLContext:

@@ -54,7 +54,7 @@ _Request = tuple[Connection, int, str, dict[str, Any], float]
 def default_max_frame(max_payload_bytes: int) -> int:
     """The frame limit that goes with a payload limit: a quarter more, at least 1 MiB more
     (80 MiB for the default 64 MiB), so a payload and its request always fit."""
-    return max_payload_bytes + max(max_payload_bytes // 4, 1024 * 1024)
+    return min(max_payload_bytes + max(max_payload_bytes // 4, 1024 * 1024), 2**32 - 1)
 
 
 @dataclass(frozen=True)
