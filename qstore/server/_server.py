@@ -247,6 +247,8 @@ class Server:
         """Run every request read since the last round, then write the answers."""
         self._round_due = False
         reqs, self._inbox = self._inbox, []
+        if len(reqs) > 2:
+            reqs = _layered(reqs)
         self._in_round = True
         try:
             i, n = 0, len(reqs)
@@ -535,6 +537,28 @@ class Server:
         self._due_timer = None
         self._due_at = math.inf
         self._wake()
+
+
+def _layered(reqs: list[_Request]) -> list[_Request]:
+    """A round's requests in an order that puts pops (acks) of one queue side by side.
+
+    Every request of a round was sent before any answer of the round was
+    written, so requests of different connections are concurrent and may run in
+    any order; one connection's must keep theirs. Layer k holds each
+    connection's k-th request; layers run in turn, and within a layer requests
+    that can group sit together, in the order their group first appears.
+    """
+    nth: dict[Connection, int] = {}
+    keyed = []
+    first: dict[tuple[Any, ...], int] = {}
+    for i, r in enumerate(reqs):
+        layer = nth.get(r[0], 0)
+        nth[r[0]] = layer + 1
+        key = group_key(r[2], r[3]) if r[2] == "pop" or r[2] == "ack" else None
+        slot = i if key is None else first.setdefault((layer, *key), i)
+        keyed.append((layer, slot, i))
+    keyed.sort()
+    return [reqs[i] for _, _, i in keyed]
 
 
 def _error_frame(exc: BaseException) -> bytes:
