@@ -247,6 +247,11 @@ class Server:
         """Run every request read since the last round, then write the answers."""
         self._round_due = False
         reqs, self._inbox = self._inbox, []
+        if any(r[0].closed for r in reqs):  # read, never started: those clients see
+            for r in reqs:                    # ConnectionLost; no lease goes to a dead link
+                if r[0].closed:
+                    r[0].settled()
+            reqs = [r for r in reqs if not r[0].closed]
         if len(reqs) > 2:
             reqs = _layered(reqs)
         self._in_round = True
