@@ -14,15 +14,20 @@ import itertools
 import os
 import socket
 import ssl
-from collections.abc import Iterable, Sequence
-from typing import Any
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from . import _client_base as base
 from . import _wire as wire
 from ._address import Address, parse_address
 from ._compact import CompactionResult
+from ._errors import QStoreError
 from ._message import Message, QueueStats, StoreStats
 from ._net_errors import ConnectionLost, ProtocolError
+
+_TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
+_RECV = 256 * 1024
 
 
 class _Link:
@@ -37,7 +42,9 @@ class _Link:
         self._ssl = ssl_context
         self._hostname = server_hostname
         self._sock: socket.socket | None = None
-        self._rfile: Any = None
+        self._in = bytearray()  # bytes read and not yet cut into frames
+        self._kernel_timeout = False  # the timeout is SO_RCVTIMEO/SO_SNDTIMEO, not Python's
+        self._timeout_now = -1.0
         self._ids = itertools.count(1)
         self.welcome: dict[str, Any] = {}
 
@@ -58,8 +65,15 @@ class _Link:
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_hostname=self._hostname or a.host
                                              or None)
+            else:
+                # A Python socket timeout costs a poll() before every send and recv;
+                # the kernel's own timeouts cost nothing per call.
+                sock.settimeout(None)
+                self._kernel_timeout = True
             self._sock = sock
-            self._rfile = sock.makefile("rb", buffering=256 * 1024)
+            self._in = bytearray()
+            self._timeout_now = -1.0
+            self._set_timeout(self.timeout)
             sock.sendall(base.hello(self._token, self._keep))
             self.welcome = base.check_welcome(self._read())
         except (OSError, EOFError) as exc:
@@ -69,15 +83,36 @@ class _Link:
             self.close()
             raise
 
+    def _set_timeout(self, seconds: float) -> None:
+        if seconds == self._timeout_now:
+            return
+        sock = self._sock
+        assert sock is not None
+        if self._kernel_timeout:
+            # 0 would mean "no timeout" to the kernel: at least a microsecond
+            whole, micros = divmod(max(1, round(seconds * 1e6)), 1_000_000)
+            tv = _TIMEVAL.pack(whole, micros)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        else:
+            sock.settimeout(seconds)
+        self._timeout_now = seconds
+
+    def _take(self, n: int) -> bytes:
+        buf, sock = self._in, self._sock
+        assert sock is not None
+        while len(buf) < n:
+            chunk = sock.recv(max(_RECV, n - len(buf)))
+            if not chunk:
+                raise EOFError("connection closed by the server")
+            buf += chunk
+        out = bytes(buf[:n])
+        del buf[:n]
+        return out
+
     def _read(self) -> Any:
-        head = self._rfile.read(4)
-        if len(head) < 4:
-            raise EOFError("connection closed by the server")
-        (n,) = wire.LENGTH.unpack(head)
-        body = self._rfile.read(n)
-        if len(body) < n:
-            raise EOFError("connection closed mid-frame")
-        return wire.unpack(body)
+        (n,) = wire.LENGTH.unpack(self._take(4))
+        return wire.unpack(self._take(n))
 
     def call(self, op: str, args: dict[str, Any], wait: float = 0.0) -> Any:
         if self._sock is None:
@@ -85,9 +120,9 @@ class _Link:
         sock = self._sock
         assert sock is not None
         rid = next(self._ids)
-        frame = base.request(rid, op, args)
+        frame = base.request(rid, op, args, self.welcome.get("max_frame"))
         try:
-            sock.settimeout(self.timeout + wait)
+            self._set_timeout(self.timeout + wait)
             sock.sendall(frame)
             value = self._read()
         except (OSError, EOFError) as exc:
@@ -101,13 +136,63 @@ class _Link:
             self.close()  # the server is closing this connection and says why
         return base.result(value, rid)
 
+    def call_many(self, calls: list[tuple[str, dict[str, Any], float]]) -> list[Any]:
+        """Send ``calls`` in one write and read every answer: each call's result, or
+        the error it raised (as a value, in place)."""
+        if not calls:
+            return []
+        if self._sock is None:
+            self._open()
+        sock = self._sock
+        assert sock is not None
+        limit = self.welcome.get("max_frame")
+        rids = [next(self._ids) for _ in calls]
+        frames = [base.request(rid, op, args, limit) for rid, (op, args, _) in zip(
+            rids, calls, strict=True)]
+        answers: dict[int, Any] = {}
+        try:
+            self._set_timeout(self.timeout + max(wait for _, _, wait in calls))
+            sock.sendall(b"".join(frames))
+            while len(answers) < len(rids):
+                value = self._read()
+                if isinstance(value, list) and value and value[0] == wire.SERVER_ERROR_ID:
+                    self.close()
+                    base.result(value, 0)  # raises the server's error
+                if not (isinstance(value, list) and len(value) == 3 and value[0] in rids):
+                    raise ProtocolError(f"unexpected response {value!r:.80}")
+                answers[value[0]] = value
+        except (OSError, EOFError) as exc:
+            self.close()
+            raise ConnectionLost(f"connection to {self.address} lost during a pipeline of "
+                                 f"{len(calls)}: {exc}; any of them may or may not have run"
+                                 ) from None
+        except ProtocolError:
+            self.close()
+            raise
+        out: list[Any] = []
+        for rid in rids:
+            try:
+                out.append(base.result(answers[rid], rid))
+            except QStoreError as exc:
+                out.append(exc)
+        return out
+
     def close(self) -> None:
-        if self._rfile is not None:
-            self._rfile.close()
-            self._rfile = None
+        self._in = bytearray()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+_T = TypeVar("_T")
+
+
+def _none(value: Any) -> None:
+    return None
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 class RemoteQueue(base.QueueInfo):
@@ -120,57 +205,129 @@ class RemoteQueue(base.QueueInfo):
     def __repr__(self) -> str:
         return f"<qstore.RemoteQueue {self.name!r} on {self._link.address}>"
 
-    def _call(self, op: str, /, **args: Any) -> Any:
-        return self._link.call(op, *base.queue_args(self.name, args))
+    def _call(self, op: str, convert: Callable[[Any], _T], /, **args: Any) -> _T:
+        """Run ``op`` and return ``convert`` of its result (a pipeline records it instead)."""
+        return convert(self._link.call(op, *base.queue_args(self.name, args)))
 
     def push(self, payload: bytes, priority: int | str | None = None, delay: float = 0.0,
              dedup_key: str | bytes | None = None, ttl: float | None = None) -> int:
-        return int(self._call("push", **base.push_args(payload, priority, delay, dedup_key,
-                                                             ttl)))
+        return self._call("push", int, **base.push_args(payload, priority, delay, dedup_key,
+                                                          ttl))
 
     def push_many(self, items: Iterable[bytes | Sequence[Any]], *, delay: float = 0.0,
                   ttl: float | None = None) -> list[int]:
-        return list(self._call("push_many", **base.push_many_args(items, delay, ttl)))
+        return self._call("push_many", list, **base.push_many_args(items, delay, ttl))
 
     def pop(self, lease: float = 30.0, wait: float = 0.0) -> Message | None:
-        return base.maybe_message(self._call("pop", lease=lease, wait=wait))
+        return self._call("pop", base.maybe_message, lease=lease, wait=wait)
 
     def pop_many(self, n: int, lease: float = 30.0, wait: float = 0.0) -> list[Message]:
-        return base.messages(self._call("pop_many", n=n, lease=lease, wait=wait))
+        return self._call("pop_many", base.messages, n=n, lease=lease, wait=wait)
 
     def ack(self, item: Message | str) -> None:
-        self._call("ack", receipt=base.receipt_of(item))
+        self._call("ack", _none, receipt=base.receipt_of(item))
 
     def ack_many(self, items: Iterable[Message | str]) -> int:
-        return int(self._call("ack_many", receipts=base.receipts_of(items)))
+        return self._call("ack_many", int, receipts=base.receipts_of(items))
 
     def nack(self, item: Message | str, delay: float = 0.0) -> None:
-        self._call("nack", receipt=base.receipt_of(item), delay=delay)
+        self._call("nack", _none, receipt=base.receipt_of(item), delay=delay)
 
     def extend(self, item: Message | str, lease: float = 30.0) -> Message:
-        return wire.decode_message(self._call("extend", receipt=base.receipt_of(item),
-                                              lease=lease))
+        return self._call("extend", wire.decode_message, receipt=base.receipt_of(item),
+                          lease=lease)
 
     def peek(self, n: int = 1) -> list[Message]:
-        return base.messages(self._call("peek", n=n))
+        return self._call("peek", base.messages, n=n)
 
     def get(self, message_id: int) -> Message:
-        return wire.decode_message(self._call("get", message_id=message_id))
+        return self._call("get", wire.decode_message, message_id=message_id)
 
     def dead_letters(self, n: int = 10) -> list[Message]:
-        return base.messages(self._call("dead_letters", n=n))
+        return self._call("dead_letters", base.messages, n=n)
 
     def redrive(self, n: int = 100) -> int:
-        return int(self._call("redrive", n=n))
+        return self._call("redrive", int, n=n)
 
     def purge(self) -> int:
-        return int(self._call("purge"))
+        return self._call("purge", int)
 
     def stats(self) -> QueueStats:
-        return wire.decode_stats(self._call("stats"))
+        return self._call("stats", wire.decode_stats)
 
     def __len__(self) -> int:
         return self.stats().total
+
+
+class Pipeline:
+    """Requests recorded now and sent together, in one write, by :meth:`execute`.
+
+    ``pipeline.queue(name)`` gives a handle with the methods of
+    :class:`RemoteQueue`; in a pipeline they return None and only record the
+    request (arguments are checked and encoded at once, so a bad one raises
+    there). :meth:`execute` sends every recorded request in one write, reads
+    every answer, and returns the results in call order, converted as the
+    direct calls would. Requests run in order on the server; consecutive pops
+    (acks) of one queue run as one batch there. Used as a context manager, the
+    pipeline executes on a clean exit (results in :attr:`results`).
+    """
+
+    def __init__(self, link: _Link) -> None:
+        self._link = link
+        self._calls: list[tuple[str, dict[str, Any], float, Callable[[Any], Any]]] = []
+        self.results: list[Any] = []
+
+    def queue(self, name: str) -> _PipelinedQueue:
+        """A handle on queue ``name`` that records into this pipeline (no round trip)."""
+        return _PipelinedQueue(self, name)
+
+    def ping(self) -> None:
+        self._calls.append(("ping", {}, 0.0, _none))
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def execute(self, raise_errors: bool = True) -> list[Any]:
+        """Send every recorded request, read every answer; the results in call order.
+
+        With ``raise_errors`` (the default) the first failed request's error is
+        raised once all answers are in; otherwise errors are returned in place.
+        A dropped connection raises :class:`~qstore.ConnectionLost`: any of the
+        requests may or may not have run.
+        """
+        calls, self._calls = self._calls, []
+        answers = self._link.call_many([(op, args, wait) for op, args, wait, _ in calls])
+        out: list[Any] = []
+        for (_, _, _, convert), answer in zip(calls, answers, strict=True):
+            out.append(answer if isinstance(answer, Exception) else convert(answer))
+        self.results = out
+        if raise_errors:
+            for r in out:
+                if isinstance(r, Exception):
+                    raise r
+        return out
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None and self._calls:
+            self.execute()
+
+
+class _PipelinedQueue(RemoteQueue):
+    def __init__(self, pipeline: Pipeline, name: str) -> None:
+        self.name = name
+        self._pipeline = pipeline
+
+    def __repr__(self) -> str:
+        return f"<qstore.RemoteQueue {self.name!r} in a pipeline>"
+
+    def _call(self, op: str, convert: Callable[[Any], _T], /, **args: Any) -> _T:
+        args, wait = base.queue_args(self.name, args)
+        base.request(0, op, args)  # an argument that cannot be sent fails here, not later
+        self._pipeline._calls.append((op, args, wait, convert))
+        return None  # type: ignore[return-value]  # recorded: the result comes from execute()
 
 
 class Client:
@@ -224,6 +381,10 @@ class Client:
 
     def ping(self) -> None:
         self._link.call("ping", {})
+
+    def pipeline(self) -> Pipeline:
+        """A :class:`Pipeline`: many requests sent in one write, answers read together."""
+        return Pipeline(self._link)
 
     def close(self) -> None:
         self._link.close()

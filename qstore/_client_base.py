@@ -32,11 +32,17 @@ def check_welcome(value: Any) -> dict[str, Any]:
     return value
 
 
-def request(rid: int, op: str, args: dict[str, Any]) -> bytes:
+def request(rid: int, op: str, args: dict[str, Any], max_frame: int | None = None) -> bytes:
+    """The frame of a request; one over the server's ``max_frame`` is refused here, so
+    the connection stays up (the server would close it)."""
     try:
-        return wire.pack([rid, op, args])
+        frame = wire.pack([rid, op, args])
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidArgument(f"{op}: an argument cannot be sent: {exc}") from None
+    if max_frame is not None and len(frame) - 4 > max_frame:
+        raise InvalidArgument(f"{op}: a request of {len(frame) - 4} bytes is over the "
+                              f"server's frame limit of {max_frame}")
+    return frame
 
 
 def result(value: Any, rid: int) -> Any:

@@ -60,6 +60,11 @@ class Message:
         _set(msg, "_lease", lease)
         return msg
 
+    def _fields(self) -> tuple[Any, ...]:
+        """The nine fields in order, then ``expires_at`` and ``dead_reason`` when either
+        is set: the layout of a message on the wire (docs/protocol.md)."""
+        return self._v
+
     def __setattr__(self, name: str, value: object) -> None:
         raise FrozenInstanceError(f"cannot assign to field {name!r}")
 

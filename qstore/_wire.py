@@ -60,13 +60,12 @@ def unpack(body: bytes) -> Any:
 # -- values -------------------------------------------------------------------
 
 
-def encode_message(m: Message) -> list[Any]:
-    """Nine fields; eleven when the message has an expiry or a dead reason (TTL)."""
-    v = [m.id, m.queue, m.priority, m.payload, m.attempts, m.enqueued_at, m.lease_deadline,
-         m.receipt, m.state]
-    if m.expires_at is not None or m.dead_reason is not None:
-        v += [m.expires_at, m.dead_reason]
-    return v
+def encode_message(m: Message) -> tuple[Any, ...]:
+    """Nine fields; eleven when the message has an expiry or a dead reason (TTL).
+
+    The message's own field tuple, which msgpack packs as an array: no copy.
+    """
+    return m._fields()
 
 
 def decode_message(v: list[Any]) -> Message:

@@ -42,6 +42,7 @@ class _Link:
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count(1)
         self._opening = asyncio.Lock()
+        self.welcome: dict[str, Any] = {}
 
     async def _open(self) -> None:
         a = self.address
@@ -60,7 +61,7 @@ class _Link:
         except (OSError, EOFError, asyncio.IncompleteReadError, TimeoutError) as exc:
             raise ConnectionLost(f"cannot connect to {a}: {exc}") from None
         try:
-            base.check_welcome(welcome)
+            self.welcome = base.check_welcome(welcome)
         except BaseException:
             writer.close()
             raise
@@ -100,7 +101,7 @@ class _Link:
         writer = self._writer
         assert writer is not None
         rid = next(self._ids)
-        frame = base.request(rid, op, args)
+        frame = base.request(rid, op, args, self.welcome.get("max_frame"))
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
         try:

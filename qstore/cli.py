@@ -23,7 +23,6 @@ from rich.console import Console
 from rich.table import Table
 
 from . import _errors as errors
-from . import _wire as wire
 from . import server
 from ._check import check_path
 from ._cli_target import open_target
@@ -462,16 +461,20 @@ def demo(directory: str, fresh: bool, messages: int, no_spark: bool) -> None:
 @click.option("--tls-key", type=click.Path(dir_okay=False, exists=True), help="PEM key for TLS.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on 127.0.0.1:PORT.")
-@click.option("--max-frame", type=click.IntRange(1), default=wire.DEFAULT_MAX_FRAME,
-              show_default=True, help="Largest frame accepted, bytes.")
+@click.option("--max-payload-bytes", type=click.IntRange(1), default=None,
+              help="Largest message payload, bytes (default: the store's, 64 MiB).")
+@click.option("--max-frame", type=click.IntRange(1), default=None,
+              help="Largest frame accepted, bytes (default: the payload limit plus a "
+                   "quarter, at least 1 MiB more: 80 MiB for 64 MiB payloads).")
 @click.option("--max-connections", type=click.IntRange(1), default=1024, show_default=True)
 @click.option("--max-waiting", type=click.IntRange(1), default=10_000, show_default=True,
               help="Pops parked waiting for a message, over all connections.")
 @click.option("--durability", type=click.Choice(["none", "interval", "always"]),
               default="interval", show_default=True)
 def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert: str | None,
-          tls_key: str | None, metrics_port: int | None, max_frame: int, max_connections: int,
-          max_waiting: int, durability: str) -> None:
+          tls_key: str | None, metrics_port: int | None, max_payload_bytes: int | None,
+          max_frame: int | None, max_connections: int, max_waiting: int,
+          durability: str) -> None:
     """Serve STORE to clients (qstore.connect) until SIGTERM or SIGINT.
 
     Prints one line, "listening on ADDRESS", once clients can connect.
@@ -486,15 +489,19 @@ def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert:
         if not token:
             raise click.UsageError(f"token file {token_file} is empty")
     ctx = server.tls_context(tls_cert, tls_key) if tls_cert and tls_key else None
-    limits = server.Limits(max_frame=max_frame, max_connections=max_connections,
-                           max_waiting=max_waiting)
 
     def ready(address: str) -> None:
         click.echo(f"listening on {address}")
         sys.stdout.flush()
 
     with _exit_codes():
-        store = open_store(store_path, durability=durability)
+        options: dict[str, Any] = {"durability": durability}
+        if max_payload_bytes is not None:
+            options["max_payload_bytes"] = max_payload_bytes
+        store = open_store(store_path, **options)
+        limits = server.Limits(
+            max_frame=max_frame or server.default_max_frame(store.config.max_payload_bytes),
+            max_connections=max_connections, max_waiting=max_waiting)
         try:
             server.serve(store, listen, token=token, ssl_context=ctx, limits=limits,
                          metrics_port=metrics_port, ready=ready)

@@ -1,10 +1,13 @@
 """The qstore server: one process owns a store, clients reach it over a socket.
 
 ``qstore serve STORE`` runs :func:`serve`; the protocol is docs/protocol.md,
-operations and security docs/server.md. Layers: :mod:`._server` (asyncio
-connections, the handshake, waiting pops) calls :mod:`._ops` (what each
-request does to the :class:`~qstore.Store`) through :mod:`._worker` (the one
-store thread); :mod:`._metrics` exports Prometheus metrics.
+operations and security docs/server.md. Layers: :mod:`._conn` (one
+connection as an asyncio protocol: frames in, answers out, flow control)
+hands frames to :mod:`._server` (the handshake, rounds of requests, waiting
+pops and their due-time wake-ups), which calls :mod:`._ops` (what each
+request does to the :class:`~qstore.Store`, and the grouped pops and acks)
+inline or through :mod:`._worker` (the store thread, for durability
+"always"); :mod:`._metrics` exports Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from collections.abc import Callable
 from .._address import Address, parse_address
 from .._store import Store
 from ._metrics import Metrics
-from ._server import Limits, Server
+from ._server import Limits, Server, default_max_frame
 
-__all__ = ["Limits", "Server", "serve", "tls_context"]
+__all__ = ["Limits", "Server", "default_max_frame", "serve", "tls_context"]
 
 
 def tls_context(cert: str, key: str) -> ssl.SSLContext:

@@ -168,6 +168,53 @@ _QUEUE_OPS: dict[str, Callable[[Queue, Leases, dict[str, Any], bool], Any]] = {
 assert set(_QUEUE_OPS) == wire.QUEUE_OPS
 
 
+# -- rounds: consecutive single pops or acks of one queue run as one batch ---------
+
+_POP_KEYS = frozenset({"queue", "lease", "wait"})
+_ACK_KEYS = frozenset({"queue", "receipt"})
+
+
+def group_key(op: str, args: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What a request must share with its neighbours to run in one batch with them.
+
+    Only plain ``pop`` (same queue and lease, a valid wait) and ``ack`` (same
+    queue, a str receipt) requests group; anything unusual runs on its own, so
+    its error is exactly the embedded one.
+    """
+    if op == "pop":
+        if args.keys() <= _POP_KEYS and type(args.get("queue")) is str:
+            lease, wait = args.get("lease", 30.0), args.get("wait", 0.0)
+            if (type(lease) is float and 0 < lease <= MAX_SECONDS
+                    and type(wait) in (int, float) and 0 <= wait <= MAX_SECONDS):
+                return ("pop", args["queue"], lease)
+    elif (op == "ack" and args.keys() == _ACK_KEYS and type(args["queue"]) is str
+          and type(args["receipt"]) is str):
+        return ("ack", args["queue"])
+    return None
+
+
+def pop_group(store: Store, name: str, lease: float, takers: list[Leases]) -> list[Any]:
+    """``len(takers)`` pops in a row as one ``pop_many``: the i-th gets the i-th message.
+
+    A pop past the end gets None, as the same pops one after another would.
+    """
+    got = store.queue(name).pop_many(len(takers), lease=lease)
+    out: list[Any] = [None] * len(takers)
+    for i, m in enumerate(got):
+        if m.receipt is not None:
+            takers[i].held[m.receipt] = name
+        out[i] = wire.encode_message(m)
+    return out
+
+
+def ack_group(store: Store, name: str, receipts: list[str], takers: list[Leases]) -> None:
+    """Acks in a row as one ``ack_many``: all or nothing, so on an error the caller
+    runs them one by one to give each its own answer."""
+    store.queue(name).ack_many(receipts)
+    for leases, r in zip(takers, receipts, strict=True):
+        leases.held.pop(r, None)
+
+
 def store_op(store: Store, op: str, args: dict[str, Any]) -> Any:
     """Run store operation ``op`` (``compact`` and ``snapshot`` may take long)."""
     try:

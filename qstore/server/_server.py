@@ -1,13 +1,21 @@
-"""The asyncio server: one event loop, one store thread, many connections.
+"""The asyncio server: one event loop, many connections, requests run in rounds.
 
-Each connection is one task reading frames (docs/protocol.md). The first
-frame is the handshake (version, token, lease policy); every later frame is
-a request, handed to the store thread (_worker.py) in arrival order; its
-response is written when it completes, so requests can be pipelined and a
-parked pop (_waiting.py) does not hold up later requests. A frame that
-breaks the protocol gets an error frame with id 0 and closes only its own
-connection. ``compact`` and ``snapshot`` run in a thread of their own: they
-take seconds and must not stall the store thread.
+Each connection is a protocol object (_conn.py) that cuts frames out of what
+it reads. The first frame is the handshake (version, token, lease policy);
+every later frame is a request, put in the server's inbox. Once the loop has
+read everything that arrived, one round runs the inbox in arrival order
+(:meth:`Server._round`): consecutive single pops of one queue, from any
+connections, run as one ``pop_many``, and consecutive acks of one queue as
+one ``ack_many`` (all or nothing; on an error each runs alone, so each gets
+its own answer); then each connection's answers go out in one write. Every
+connection's requests still take effect in the order they arrived.
+
+With ``durability="always"`` the store calls run in the store thread
+(_worker.py) instead, answered as they complete. A pop that finds nothing
+and may wait is parked (_waiting.py) and does not hold up later requests. A
+frame that breaks the protocol gets an error frame with id 0 and closes only
+its own connection. ``compact`` and ``snapshot`` run in a thread of their
+own: they take seconds and must not stall the store.
 """
 
 from __future__ import annotations
@@ -29,15 +37,24 @@ from .._address import Address
 from .._errors import InvalidArgument, QStoreError
 from .._net_errors import AuthenticationFailed, ProtocolError, ServerBusy
 from .._store import Store
+from .._txn import NO_EVENT_US
+from ._conn import Connection
 from ._metrics import Metrics
-from ._ops import PARK, Leases, queue_op, store_op
+from ._ops import PARK, ack_group, group_key, pop_group, queue_op, store_op
 from ._waiting import Waiter, WaitingPops, try_round
 from ._worker import InlineStore, StoreThread
 
 log = logging.getLogger("qstore.server")
 
 SLOW_OPS = frozenset({"compact", "snapshot"})
-MAX_PIPELINE = 1024  # requests of one connection in progress before it stops reading
+_POPS = frozenset({"pop", "pop_many"})
+_Request = tuple[Connection, int, str, dict[str, Any], float]
+
+
+def default_max_frame(max_payload_bytes: int) -> int:
+    """The frame limit that goes with a payload limit: a quarter more, at least 1 MiB more
+    (80 MiB for the default 64 MiB), so a payload and its request always fit."""
+    return min(max_payload_bytes + max(max_payload_bytes // 4, 1024 * 1024), 2**32 - 1)
 
 
 @dataclass(frozen=True)
@@ -48,23 +65,6 @@ class Limits:
     max_connections: int = 1024
     max_waiting: int = 10_000
     handshake_timeout: float = 10.0
-
-
-class _Conn:
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
-        self.leases = Leases()
-        self.keep_leases = False
-        self.closed = False
-        self.pending = 0
-        self.room = asyncio.Event()
-        self.room.set()
-        self.idle = asyncio.Event()  # set when nothing is pending
-        self.idle.set()
-
-    def send(self, frame: bytes) -> None:
-        if not self.closed:
-            self.writer.write(frame)
 
 
 class Server:
@@ -82,33 +82,41 @@ class Server:
         self._ssl = ssl_context
         self.limits = limits = limits or Limits()
         self.metrics = metrics
-        self._conns: dict[_Conn, asyncio.Task[None]] = {}
+        self._conns: set[Connection] = set()
+        self._ending: set[asyncio.Task[None]] = set()
+        self._inbox: list[_Request] = []
+        self._round_due = False
+        self._in_round = False
+        self._dirty: list[Connection] = []  # connections with answers gathered this round
         self._waiting = WaitingPops(limits.max_waiting)
         self._listening = False
         self._wake_pending = False
         self._round_running = False  # a retry round of parked pops is in the store thread
         self._again = False  # a wake came while it ran: run another round after it
+        self._due_timer: asyncio.TimerHandle | None = None
+        self._due_at = math.inf  # store-clock time the due timer is set for
         self._server: asyncio.base_events.Server | None = None
         self._thread: StoreThread | InlineStore | None = None
+        self._inline = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = (StoreThread(self._loop) if self.store.config.durability == "always"
-                        else InlineStore(self._loop))
+        self._loop = loop = asyncio.get_running_loop()
+        self._inline = self.store.config.durability != "always"
+        self._thread = InlineStore(loop) if self._inline else StoreThread(loop)
         a = self.address
         if a.kind == "unix":
             old = os.umask(0o177)  # the socket is born mode 0600: no window where others connect
             try:
-                self._server = await asyncio.start_unix_server(self._handle, a.path,
-                                                               ssl=self._ssl)
+                self._server = await loop.create_unix_server(self._accept, a.path,
+                                                             ssl=self._ssl)
             finally:
                 os.umask(old)
         else:
-            self._server = await asyncio.start_server(self._handle, a.host, a.port,
-                                                      ssl=self._ssl, reuse_address=True)
+            self._server = await loop.create_server(self._accept, a.host, a.port,
+                                                    ssl=self._ssl, reuse_address=True)
         log.info("qstore server listening on %s", self.listening_on)
 
     @property
@@ -126,10 +134,14 @@ class Server:
             self._server.close()
         for w in [w for line in self._waiting.lines.values() for w in line]:
             self._answer_empty(w)
-        tasks = list(self._conns.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._inbox:
+            self._round()  # requests already read are answered, not dropped
+        for conn in list(self._conns):
+            conn.close()
+        while self._ending:
+            await asyncio.gather(*list(self._ending), return_exceptions=True)
+        if self._due_timer is not None:
+            self._due_timer.cancel()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.stop)
         if self.address.kind == "unix":
@@ -137,59 +149,67 @@ class Server:
                 os.unlink(self.address.path)
         await asyncio.to_thread(self.store.close)
 
-    # -- one connection -------------------------------------------------------------
+    # -- connections (called by _conn.Connection) -------------------------------------
 
-    async def _read(self, reader: asyncio.StreamReader) -> bytes:
-        head = await reader.readexactly(4)
-        (n,) = wire.LENGTH.unpack(head)
-        if n > self.limits.max_frame:
-            raise ProtocolError(f"frame of {n} bytes is over the limit of "
-                                f"{self.limits.max_frame}")
-        return await reader.readexactly(n)
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = _Conn(writer)
-        task = asyncio.current_task()
-        assert task is not None
+    def _accept(self) -> Connection:
+        conn = Connection(self, self.limits.max_frame)
         if len(self._conns) >= self.limits.max_connections:
-            writer.write(wire.pack([wire.SERVER_ERROR_ID, wire.ERR, wire.encode_error(
-                ServerBusy(f"over the limit of {self.limits.max_connections} connections"))]))
-            with contextlib.suppress(Exception):
-                await writer.drain()
-            writer.close()
-            return
-        self._conns[conn] = task
+            self.loop.call_soon(self._refuse, conn)
+            return conn
+        self._conns.add(conn)
         if self.metrics:
             self.metrics.connections.inc()
-        try:
-            await self._session(conn, reader)
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, ssl.SSLError):
-            pass  # the peer went away or stalled: nothing to answer
-        except QStoreError as exc:  # protocol, auth: say why, then close
-            conn.send(wire.pack([wire.SERVER_ERROR_ID, wire.ERR, wire.encode_error(exc)]))
-        except asyncio.CancelledError:
-            pass  # shutdown
-        finally:
-            await self._end(conn)
+        conn.hello_timer = self.loop.call_later(self.limits.handshake_timeout,
+                                                self._hello_late, conn)
+        return conn
 
-    async def _session(self, conn: _Conn, reader: asyncio.StreamReader) -> None:
-        hello = wire.unpack(await asyncio.wait_for(self._read(reader),
-                                                   self.limits.handshake_timeout))
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None
+        return self._loop
+
+    def _refuse(self, conn: Connection) -> None:
+        conn.close(_error_frame(ServerBusy(
+            f"over the limit of {self.limits.max_connections} connections")))
+
+    def _hello_late(self, conn: Connection) -> None:
+        if not conn.greeted and not conn.closed:
+            conn.close()
+
+    def hello(self, conn: Connection, body: bytes) -> None:
+        hello = wire.unpack(body)
         self._check_hello(hello)
+        if conn.hello_timer is not None:
+            conn.hello_timer.cancel()
+        conn.greeted = True
         conn.keep_leases = bool(hello.get("keep_leases", False))
-        conn.send(wire.pack({"qstore": wire.PROTOCOL_VERSION, "server": __version__,
-                             "max_frame": self.limits.max_frame,
-                             "max_payload": self.store.config.max_payload_bytes}))
-        while True:
-            req = wire.unpack(await self._read(reader))
-            if not (isinstance(req, list) and len(req) == 3 and type(req[0]) is int
-                    and req[0] > 0 and isinstance(req[1], str) and isinstance(req[2], dict)):
-                raise ProtocolError("a request is [id > 0, op, {args}]")
-            self._dispatch(conn, req[0], req[1], req[2])
-            await conn.writer.drain()
-            if conn.pending >= MAX_PIPELINE:
-                conn.room.clear()
-                await conn.room.wait()
+        conn.write(wire.pack({"qstore": wire.PROTOCOL_VERSION, "server": __version__,
+                              "max_frame": self.limits.max_frame,
+                              "max_payload": self.store.config.max_payload_bytes}))
+
+    def request(self, conn: Connection, body: bytes) -> None:
+        req = wire.unpack(body)
+        if not (type(req) is list and len(req) == 3 and type(req[0]) is int
+                and req[0] > 0 and type(req[1]) is str and type(req[2]) is dict):
+            raise ProtocolError("a request is [id > 0, op, {args}]")
+        self._inbox.append((conn, req[0], req[1], req[2], time.perf_counter()))
+        conn.started()
+        if not self._round_due:
+            self._round_due = True
+            self.loop.call_soon(self._round)
+
+    def failed(self, conn: Connection, exc: BaseException) -> None:
+        if not isinstance(exc, QStoreError):
+            log.error("connection failed", exc_info=exc)
+        conn.close(_error_frame(exc))
+
+    def lost(self, conn: Connection) -> None:
+        if conn.hello_timer is not None:
+            conn.hello_timer.cancel()
+        if conn in self._conns:
+            task = self.loop.create_task(self._end(conn))
+            self._ending.add(task)
+            task.add_done_callback(self._ending.discard)
 
     def _check_hello(self, hello: Any) -> None:
         if not isinstance(hello, dict) or "qstore" not in hello:
@@ -203,82 +223,188 @@ class Server:
                     given.encode("utf-8", "surrogateescape"), self._token):
                 raise AuthenticationFailed("wrong or missing token")
 
-    async def _end(self, conn: _Conn) -> None:
-        conn.closed = True
+    async def _end(self, conn: Connection) -> None:
         for w in self._waiting.of(conn):
             self._waiting.remove(w)
             w.done = True
         self._update_listening()
-        with contextlib.suppress(Exception):
-            await conn.idle.wait()  # in-flight requests finish (their answers are dropped)
+        if conn.pending:  # in the store thread or the inbox: let them finish (answers dropped)
+            conn.idle = asyncio.Event()
+            if conn.pending:
+                with contextlib.suppress(Exception):
+                    await conn.idle.wait()
         if not conn.keep_leases and conn.leases.held and self._thread is not None:
             store, leases = self.store, conn.leases
             with contextlib.suppress(Exception):
                 await self._thread.submit(lambda: leases.release(store))
-        self._conns.pop(conn, None)
+        self._conns.discard(conn)
         if self.metrics:
             self.metrics.connections.dec()
-        conn.writer.close()
-        with contextlib.suppress(Exception):
-            await conn.writer.wait_closed()
 
     # -- requests -----------------------------------------------------------------
 
-    def _dispatch(self, conn: _Conn, rid: int, op: str, args: dict[str, Any]) -> None:
-        store = self.store
-        started = time.perf_counter()
-        fut: asyncio.Future[Any]
-        assert self._thread is not None
-        if op in wire.QUEUE_OPS:
-            kept = dict(args)
-            fut = self._thread.submit(lambda: queue_op(store, conn.leases, op, args))
-        elif op in SLOW_OPS:
-            kept = args
-            fut = asyncio.ensure_future(asyncio.to_thread(store_op, store, op, args))
-        elif op in wire.STORE_OPS:
-            kept = args
-            fut = self._thread.submit(lambda: store_op(store, op, args))
+    def _round(self) -> None:
+        """Run every request read since the last round, then write the answers."""
+        self._round_due = False
+        reqs, self._inbox = self._inbox, []
+        if any(r[0].closed for r in reqs):  # read, never started: those clients see
+            for r in reqs:                    # ConnectionLost; no lease goes to a dead link
+                if r[0].closed:
+                    r[0].settled()
+            reqs = [r for r in reqs if not r[0].closed]
+        if len(reqs) > 2:
+            reqs = _layered(reqs)
+        self._in_round = True
+        try:
+            i, n = 0, len(reqs)
+            while i < n:
+                conn, rid, op, args, started = reqs[i]
+                if (op == "pop" or op == "ack") and i + 1 < n:
+                    key = group_key(op, args)
+                    j = i + 1
+                    if key is not None:
+                        while j < n and reqs[j][2] == op and group_key(op, reqs[j][3]) == key:
+                            j += 1
+                    if j > i + 1:
+                        self._group(key, reqs[i:j])  # type: ignore[arg-type]
+                        i = j
+                        continue
+                self._dispatch(conn, rid, op, args, started)
+                i += 1
+        finally:
+            self._in_round = False
+            dirty, self._dirty = self._dirty, []
+            for conn in dirty:
+                conn.flush()
+        if self._waiting.count:
+            self._arm_due()  # a delayed push or a lease may have moved the next due time
+
+    def _send(self, conn: Connection, frame: bytes) -> None:
+        if self._in_round:
+            if not conn.out:
+                self._dirty.append(conn)
+            conn.out.append(frame)
         else:
+            conn.write(frame)
+
+    def _group(self, key: tuple[Any, ...], reqs: list[_Request]) -> None:
+        """Consecutive pops (acks) of one queue as one pop_many (ack_many)."""
+        store = self.store
+        takers = [r[0].leases for r in reqs]
+        if key[0] == "pop":
+            def run() -> Any:
+                return pop_group(store, key[1], key[2], takers)
+        else:
+            receipts = [r[3]["receipt"] for r in reqs]
+
+            def run() -> Any:
+                ack_group(store, key[1], receipts, takers)
+                return [None] * len(reqs)
+        if self._inline:
+            try:
+                results = run()
+            except Exception:  # nothing was done: each alone gets its own answer
+                for r in reqs:
+                    self._dispatch(*r)
+                return
+            self._group_done(reqs, results)
+            return
+        fut = self._submit(run)
+        fut.add_done_callback(lambda f: self._group_settled(reqs, f))
+
+    def _group_settled(self, reqs: list[_Request], fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            for r in reqs:
+                self._dispatch(*r)
+        else:
+            self._group_done(reqs, fut.result())
+
+    def _group_done(self, reqs: list[_Request], results: list[Any]) -> None:
+        for (conn, rid, op, args, started), result in zip(reqs, results, strict=True):
+            conn.settled()
+            if conn.closed:
+                continue
+            if result is None and op == "pop" and args.get("wait"):
+                self._park(conn, rid, op, args, started)
+                continue
+            self._send(conn, wire.pack([rid, wire.OK, result]))
+            if self.metrics:
+                self.metrics.request(op, time.perf_counter() - started, True)
+
+    def _submit(self, fn: Any) -> asyncio.Future[Any]:
+        assert self._thread is not None
+        return self._thread.submit(fn)
+
+    def _dispatch(self, conn: Connection, rid: int, op: str, args: dict[str, Any],
+                  started: float) -> None:
+        if conn.closed:  # read, never started: the client sees ConnectionLost
+            conn.settled()
+            return
+        store = self.store
+        kept = args
+        if op in wire.QUEUE_OPS:
+            leases = conn.leases
+            if op in _POPS:
+                kept = dict(args)  # queue_op consumes its args; a parked pop needs them
+
+            def run() -> Any:
+                return queue_op(store, leases, op, args)
+        elif op in SLOW_OPS:
+            slow = asyncio.ensure_future(asyncio.to_thread(store_op, store, op, args))
+            slow.add_done_callback(lambda f: self._settled(conn, rid, op, kept, started, f))
+            return
+        elif op in wire.STORE_OPS:
+            def run() -> Any:
+                return store_op(store, op, args)
+        else:
+            conn.settled()
             self._reply_error(conn, rid, op, started,
                               InvalidArgument(f"unknown operation {op!r}"))
             return
-        conn.pending += 1
-        conn.idle.clear()
-        fut.add_done_callback(lambda f: self._done(conn, rid, op, kept, started, f))
+        if self._inline:
+            try:
+                result = run()
+            except Exception as exc:  # the request's own error
+                conn.settled()
+                self._reply_error(conn, rid, op, started, exc)
+                return
+            conn.settled()
+            self._answer(conn, rid, op, kept, started, result)
+            return
+        fut = self._submit(run)
+        fut.add_done_callback(lambda f: self._settled(conn, rid, op, kept, started, f))
 
-    def _settled(self, conn: _Conn) -> None:
-        conn.pending -= 1
-        if conn.pending < MAX_PIPELINE:
-            conn.room.set()
-        if conn.pending == 0:
-            conn.idle.set()
-
-    def _done(self, conn: _Conn, rid: int, op: str, args: dict[str, Any], started: float,
-              fut: asyncio.Future[Any]) -> None:
-        self._settled(conn)
+    def _settled(self, conn: Connection, rid: int, op: str, args: dict[str, Any],
+                 started: float, fut: asyncio.Future[Any]) -> None:
+        conn.settled()
+        if self._waiting.count:
+            self._arm_due()
         exc = fut.exception()
         if exc is not None:
             self._reply_error(conn, rid, op, started, exc)
             return
-        result = fut.result()
+        self._answer(conn, rid, op, args, started, fut.result())
+
+    def _answer(self, conn: Connection, rid: int, op: str, args: dict[str, Any],
+                started: float, result: Any) -> None:
         if result is PARK:
             self._park(conn, rid, op, args, started)
             return
-        conn.send(wire.pack([rid, wire.OK, result]))
+        self._send(conn, wire.pack([rid, wire.OK, result]))
         if self.metrics:
             self.metrics.request(op, time.perf_counter() - started, True)
 
-    def _reply_error(self, conn: _Conn, rid: int, op: str, started: float,
+    def _reply_error(self, conn: Connection, rid: int, op: str, started: float,
                      exc: BaseException) -> None:
         if not isinstance(exc, QStoreError):
             log.error("request %s failed", op, exc_info=exc)
-        conn.send(wire.pack([rid, wire.ERR, wire.encode_error(exc)]))
+        self._send(conn, wire.pack([rid, wire.ERR, wire.encode_error(exc)]))
         if self.metrics:
             self.metrics.request(op, time.perf_counter() - started, False)
 
     # -- waiting pops -----------------------------------------------------------------
 
-    def _park(self, conn: _Conn, rid: int, op: str, args: dict[str, Any],
+    def _park(self, conn: Connection, rid: int, op: str, args: dict[str, Any],
               started: float) -> None:
         if conn.closed:
             return
@@ -294,6 +420,7 @@ class Server:
         self._waiting.park(w)
         self._update_listening()
         self._wake()  # a push may have landed between the empty pop and now
+        self._arm_due()
 
     def _expire(self, w: Waiter) -> None:
         if w.done:
@@ -306,7 +433,7 @@ class Server:
     def _answer_empty(self, w: Waiter) -> None:
         self._waiting.remove(w)
         w.done = True
-        w.conn.send(wire.pack([w.rid, wire.OK, [] if w.op == "pop_many" else None]))
+        self._send(w.conn, wire.pack([w.rid, wire.OK, [] if w.op == "pop_many" else None]))
         if self.metrics:
             self.metrics.request(w.op, time.perf_counter() - w.started, True)
         self._update_listening()
@@ -375,9 +502,69 @@ class Server:
             elif got is not None:
                 self._waiting.remove(w)
                 w.done = True
-                w.conn.send(wire.pack([w.rid, wire.OK, got]))
+                self._send(w.conn, wire.pack([w.rid, wire.OK, got]))
                 if self.metrics:
                     self.metrics.request(w.op, time.perf_counter() - w.started, True)
             elif w.expired:
                 self._answer_empty(w)
         self._update_listening()
+        self._arm_due()
+
+    def _arm_due(self) -> None:
+        """Wake the parked pops when the next delayed message, lease or rate-limit token
+        of their queues is due, instead of at the sweeper's next pass."""
+        if not self._waiting.count:
+            return
+        core = self.store.core
+        due = math.inf
+        with core.lock:
+            now = core.clock()
+            for name in self._waiting.lines:
+                q = core.queues.get(name)
+                if q is None:
+                    continue
+                if q.next_event_us < NO_EVENT_US:
+                    due = min(due, q.next_event_us / 1e6)
+                bucket = q.bucket
+                if bucket is not None and bucket.available(now) == 0:
+                    due = min(due, now + bucket.wait_time(now))
+        if due == self._due_at:
+            return
+        if self._due_timer is not None:
+            self._due_timer.cancel()
+            self._due_timer = None
+        self._due_at = due
+        if due < math.inf:
+            # at least a millisecond: a due time that a retry cannot clear never spins
+            self._due_timer = self.loop.call_later(max(0.001, due - now), self._due)
+
+    def _due(self) -> None:
+        self._due_timer = None
+        self._due_at = math.inf
+        self._wake()
+
+
+def _layered(reqs: list[_Request]) -> list[_Request]:
+    """A round's requests in an order that puts pops (acks) of one queue side by side.
+
+    Every request of a round was sent before any answer of the round was
+    written, so requests of different connections are concurrent and may run in
+    any order; one connection's must keep theirs. Layer k holds each
+    connection's k-th request; layers run in turn, and within a layer requests
+    that can group sit together, in the order their group first appears.
+    """
+    nth: dict[Connection, int] = {}
+    keyed = []
+    first: dict[tuple[Any, ...], int] = {}
+    for i, r in enumerate(reqs):
+        layer = nth.get(r[0], 0)
+        nth[r[0]] = layer + 1
+        key = group_key(r[2], r[3]) if r[2] == "pop" or r[2] == "ack" else None
+        slot = i if key is None else first.setdefault((layer, *key), i)
+        keyed.append((layer, slot, i))
+    keyed.sort()
+    return [reqs[i] for _, _, i in keyed]
+
+
+def _error_frame(exc: BaseException) -> bytes:
+    return wire.pack([wire.SERVER_ERROR_ID, wire.ERR, wire.encode_error(exc)])

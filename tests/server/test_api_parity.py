@@ -19,6 +19,7 @@ import qstore.aio
 # store's own (the clients have close() too, with the same signature).
 EMBEDDED_ONLY = {"core", "check"}
 CLIENT_ONLY = {"ping"}
+SYNC_CLIENT_ONLY = CLIENT_ONLY | {"pipeline"}  # asyncio tasks pipeline on their own
 # The embedded compact takes the compactor's keywords (threshold, max_bytes,
 # progress); a progress callback cannot cross the wire.
 DIFFERENT = {"compact"}
@@ -35,7 +36,7 @@ def _params(fn: Any) -> list[tuple[str, Any, Any]]:
 
 
 PAIRS = [
-    (qstore.Store, qstore.Client, EMBEDDED_ONLY, CLIENT_ONLY),
+    (qstore.Store, qstore.Client, EMBEDDED_ONLY, SYNC_CLIENT_ONLY),
     (qstore.Queue, qstore.RemoteQueue, set(), set()),
     (qstore.Store, qstore.aio.AsyncClient, EMBEDDED_ONLY, CLIENT_ONLY),
     (qstore.Queue, qstore.aio.AsyncQueue, set(), set()),

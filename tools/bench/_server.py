@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from ._plan import KiB, Params
@@ -247,25 +247,50 @@ def _pcts(lat: list[float]) -> tuple[float, float]:
 
 
 def measure_server(path: str, p: Params, say: Callable[[str], None] = print) -> list[Metric]:
-    """The server metrics of one run; beanstalkd's are left out when it is not installed."""
+    """The server metrics of one run; beanstalkd's are left out when it is not installed.
+
+    Both servers run at once (an idle one costs nothing) and each qstore figure is
+    taken right before its beanstalkd peer, so a burst of load from elsewhere on the
+    machine lands on both sides of a ratio rather than on one.
+    """
     os.makedirs(path)
     n, budget = p.n, p.budget
     out: list[Metric] = []
+    have_peer = beanstalkd_path() is not None
+    if not have_peer:
+        say("[server] beanstalkd is not installed: its figures are left out")
 
     def rate(name: str, label: str, value: float) -> None:
         out.append(Metric(f"server.{name}", label, value, "msgs/s"))
 
-    with qstore_server(os.path.join(path, "store")) as addr:
+    def rtt(who: str, what: str, lat: list[float]) -> None:
+        p50, p99 = _pcts(lat)
+        out.append(Metric(f"server.{who}.rtt_p50_ms", f"{who} {what} round trip p50 (1 client)",
+                          p50, "ms"))
+        out.append(Metric(f"server.{who}.rtt_p99_ms", f"{who} {what} round trip p99 (1 client)",
+                          p99, "ms"))
+
+    with qstore_server(os.path.join(path, "store")) as addr, \
+            (beanstalkd(path) if have_peer else nullcontext(None)) as baddr:
         import qstore
 
         with qstore.connect(addr) as c:
             c.create_queue(QUEUE)
         rate("qstore.push", f"qstore push x{CLIENTS}", _drive("qstore", addr, "push", n, budget)[0])
         _drain_qstore(addr)
+        if baddr is not None:
+            rate("beanstalkd.put", f"beanstalkd put x{CLIENTS}",
+                 _drive("beanstalkd", baddr, "put", n, budget)[0])
+            _drain_beanstalkd(baddr)
         _fill_qstore(addr, n)
         rate("qstore.pop_ack", f"qstore pop+ack x{CLIENTS}",
              _drive("qstore", addr, "pop+ack", n, budget)[0])
         _drain_qstore(addr)
+        if baddr is not None:
+            _fill_beanstalkd(baddr, n)
+            rate("beanstalkd.reserve_delete", f"beanstalkd reserve+delete x{CLIENTS}",
+                 _drive("beanstalkd", baddr, "reserve+delete", n, budget)[0])
+            _drain_beanstalkd(baddr)
         rate("qstore.push_many", f"qstore push_many(100) x{CLIENTS}",
              _drive("qstore", addr, "push_many", n * 5, budget)[0])
         _drain_qstore(addr)
@@ -273,28 +298,24 @@ def measure_server(path: str, p: Params, say: Callable[[str], None] = print) -> 
         rate("qstore.pop_many_ack_many", f"qstore pop_many+ack_many(100) x{CLIENTS}",
              _drive("qstore", addr, "pop_many+ack_many", n * 5, budget)[0])
         _drain_qstore(addr)
-        _, lat = _drive("qstore", addr, "push", min(n, 5000), budget, clients=1, latencies=True)
-        p50, p99 = _pcts(lat)
-        out.append(Metric("server.qstore.rtt_p50_ms", "qstore push round trip p50 (1 client)",
-                          p50, "ms"))
-        out.append(Metric("server.qstore.rtt_p99_ms", "qstore push round trip p99 (1 client)",
-                          p99, "ms"))
-    if beanstalkd_path() is None:
-        say("[server] beanstalkd is not installed: its figures are left out")
-        return out
-    with beanstalkd(path) as baddr:
-        rate("beanstalkd.put", f"beanstalkd put x{CLIENTS}",
-             _drive("beanstalkd", baddr, "put", n, budget)[0])
-        _drain_beanstalkd(baddr)
-        _fill_beanstalkd(baddr, n)
-        rate("beanstalkd.reserve_delete", f"beanstalkd reserve+delete x{CLIENTS}",
-             _drive("beanstalkd", baddr, "reserve+delete", n, budget)[0])
-        _drain_beanstalkd(baddr)
-        _, lat = _drive("beanstalkd", baddr, "put", min(n, 5000), budget, clients=1,
-                        latencies=True)
-        p50, p99 = _pcts(lat)
-        out.append(Metric("server.beanstalkd.rtt_p50_ms", "beanstalkd put round trip p50 "
-                          "(1 client)", p50, "ms"))
-        out.append(Metric("server.beanstalkd.rtt_p99_ms", "beanstalkd put round trip p99 "
-                          "(1 client)", p99, "ms"))
+        rtt("qstore", "push",
+            _drive("qstore", addr, "push", min(n, 5000), budget, clients=1, latencies=True)[1])
+        if baddr is not None:
+            rtt("beanstalkd", "put", _drive("beanstalkd", baddr, "put", min(n, 5000), budget,
+                                            clients=1, latencies=True)[1])
+    got = {m.name: m.value for m in out}
+    for name, mine, peer in PAIRS:
+        if got.get(f"server.{peer}"):
+            out.append(Metric(f"server.ratio.{name}", f"ratio {name} (this repeat's pair)",
+                              got[f"server.{mine}"] / got[f"server.{peer}"], "x"))
     return out
+
+
+# The targets' ratios, each taken within one repeat (the report gives their median):
+# the two sides of a pair ran back to back, under the same load from elsewhere.
+PAIRS = (
+    ("push", "qstore.push", "beanstalkd.put"),
+    ("pop_ack", "qstore.pop_ack", "beanstalkd.reserve_delete"),
+    ("push_many", "qstore.push_many", "beanstalkd.put"),
+    ("pop_many_ack_many", "qstore.pop_many_ack_many", "beanstalkd.reserve_delete"),
+)

@@ -58,8 +58,13 @@ def _metric(name: str) -> Callable[[Lookup], float | None]:
     return lambda lk: lk.metric(name)
 
 
-def _ratio(a: str, b: str) -> Callable[[Lookup], float | None]:
-    return lambda lk: lk.ratio(lk.metric(a), lk.metric(b))
+def _paired(name: str, a: str, b: str) -> Callable[[Lookup], float | None]:
+    """The median of the per-repeat ratios ``name``; from a results file written
+    before those existed, the ratio of the medians of ``a`` and ``b``."""
+    def measure(lk: Lookup) -> float | None:
+        value = lk.metric(name)
+        return value if value is not None else lk.ratio(lk.metric(a), lk.metric(b))
+    return measure
 
 
 TARGETS: tuple[Target, ...] = (
@@ -97,14 +102,17 @@ TARGETS: tuple[Target, ...] = (
     Target("compaction", "compaction rewrite rate vs disk sequential write", KIND_MIN, 0.5, "x",
            _metric("compaction.ratio")),
     Target("server-push", "server, 4 clients: push vs beanstalkd put", KIND_MIN, 0.5, "x",
-           _ratio("server.qstore.push", "server.beanstalkd.put")),
+           _paired("server.ratio.push", "server.qstore.push", "server.beanstalkd.put")),
     Target("server-pop", "server, 4 clients: pop+ack vs beanstalkd reserve+delete", KIND_MIN,
-           0.5, "x", _ratio("server.qstore.pop_ack", "server.beanstalkd.reserve_delete")),
+           0.5, "x", _paired("server.ratio.pop_ack", "server.qstore.pop_ack",
+                             "server.beanstalkd.reserve_delete")),
     Target("server-batch-push", "server, 4 clients: push_many(100) vs beanstalkd put",
-           KIND_MIN, 2.0, "x", _ratio("server.qstore.push_many", "server.beanstalkd.put")),
+           KIND_MIN, 2.0, "x", _paired("server.ratio.push_many", "server.qstore.push_many",
+                                       "server.beanstalkd.put")),
     Target("server-batch-pop", "server, 4 clients: pop_many+ack_many(100) vs beanstalkd "
            "reserve+delete", KIND_MIN, 2.0, "x",
-           _ratio("server.qstore.pop_many_ack_many", "server.beanstalkd.reserve_delete")),
+           _paired("server.ratio.pop_many_ack_many", "server.qstore.pop_many_ack_many",
+                   "server.beanstalkd.reserve_delete")),
     Target("spark-audit", "Spark audit time vs single-process scan", KIND_MAX, 3.0, "x",
            _metric("spark.audit_ratio"), scaled=True),
     Target("spark-backfill", "Spark backfill rate vs push_many", KIND_MIN, 3.0, "x",

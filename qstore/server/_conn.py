@@ -1,0 +1,165 @@
+"""One client connection: frames in, responses out (docs/protocol.md, "Frames").
+
+A :class:`Connection` is an :class:`asyncio.Protocol`, not a stream task:
+``data_received`` cuts every complete frame out of what arrived and hands
+each to the server at once, so a read costs no coroutine switch, no future
+and no ``drain`` per request. Responses made while the server runs a round
+are gathered and written with one ``transport.write`` per connection at the
+end of the round (:meth:`flush`).
+
+Memory is bounded per connection: before the handshake a frame may be at
+most :data:`HELLO_MAX_FRAME` bytes, after it ``max_frame``; a frame is only
+buffered as its bytes arrive. Flow control: reading stops while the
+connection has ``MAX_PIPELINE`` requests in progress or while the transport
+cannot write (the client does not read its answers), and resumes after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Protocol
+
+from .._net_errors import ProtocolError
+from ._ops import Leases
+
+HELLO_MAX_FRAME = 64 * 1024  # the handshake is a small map: an unauthenticated peer buffers no more
+MAX_PIPELINE = 1024  # requests of one connection in progress before it stops reading
+_LENGTH = struct.Struct(">I")
+
+
+class Owner(Protocol):
+    """What a connection calls on its server."""
+
+    def hello(self, conn: Connection, body: bytes) -> None: ...
+    def request(self, conn: Connection, body: bytes) -> None: ...
+    def lost(self, conn: Connection) -> None: ...
+    def failed(self, conn: Connection, exc: BaseException) -> None: ...
+
+
+class Connection(asyncio.Protocol):
+    def __init__(self, owner: Owner, max_frame: int) -> None:
+        self.owner = owner
+        self.max_frame = max_frame
+        self.transport: asyncio.Transport | None = None
+        self.leases = Leases()
+        self.keep_leases = False
+        self.greeted = False
+        self.closed = False
+        self.pending = 0  # requests started and not answered yet
+        self.out: list[bytes] = []  # responses gathered during a round
+        self.idle: asyncio.Event | None = None  # set by the server while it waits for pending
+        self.hello_timer: asyncio.TimerHandle | None = None
+        self._buf = bytearray()
+        self._need = 4  # bytes the buffer must hold before a frame can be cut
+        self._write_paused = False
+        self._pipeline_full = False
+
+    # -- asyncio.Protocol -------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        buf = self._buf
+        if buf:
+            buf += data
+            if len(buf) < self._need:
+                return
+            view: bytes | bytearray = buf
+        else:
+            view = data
+        size, pos = len(view), 0
+        try:
+            while size - pos >= 4:
+                (n,) = _LENGTH.unpack_from(view, pos)
+                limit = self.max_frame if self.greeted else HELLO_MAX_FRAME
+                if n > limit:
+                    raise ProtocolError(f"frame of {n} bytes is over the limit of {limit}"
+                                        + ("" if self.greeted else " before the handshake"))
+                end = pos + 4 + n
+                if end > size:
+                    break
+                body = bytes(view[pos + 4:end])
+                pos = end
+                if self.greeted:
+                    self.owner.request(self, body)
+                else:
+                    self.owner.hello(self, body)
+                if self.closed:
+                    return
+        except Exception as exc:  # protocol, auth: the server says why and closes
+            self.owner.failed(self, exc)
+            return
+        if view is buf:
+            del buf[:pos]
+        elif pos < size:
+            buf += view[pos:]
+        self._need = _LENGTH.unpack_from(buf)[0] + 4 if len(buf) >= 4 else 4
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport: a half-closed client gets no more answers
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed:
+            self.closed = True
+            self.owner.lost(self)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._reading()
+
+    # -- used by the server -------------------------------------------------------
+
+    def started(self) -> None:
+        self.pending += 1
+        if self.pending >= MAX_PIPELINE and not self._pipeline_full:
+            self._pipeline_full = True
+            self._reading()
+
+    def settled(self) -> None:
+        self.pending -= 1
+        if self._pipeline_full and self.pending < MAX_PIPELINE:
+            self._pipeline_full = False
+            self._reading()
+        if self.pending == 0 and self.idle is not None:
+            self.idle.set()
+
+    def _reading(self) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if self._write_paused or self._pipeline_full:
+            if t.is_reading():
+                t.pause_reading()
+        elif not t.is_reading():
+            t.resume_reading()
+
+    def write(self, frame: bytes) -> None:
+        """Send one frame now (outside a round)."""
+        if not self.closed and self.transport is not None:
+            self.transport.write(frame)
+
+    def flush(self) -> None:
+        """Write the responses gathered during a round, in one write."""
+        out, self.out = self.out, []
+        if out and not self.closed and self.transport is not None:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+    def close(self, last: bytes | None = None) -> None:
+        """Send ``last`` (an error frame) after everything gathered, then close."""
+        if self.out:
+            self.flush()
+        if last is not None:
+            self.write(last)
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+        self.owner.lost(self)

@@ -1,0 +1,90 @@
+"""Parked pops wake when a delayed message or an expired lease becomes ready.
+
+The store's sweeper is set to a minute here, so a waiter that got its message
+within the test's bounds was woken by the server's due-time timer, not by a
+sweeper pass. The server runs in this process (its loop in a thread) so the
+store can be opened with that sweep interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import qstore
+from qstore._address import parse_address
+from qstore.server import Server
+
+SWEEP = 60.0  # seconds: far beyond every wait below
+
+
+@contextmanager
+def _serving(path: str, **options: Any) -> Iterator[str]:
+    store = qstore.open(path, sweep_interval=SWEEP, **options)
+    server = Server(store, parse_address(path))
+    loop = asyncio.new_event_loop()
+    up = threading.Event()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.start())
+        up.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert up.wait(30)
+    try:
+        yield server.listening_on
+    finally:
+        asyncio.run_coroutine_threadsafe(server.shutdown(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+def test_a_parked_pop_wakes_when_a_delay_runs_out_not_at_the_sweep(tmp_path: Any) -> None:
+    with _serving(str(tmp_path / "s")) as address, qstore.connect(address) as client:
+        q = client.create_queue("d")
+        q.push(b"later", delay=0.3)
+        started = time.monotonic()
+        got = q.pop(wait=SWEEP / 2)  # the sweeper would promote it only after SWEEP
+        waited = time.monotonic() - started
+        assert got is not None and got.payload == b"later"
+        assert 0.25 <= waited < SWEEP / 4
+
+
+def test_a_delayed_push_after_the_pop_parked_moves_the_wake_up(tmp_path: Any) -> None:
+    async def main(address: str) -> tuple[qstore.Message | None, float]:
+        async with qstore.aio.connect(address) as a, qstore.aio.connect(address) as b:
+            qa = await a.create_queue("d2")
+            qb = await b.queue("d2")
+            started = time.monotonic()
+            waiter = asyncio.ensure_future(qa.pop(wait=SWEEP / 2))
+            await a.ping()  # answered after the pop before it on this connection parked
+            await qb.push(b"soon", delay=0.2)  # parked before this push: its timer must move
+            got = await asyncio.wait_for(waiter, SWEEP)
+            return got, time.monotonic() - started
+
+    with _serving(str(tmp_path / "s")) as address:
+        got, waited = asyncio.run(main(address))
+    assert got is not None and got.payload == b"soon"
+    assert waited < SWEEP / 4
+
+
+def test_a_parked_pop_gets_a_message_whose_lease_ran_out(tmp_path: Any) -> None:
+    with _serving(str(tmp_path / "s")) as address, \
+            qstore.connect(address, keep_leases=True) as holder, \
+            qstore.connect(address) as waiter:
+        q = holder.create_queue("l")
+        q.push(b"job")
+        first = q.pop(lease=0.3)
+        assert first is not None
+        started = time.monotonic()
+        again = waiter.queue("l").pop(wait=SWEEP / 2)
+        assert again is not None and again.id == first.id and again.attempts == 2
+        assert time.monotonic() - started < SWEEP / 4
