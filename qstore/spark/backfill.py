@@ -13,7 +13,7 @@ spark/backfill.py`` also runs::
 
     qstore backfill SOURCE... --queue NAME --into STORE [--format parquet|json|csv]
         [--payload-col C] [--priority-col P] [--delay-col D] [--dedup-col K]
-        [--master URL] [--rejects DIR] [--order O] [--priority-type T]
+        [--ttl-col T] [--master URL] [--rejects DIR] [--order O] [--priority-type T]
         [--max-attempts N] [--dedup/--no-dedup]
 
 How it works (docs/backfill.md has the whole story): the driver opens the
@@ -97,6 +97,7 @@ def run_backfill(
     priority_col: str | None = None,
     delay_col: str | None = None,
     dedup_col: str | None = None,
+    ttl_col: str | None = None,
     master: str | None = None,
     spark: Any = None,
     create_queue_options: dict[str, Any] | None = None,
@@ -109,8 +110,10 @@ def run_backfill(
     column is binary or string (stored as UTF-8). ``priority_col`` holds ints
     (or integral numbers or numeric strings) for an ``int`` queue, strings for a
     ``str`` queue; ``delay_col`` seconds from now; ``dedup_col`` the dedup key
-    (a dedup queue only; without it the payload's hash is the key, as in push).
-    Nulls mean the push defaults (priority 0 or "", no delay, payload hash).
+    (a dedup queue only; without it the payload's hash is the key, as in push);
+    ``ttl_col`` seconds after which the message expires (``push(ttl=...)``).
+    Nulls mean the push defaults (priority 0 or "", no delay, payload hash,
+    the queue's default TTL if it has one).
 
     The queue is created if missing, with ``create_queue_options`` (``order``,
     ``priority_type``, ``max_attempts``, ``dedup``; ``dedup`` defaults to True
@@ -126,7 +129,7 @@ def run_backfill(
     started = time.perf_counter()
     into = os.fspath(into)
     options = _check_args(queue, fmt, payload_col, priority_col, delay_col, dedup_col,
-                          master, spark, create_queue_options)
+                          ttl_col, master, spark, create_queue_options)
     rejects_dest = None if rejects is None else os.path.abspath(os.fspath(rejects))
     if rejects_dest is not None:
         _ingest.check_rejects_dest(rejects_dest)
@@ -135,7 +138,7 @@ def run_backfill(
         if spark is None:
             spark = backfill_session(master)
         job = _Job(store, spark, source, fmt, queue, options, rejects_dest,
-                   (payload_col, priority_col, delay_col, dedup_col),
+                   (payload_col, priority_col, delay_col, dedup_col, ttl_col),
                    dict(create_queue_options or {}))
         result = job.run(started)
     finally:
@@ -161,8 +164,8 @@ def backfill_session(master: str | None) -> Any:
 
 
 def _check_args(queue: object, fmt: object, payload_col: object, priority_col: object,
-                delay_col: object, dedup_col: object, master: object, spark: object,
-                create_queue_options: object) -> dict[str, Any]:
+                delay_col: object, dedup_col: object, ttl_col: object, master: object,
+                spark: object, create_queue_options: object) -> dict[str, Any]:
     if not isinstance(queue, str) or not queue:
         raise InvalidArgument(f"queue must be a non-empty str, not {queue!r}")
     if not isinstance(fmt, str) or not fmt:
@@ -170,7 +173,7 @@ def _check_args(queue: object, fmt: object, payload_col: object, priority_col: o
     if not isinstance(payload_col, str) or not payload_col:
         raise InvalidArgument(f"payload_col must be a column name, not {payload_col!r}")
     for what, col in (("priority_col", priority_col), ("delay_col", delay_col),
-                      ("dedup_col", dedup_col)):
+                      ("dedup_col", dedup_col), ("ttl_col", ttl_col)):
         if col is not None and (not isinstance(col, str) or not col):
             raise InvalidArgument(f"{what} must be a column name or None, not {col!r}")
     if master is not None and spark is not None:
@@ -196,7 +199,7 @@ class _Job:
 
     def __init__(self, store: Store, spark: Any, source: Any, fmt: str, queue: str,
                  options: dict[str, Any], rejects_dest: str | None,
-                 columns: tuple[str, str | None, str | None, str | None],
+                 columns: tuple[str, str | None, str | None, str | None, str | None],
                  explicit_options: dict[str, Any]) -> None:
         self.store = store
         self.spark = spark
@@ -205,7 +208,8 @@ class _Job:
         # The default is relative: inside the store directory, wherever it is moved.
         self.rejects_dest = rejects_dest or os.path.join("rejects", self.job_id)
         self.explicit_rejects = rejects_dest is not None
-        self.payload_col, self.priority_col, self.delay_col, self.dedup_col = columns
+        (self.payload_col, self.priority_col, self.delay_col, self.dedup_col,
+         self.ttl_col) = columns
         self.df = _read(spark, source, fmt)
         self.options = options
         self.explicit_options = explicit_options
@@ -231,7 +235,8 @@ class _Job:
                 max_payload_bytes=store.config.max_payload_bytes,
                 segment_max_bytes=store.config.segment_max_bytes,
                 payload_col=self.payload_col, priority_col=self.priority_col,
-                delay_col=self.delay_col, dedup_col=self.dedup_col)
+                delay_col=self.delay_col, dedup_col=self.dedup_col, ttl_col=self.ttl_col,
+                default_ttl=store.core.queues[self.queue].rec.ttl)
             selected = self.df.select(*[_quoted(c) for c in spec.columns()])
             with _static_partitions(self.spark):
                 t = time.perf_counter()
@@ -308,6 +313,7 @@ class _Job:
             need(self.priority_col, "priority", (T.StringType, T.NullType),
                  f"string (queue {self.queue!r} has str priorities)")
         need(self.delay_col, "delay", (*numeric, T.StringType, T.NullType), "seconds (numeric)")
+        need(self.ttl_col, "ttl", (*numeric, T.StringType, T.NullType), "seconds (numeric)")
         need(self.dedup_col, "dedup", (T.StringType, T.BinaryType, T.IntegralType, T.NullType),
              "string, binary or integral")
         if self.dedup_col is not None and not dedup:
