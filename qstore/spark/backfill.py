@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -49,6 +49,9 @@ from . import _ingest
 from ._bulk import PARTITION_COL, REASON_COL, ROW_COL, PartitionPlan
 from ._rows import LoadSpec
 
+if TYPE_CHECKING:
+    from ._bulk_files import FilePart
+
 log = logging.getLogger("qstore.backfill")
 
 FORMATS = ("parquet", "json", "csv")
@@ -57,6 +60,9 @@ LOOKUP_CHUNK = 10_000  # dedup keys fetched from the store per multi-get
 # Segment file ids reserved per partition when its payload size is unknown (the
 # count reads no payload): segments roll at segment_max_bytes while they last.
 SEGMENT_IDS_PER_PARTITION = 4
+# Parquet files on a local (or shared) filesystem are read by the tasks themselves
+# (_bulk_files.py) unless this is False: then Spark's reader decodes every source.
+DIRECT_PARQUET = True
 
 
 @dataclass(frozen=True)
@@ -211,16 +217,19 @@ class _Job:
         (self.payload_col, self.priority_col, self.delay_col, self.dedup_col,
          self.ttl_col) = columns
         self.df = _read(spark, source, fmt)
+        self.paths = _paths(source) if fmt == "parquet" else None
         self.options = options
         self.explicit_options = explicit_options
         self.phases: list[tuple[str, float]] = []
         self.first_id = self.end_id = 0
 
     def run(self, started: float) -> BackfillResult:
+        from ._bulk_files import BackfillFilesSource, plan_files
         from ._bulk_source import BackfillLoadSource, BackfillScanSource
 
         self.spark.dataSource.register(BackfillScanSource)
         self.spark.dataSource.register(BackfillLoadSource)
+        self.spark.dataSource.register(BackfillFilesSource)
         store = self.store
         ptype, dedup = self._queue_kind()
         self._check_schema(ptype, dedup)
@@ -238,13 +247,24 @@ class _Job:
                 delay_col=self.delay_col, dedup_col=self.dedup_col, ttl_col=self.ttl_col,
                 default_ttl=store.core.queues[self.queue].rec.ttl)
             selected = self.df.select(*[_quoted(c) for c in spec.columns()])
-            with _static_partitions(self.spark):
+            t = time.perf_counter()
+            files = None
+            if DIRECT_PARQUET and self.paths is not None and not spec.dedup:
+                files = plan_files(self.paths, spec.columns(), _cores(self.spark))
+            if files is not None:  # the tasks read their row groups: no counting pass
+                plans = self._reserve({p.pid: (p.rows, None) for p in files}, {}, spec,
+                                      staging)
+                self.phases.append(("plan", time.perf_counter() - t))
                 t = time.perf_counter()
-                plans = self._plan(selected, spec, staging)
-                self.phases.append(("count", time.perf_counter() - t))
-                t = time.perf_counter()
-                job = self._write(selected, spec, staging, plans)
+                job = self._write_files(selected, files, spec, staging, plans)
                 self.phases.append(("write", time.perf_counter() - t))
+            else:
+                with _static_partitions(self.spark):
+                    plans = self._plan(selected, spec, staging)
+                    self.phases.append(("count", time.perf_counter() - t))
+                    t = time.perf_counter()
+                    job = self._write(selected, spec, staging, plans)
+                    self.phases.append(("write", time.perf_counter() - t))
             t = time.perf_counter()
             _ingest.commit_job(store, staging)
             self.phases.append(("commit", time.perf_counter() - t))
@@ -328,6 +348,12 @@ class _Job:
             counts, dups = self._scan_dedup(selected, spec, staging)
         else:
             counts, dups = self._count(selected), {}
+        return self._reserve(counts, dups, spec, staging)
+
+    def _reserve(self, counts: dict[int, tuple[int, int | None]],
+                 dups: dict[int, dict[int, str]], spec: LoadSpec, staging: str
+                 ) -> dict[int, PartitionPlan]:
+        """Reserve the ids and segment file ids of each partition; write the plans."""
         store = self.store
         first = _ingest.reserve_ids(store, sum(rows for rows, _ in counts.values()))
         capacity = spec.segment_max_bytes - fmt.HEADER_SIZE
@@ -423,7 +449,26 @@ class _Job:
         (selected.write.format(LOAD).mode("append").option("staging", staging)
          .option("spec", spec.to_json()).save())
         with open(os.path.join(staging, TASKS_RESULT), encoding="utf-8") as f:
-            tasks = sorted(json.load(f), key=lambda s: s["pid"])
+            tasks = json.load(f)
+        return self._staged(selected, tasks, staging, spec, plans)
+
+    def _write_files(self, selected: Any, files: list[FilePart], spec: LoadSpec, staging: str,
+                     plans: dict[int, PartitionPlan]) -> _ingest.StagedJob:
+        """The writing pass of the direct path: one summary row per task."""
+        import json
+
+        from ._bulk_files import FILES, parts_to_json
+
+        rows = (self.spark.read.format(FILES).option("staging", staging)
+                .option("spec", spec.to_json()).option("parts", parts_to_json(files))
+                .load().collect())
+        tasks = [json.loads(r["summary"]) for r in rows]
+        return self._staged(selected, tasks, staging, spec, plans)
+
+    def _staged(self, selected: Any, tasks: list[dict[str, Any]], staging: str, spec: LoadSpec,
+                plans: dict[int, PartitionPlan]) -> _ingest.StagedJob:
+        """Check the task summaries against the plans and save the staged job."""
+        tasks = sorted(tasks, key=lambda s: s["pid"])
         seen = {t["pid"]: t for t in tasks}
         for pid, plan in plans.items():
             got = seen.get(pid)
@@ -473,6 +518,23 @@ def _static_partitions(spark: Any) -> Iterator[None]:
             spark.conf.unset(key)
         else:
             spark.conf.set(key, old)
+
+
+def _paths(source: Any) -> list[str] | None:
+    """The source's paths, if it is a path or a list of paths (not a DataFrame)."""
+    if isinstance(source, (str, os.PathLike)):
+        return [os.fspath(source)]
+    if isinstance(source, (list, tuple)) and source and all(
+            isinstance(s, (str, os.PathLike)) for s in source):
+        return [os.fspath(s) for s in source]
+    return None
+
+
+def _cores(spark: Any) -> int:
+    try:
+        return int(spark.sparkContext.defaultParallelism)
+    except Exception:  # Spark Connect has no SparkContext
+        return 2
 
 
 def _read(spark: Any, source: Any, fmt: str) -> Any:

@@ -697,3 +697,79 @@ def test_ttl_column_loads_expiring_messages_and_the_audit_checks_the_expiry_inde
     with qstore.open(store, compactor=False) as s:
         s.snapshot(str(snap))
     assert run_audit(str(snap), spark=spark, out=str(tmp_path / "a"), quiet=True).exit_code == 0
+
+
+# -- the direct path for Parquet files ---------------------------------------------
+
+
+def test_parquet_files_are_read_by_the_tasks_in_file_then_row_order(
+        spark: Any, tmp_path: Path) -> None:
+    """Files in name order, row groups split across tasks; the same messages as Spark's
+    reader loads (the DataFrame of the same files), rejects included."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rows = []
+    for f, n in (("b.parquet", 70), ("a.parquet", 50), ("c.parquet", 1)):
+        bodies = [None if i == 3 else b"%s-%d" % (f.encode(), i) for i in range(n)]
+        prios = [i % 4 for i in range(n)]
+        pq.write_table(pa.table({"payload": pa.array(bodies, pa.binary()),
+                                 "prio": pa.array(prios, pa.int64())}), src / f,
+                       row_group_size=20)
+        rows.append((f, bodies, prios))
+    (src / "_SUCCESS").write_bytes(b"")  # not data: skipped, as Spark skips it
+    store = tmp_path / "store"
+    result = run_backfill(str(src), into=store, queue="q", priority_col="prio", spark=spark)
+    assert [name for name, _ in result.phases] == ["plan", "write", "commit"]
+    assert result.partitions >= 2  # at least one task per core
+    assert (result.rows, result.loaded, result.rejected) == (121, 119, 2)
+    in_order = [(b, p) for _, bodies, prios in sorted(rows) for b, p in zip(bodies, prios,
+                                                                           strict=True)]
+    check_consistent(store)
+    got = {m[0]: (m[2], m[1]) for m in drain(store, "q")}
+    want = {result.first_id + i: bp for i, bp in enumerate(in_order) if bp[0] is not None}
+    assert got == want  # id = position in file-name order, then row order
+    rejects = pq.read_table(result.rejects_path).to_pylist()
+    # Row 3 of a.parquet and of b.parquet; each file starts a task here.
+    assert sorted((r["source_row"], r["prio"], r["reject_reason"]) for r in rejects) == [
+        (3, 3, "payload: null")] * 2
+    assert len({r["source_partition"] for r in rejects}) == 2
+    # Spark's own reader (a DataFrame source) loads the same messages.
+    spark_store = tmp_path / "spark-store"
+    df = spark.read.parquet(str(src))
+    other = run_backfill(df, into=spark_store, queue="q", priority_col="prio", spark=spark)
+    assert [name for name, _ in other.phases] == ["count", "write", "commit"]
+    assert sorted(v for v in got.values()) == sorted(
+        (m[2], m[1]) for m in drain(spark_store, "q"))
+
+
+def test_sources_the_direct_path_cannot_take_go_through_spark(spark: Any,
+                                                              tmp_path: Path) -> None:
+    hive = tmp_path / "hive" / "day=1"
+    write_parquet(hive / "part.parquet", payload=[b"x", b"y"])
+    result = run_backfill(str(tmp_path / "hive"), into=tmp_path / "s1", queue="q", spark=spark)
+    assert result.phases[0][0] == "count" and result.loaded == 2
+    src = write_parquet(tmp_path / "d.parquet", payload=[b"x", b"x", b"y"])
+    result = run_backfill(str(src), into=tmp_path / "s2", queue="q", spark=spark,
+                          create_queue_options={"dedup": True})
+    assert result.phases[0][0] == "count" and (result.loaded, result.duplicates) == (2, 1)
+
+
+def test_plan_files_cuts_whole_row_groups_in_file_order(tmp_path: Path) -> None:
+    from qstore.spark import _bulk_files as bf
+
+    for name, n in (("x.parquet", 10), ("w.parquet", 25)):
+        pq.write_table(pa.table({"p": [b"."] * n, "q": list(range(n))}), tmp_path / name,
+                       row_group_size=10)
+    parts = bf.plan_files([str(tmp_path)], ["p", "q"], cores=2)
+    assert parts is not None
+    # 35 rows over 2 cores: whole row groups, none of the parts over 18 rows.
+    assert [p.rows for p in parts] == [10, 15, 10]
+    w, x = str(tmp_path / "w.parquet"), str(tmp_path / "x.parquet")
+    assert [p.groups for p in parts] == [((w, (0,)),), ((w, (1, 2)),), ((x, (0,)),)]
+    assert bf.parts_from_json(bf.parts_to_json(parts)) == parts
+    got = [b.num_rows for p in parts for b in bf.read_part(p, ["p"])]
+    assert sum(got) == 35
+    assert bf.plan_files([str(tmp_path)], ["p", "missing"], cores=2) is None
+    assert bf.plan_files(["hdfs://host/x"], ["p"], cores=2) is None
+    pq.write_table(pa.table({"p": [1], "q": [1]}), tmp_path / "y.parquet")  # p: another type
+    assert bf.plan_files([str(tmp_path)], ["p", "q"], cores=2) is None
