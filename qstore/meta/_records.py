@@ -203,9 +203,8 @@ def encode_messages(states: np.ndarray, priorities: np.ndarray, file_ids: int | 
             out[:, at], out[:, at + 1] = _V2_TAIL
             at += 2
         assert at == width
-        if flat is None:
-            raw = out.tobytes()
-            return [raw[i: i + width] for i in range(0, len(raw), width)]
+        if flat is None:  # one layout for all: the rows as bytes (see keys.split_rows)
+            return cast(list[bytes], out.view(np.dtype(("V", width))).ravel().tolist())
         flat[starts[rows][:, None] + np.arange(width)] = out
     assert flat is not None  # set before the loop whenever widths differ
     raw = flat.tobytes()
