@@ -112,25 +112,33 @@ def decode_message(value: bytes, rec_q: records.QueueRecord | None
         rec = records.MessageRecord.decode(value)
     except (StorageError, ValueError, TypeError, IndexError) as exc:
         return f"message record does not decode: {exc}"
-    ints = (rec.file_id, rec.offset, rec.length, rec.attempts, rec.deliveries, rec.when_us)
+    problem = message_problem(rec, rec_q.priority_type if rec_q is not None else None)
+    return rec if problem is None else problem
+
+
+_UNSIGNED = ("file_id", "offset", "length", "attempts", "deliveries", "when_us", "expires_us",
+             "aged")
+
+
+def message_problem(rec: records.MessageRecord, priority_type: str | None) -> str | None:
+    """Why a decoded message record is not valid for a queue of ``priority_type``
+    (None: no queue record, any priority type), or None. The Spark audit uses it too."""
     if type(rec.state) is not int or not 0 <= rec.state <= records.DEAD:
         return f"unknown state {rec.state!r}"
-    if any(type(v) is not int or not 0 <= v < 2**64 for v in ints):
-        return f"a reference, count or time field is not an unsigned integer: {ints!r}"
+    for name in _UNSIGNED:
+        v = getattr(rec, name)
+        if type(v) is not int or not 0 <= v < 2**64:
+            return f"field {name} is {v!r:.30}, not an unsigned integer"
     if rec.digest is not None and (type(rec.digest) is not bytes or len(rec.digest) != 16):
         return f"dedup digest is not 16 bytes: {rec.digest!r:.60}"
-    if any(type(v) is not int or not 0 <= v < 2**64 for v in (rec.expires_us, rec.aged)):
-        return f"expiry or aging field is not an unsigned integer: {rec.expires_us!r:.30}, " \
-            f"{rec.aged!r:.30}"
     if rec.expires_us and rec.state == records.DEAD:
         return "a dead letter has an expiry time (dead letters do not expire)"
-    ptype = rec_q.priority_type if rec_q is not None else None
-    if ptype == "int" and (type(rec.priority) is not int
-                           or not keys.INT_MIN <= rec.priority <= keys.INT_MAX):
+    if priority_type == "int" and (type(rec.priority) is not int
+                                   or not keys.INT_MIN <= rec.priority <= keys.INT_MAX):
         return f"priority {rec.priority!r:.60} is not a signed 64-bit int"
-    if ptype == "str" and type(rec.priority) is not str:
+    if priority_type == "str" and type(rec.priority) is not str:
         return f"priority {rec.priority!r:.60} is not a str"
-    return rec
+    return None
 
 
 class Check:

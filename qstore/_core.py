@@ -991,9 +991,12 @@ class Core:
         self._id_hwm = hwm
         self._next_id = max(self._next_id, end_id)
         q.heads = ReadyHeads(q.qid)  # loaded keys may sort anywhere: learn the levels again
-        if min_due_us is not None:
+        if min_due_us is not None:  # the earliest due time or expiry of the loaded messages
             q.next_event_us = min(q.next_event_us, min_due_us)
             q.time_floor_us = min(q.time_floor_us, min_due_us)
+        if q.rec.aging is not None:  # plan aging again: the new ready messages are waiting too
+            q.aging_next_us = 0
+            q.next_event_us = 0
         if counts_delta[0] and self.waiters:
             self.ready.notify_all()
 

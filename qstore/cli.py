@@ -378,6 +378,8 @@ def check(store_path: str, repair: bool) -> None:
 @click.option("--priority-col", default=None, help="Priority column (default: priority 0 / '').")
 @click.option("--delay-col", default=None, help="Delay column, seconds from now.")
 @click.option("--dedup-col", default=None, help="Dedup key column (dedup queues).")
+@click.option("--ttl-col", default=None,
+              help="TTL column, seconds until the message expires (null: the queue's TTL).")
 @click.option("--into", "into", required=True, help="Target store directory.")
 @click.option("--master", default=None,
               help="Spark master URL (default local[2], or spark-submit's).")
@@ -391,8 +393,9 @@ def check(store_path: str, repair: bool) -> None:
 @click.option("--dedup/--no-dedup", default=None,
               help="If the queue is created (default: --dedup when --dedup-col is given).")
 def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
-             priority_col: str | None, delay_col: str | None, dedup_col: str | None, into: str,
-             master: str | None, rejects: str | None, order: str | None,
+             priority_col: str | None, delay_col: str | None, dedup_col: str | None,
+             ttl_col: str | None, into: str, master: str | None, rejects: str | None,
+             order: str | None,
              priority_type: str | None, max_attempts: int | None, dedup: bool | None) -> None:
     """Bulk-load messages from Parquet/JSON/CSV SOURCEs into a store with Spark.
 
@@ -417,7 +420,8 @@ def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
             result = run_backfill(
                 sources[0] if len(sources) == 1 else list(sources), into=into, queue=queue,
                 fmt=fmt, payload_col=payload_col, priority_col=priority_col,
-                delay_col=delay_col, dedup_col=dedup_col, master=master, rejects=rejects,
+                delay_col=delay_col, dedup_col=dedup_col, ttl_col=ttl_col, master=master,
+                rejects=rejects,
                 create_queue_options=options or None)
     except Exception as exc:  # a failed Spark run: reported, and the store is unchanged
         logging.getLogger("qstore.backfill").exception("backfill failed; nothing was loaded")

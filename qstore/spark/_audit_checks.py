@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .._check_report import (
     BAD_RECORD,
@@ -179,12 +180,38 @@ def read_meta_facts(snap: Snapshot) -> MetaFacts:
     )
 
 
-def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]]
+MAX_RANGES = 10  # unreferenced byte ranges named in one finding
+
+
+def unreferenced_ranges(runs: pa.Table | None, fid: int, end: int) -> list[tuple[int, int]]:
+    """The byte ranges of segment ``fid`` in ``[header, end)`` that no message references,
+    from the runs of records the message tasks reported (``file_id``, ``offset``, ``end``)."""
+    spans: list[tuple[int, int]] = []
+    if runs is not None and runs.num_rows:
+        mine = runs.filter(pc.equal(runs["file_id"], fid))
+        spans = sorted(zip(mine["offset"].to_pylist(), mine["end"].to_pylist(), strict=True))
+    gaps = []
+    at = fmt.HEADER_SIZE
+    for lo, hi in spans:
+        if lo > at:
+            gaps.append((at, min(lo, end)))
+        at = max(at, hi)
+        if at >= end:
+            break
+    if at < end:
+        gaps.append((at, end))
+    return [(a, b) for a, b in gaps if a < b]
+
+
+def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]],
+                   runs: pa.Table | None = None
                    ) -> tuple[list[Finding], list[dict[str, Any]]]:
     """Segment-level findings and one summary row per segment.
 
     ``recount`` maps a file id to (messages referencing it, their bytes with
-    frames). A segment file is an orphan when no message references it, it
+    frames); ``runs``, the runs of records the message tasks saw, lets a
+    finding of live bytes that no message references name where they can be.
+    A segment file is an orphan when no message references it, it
     has no ``S`` record, and it is neither the snapshot's active segment (a
     fresh one has no record yet) nor the output of an unfinished compaction
     (discarded when the store reopens), and it holds more than its header (a
@@ -224,10 +251,24 @@ def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]]
                 f"{count} messages reference it but MANIFEST.json does not list it")))
         live_bytes, live_count, end = stored if stored is not None else (0, 0, 0)
         if (live_bytes, live_count) != (frame_bytes, count):
-            findings.append(Finding(SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
+            where, at = "", None
+            if live_bytes > frame_bytes and present:
+                # Live bytes no message references: name the ranges they can lie in.
+                gaps = unreferenced_ranges(runs, fid, min(end or length, length,
+                                                          facts.files[fid]))
+                if gaps:
+                    at = gaps[0][0]
+                    total = sum(b - a for a, b in gaps)
+                    shown = ", ".join(f"[{a}, {b})" for a, b in gaps[:MAX_RANGES])
+                    more = f" and {len(gaps) - MAX_RANGES} more" if len(gaps) > MAX_RANGES else ""
+                    exact = ("exactly the difference" if total == live_bytes - frame_bytes
+                             else "acked records' garbage included")
+                    where = (f"; {total} bytes no message references, at {shown}{more} "
+                             f"({exact})")
+            findings.append(Finding(SEGMENT_RECORD_MISMATCH, file_id=fid, offset=at, detail=(
                 f"S record says {live_count} live records / {live_bytes} bytes, recount "
                 f"finds {count} / {frame_bytes}" + ("" if stored is not None
-                                                    else " (no S record)"))))
+                                                    else " (no S record)") + where)))
         if stored is not None and listed and end > length:
             findings.append(Finding(SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
                 f"S record's data end {end} is past the manifest length {length}")))

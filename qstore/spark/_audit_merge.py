@@ -36,12 +36,15 @@ class MessageFacts:
     sizes: list[dict[str, Any]]  # per (queue, priority), the largest groups first
     index: dict[tuple[int, str], tuple[int, int]]  # (qid, index) -> entries, hash sum
     runs: pa.Table
+    ready: list[dict[str, Any]]  # per (queue, priority): ready messages, oldest enqueue time
+    attempts: dict[int, dict[int, int]]  # qid -> attempts -> messages
 
 
 def merge(table: pa.Table) -> MessageFacts:
     """Add up the facts of every task (``table`` has the schema of ``qstore_audit``)."""
     rows = {kind: table.filter(pc.equal(table["row"], kind)) for kind in (
-        src.FINDING, src.COUNT, src.SEGMENT, src.RUN, src.SIZE, src.SIZE_BUCKET, src.INDEX)}
+        src.FINDING, src.COUNT, src.SEGMENT, src.RUN, src.SIZE, src.SIZE_BUCKET, src.INDEX,
+        src.READY, src.ATTEMPTS)}
     findings = [Finding(r["kind"], r["queue"], r["message_id"], r["file_id"], r["offset"],
                         r["detail"]) for r in rows[src.FINDING].to_pylist()]
     queues: dict[int, list[int]] = {}
@@ -59,8 +62,31 @@ def merge(table: pa.Table) -> MessageFacts:
     for r in rows[src.INDEX].to_pylist():
         n, h = index.get((r["qid"], r["state"]), (0, 0))
         index[(r["qid"], r["state"])] = (n + r["n"], (h + r["hash"]) & MASK)
+    attempts: dict[int, dict[int, int]] = {}
+    for r in rows[src.ATTEMPTS].to_pylist():
+        per = attempts.setdefault(r["qid"], {})
+        per[r["bucket"]] = per.get(r["bucket"], 0) + r["n"]
     return MessageFacts(findings, messages, queues, segments,
-                        _sizes(rows[src.SIZE], rows[src.SIZE_BUCKET]), index, rows[src.RUN])
+                        _sizes(rows[src.SIZE], rows[src.SIZE_BUCKET]), index, rows[src.RUN],
+                        _ready(rows[src.READY]), attempts)
+
+
+def _ready(table: pa.Table) -> list[dict[str, Any]]:
+    """Ready messages per (queue, priority), the oldest enqueue time of each; largest first."""
+    merged: dict[tuple[Any, ...], list[Any]] = {}
+    for r in table.to_pylist():
+        key = (r["queue"], r["qid"], r["priority_int"], r["priority_str"])
+        g = merged.get(key)
+        if g is None:
+            merged[key] = [r["n"], r["oldest"]]
+        else:
+            g[0] += r["n"]
+            g[1] = min(g[1], r["oldest"])
+    out = [{"queue": queue, "qid": qid, "priority": p_int if p_str is None else p_str,
+            "ready": n, "oldest": oldest}
+           for (queue, qid, p_int, p_str), (n, oldest) in merged.items()]
+    out.sort(key=lambda r: (-r["ready"], r["queue"] or "", str(r["priority"])))
+    return out
 
 
 def _sizes(groups: pa.Table, buckets: pa.Table) -> list[dict[str, Any]]:

@@ -16,7 +16,11 @@ yields only what the audit needs, so Spark moves a few rows per task:
 - ``size``, ``size_bucket``: payload sizes per priority, exact count, sum, min
   and max, plus a histogram in buckets 1/32 wide for the percentiles;
 - ``index``: the fingerprint (:mod:`._index_hash`) of the index entries the
-  messages imply, per index (ready, delayed, in_flight, dead, dedup).
+  messages imply, per index (ready, delayed, in_flight, dead, dedup, and the
+  expiry index of the messages with a TTL);
+- ``ready``: ready messages per priority and the enqueue time of the oldest
+  (the report's depth chart and the age of each queue's oldest ready message);
+- ``attempts``: messages per number of attempts (the report's distribution).
 
 Ids and payloads are both allocated in push order, so a task's id range maps
 onto a few consecutive segments, which it reads front to back.
@@ -41,8 +45,8 @@ from ._datasource import RangePartition, spark_schema
 from ._scan import BATCH_ROWS, checked_records
 from ._snapshot_view import ScanRange, Snapshot, plan_ranges
 
-FINDING, COUNT, SEGMENT, RUN, SIZE, SIZE_BUCKET, INDEX = (
-    "finding", "count", "segment", "run", "size", "size_bucket", "index")
+FINDING, COUNT, SEGMENT, RUN, SIZE, SIZE_BUCKET, INDEX, READY, ATTEMPTS = (
+    "finding", "count", "segment", "run", "size", "size_bucket", "index", "ready", "attempts")
 STATE_NAMES = records.STATE_NAMES
 INDEX_KINDS = {records.READY: keys.READY, records.DELAYED: keys.DELAYED,
                records.INFLIGHT: keys.INFLIGHT, records.DEAD: keys.DEAD}
@@ -61,12 +65,13 @@ AUDIT_SCHEMA = pa.schema([
     pa.field("hi_id", pa.int64()),  # run: largest message id in it
     pa.field("priority_int", pa.int64()),
     pa.field("priority_str", pa.string()),
-    pa.field("bucket", pa.int64()),  # size_bucket: lower bound of the bucket
+    pa.field("bucket", pa.int64()),  # size_bucket: lower bound of the bucket; attempts: the number
     pa.field("n", pa.int64()),
     pa.field("bytes", pa.int64()),
     pa.field("min_len", pa.int64()),
     pa.field("max_len", pa.int64()),
     pa.field("hash", pa.int64()),  # index: fingerprint hash sum as int64
+    pa.field("oldest", pa.float64()),  # ready: the earliest enqueue time (seconds)
     pa.field("detail", pa.string()),
 ])
 
@@ -162,6 +167,8 @@ class _RangeAudit:
         self.hist: dict[tuple[Any, int], int] = {}  # (priority, bucket) -> count
         self.index: dict[str, list[int]] = {}  # index -> entries, hash sum
         self.refs: list[tuple[np.ndarray, ...]] = []  # (file ids, offsets, ends, ids)
+        self.ready: dict[Any, list[Any]] = {}  # priority -> ready messages, oldest enqueue time
+        self.attempts: dict[int, int] = {}  # attempts -> messages
 
     def _finding(self, kind: str, mid: int | None, detail: str, file_id: int | None = None,
                  offset: int | None = None) -> None:
@@ -176,7 +183,10 @@ class _RangeAudit:
             self._finding(BAD_RECORD, rec.message_id, rec.reason)
         if not rows:
             return
-        (_, state, prio, file_id, offset, length, _, _, _, when, digest) = zip(*rows, strict=True)
+        cols = list(zip(*rows, strict=True))
+        (_, state, prio, file_id, offset, length, attempts, _, enqueued, when,
+         digest) = cols[:11]
+        expires = np.array(cols[11], np.uint64) if len(cols) > 11 else None
         for i, problem in enumerate(self.snap.check_refs(file_id, offset, length)):  # type: ignore[arg-type]
             if problem is not None:
                 self._finding(REASON_KINDS.get(problem, BAD_RECORD), ids[i], problem,
@@ -202,12 +212,14 @@ class _RangeAudit:
             seg[0] += n
             seg[1] += b
         self._add_sizes(list(prio), ln)
+        self._add_backlog(st, list(prio), np.array(enqueued, np.float64),
+                          np.array(attempts, np.int64))
         if self.info is not None:
             try:
                 due = np.array(when, np.uint64)
             except (TypeError, ValueError, OverflowError):  # a damaged record: the index
                 due = np.zeros(len(when), np.uint64)  # fingerprint differs, and says which
-            self._add_index(st, list(prio), due, mids, list(digest))
+            self._add_index(st, list(prio), due, mids, list(digest), expires)
 
     def _add_sizes(self, prio: list[Any], ln: np.ndarray) -> None:
         try:  # one queue's priorities share a type; numpy groups them
@@ -243,10 +255,46 @@ class _RangeAudit:
             key = (names[pair >> 40], pair & ((1 << 40) - 1))
             self.hist[key] = self.hist.get(key, 0) + n
 
+    def _add_backlog(self, st: np.ndarray, prio: list[Any], enqueued: np.ndarray,
+                     attempts: np.ndarray) -> None:
+        """Ready messages per priority with the oldest enqueue time; attempts counts."""
+        values, counts = np.unique(attempts, return_counts=True)
+        for a, n in zip(values.tolist(), counts.tolist(), strict=True):
+            self.attempts[a] = self.attempts.get(a, 0) + n
+        at = np.flatnonzero(st == records.READY)
+        if not len(at):
+            return
+        ready = [prio[i] for i in at.tolist()]
+        try:  # one queue's priorities share a type; numpy groups them
+            groups, inv = np.unique(np.array(ready, np.int64 if isinstance(ready[0], int)
+                                             else object), return_inverse=True)
+        except (TypeError, ValueError, OverflowError):  # mixed types: a damaged store
+            groups, inv = None, None
+        if groups is None or inv is None:
+            pairs: Any = ((p, 1, float(enqueued[i])) for p, i in zip(ready, at.tolist(),
+                                                                      strict=True))
+        else:
+            oldest = np.full(len(groups), np.inf)
+            np.minimum.at(oldest, inv, enqueued[at])
+            pairs = zip(groups.tolist(), np.bincount(inv, minlength=len(groups)).tolist(),
+                        oldest.tolist(), strict=True)
+        for p, n, t in pairs:
+            group = self.ready.get(p)
+            if group is None:
+                self.ready[p] = [n, t]
+            else:
+                group[0] += n
+                group[1] = min(group[1], t)
+
     def _add_index(self, st: np.ndarray, prio: list[Any], when: np.ndarray, mids: np.ndarray,
-                   digest: list[bytes | None]) -> None:
+                   digest: list[bytes | None], expires: np.ndarray | None) -> None:
         qid = self.qid
         umids = mids.astype(np.uint64)
+        if expires is not None:  # a message with a TTL has its key in the expiry index
+            at = np.flatnonzero(expires != 0)
+            if len(at):
+                self._add_fingerprint("expiry", len(at), ih.hash_rows(
+                    keys.key_rows(keys.EXPIRY, qid, expires[at], umids[at])))
         for code, kind in INDEX_KINDS.items():
             at = np.flatnonzero(st == code)
             if not len(at):
@@ -313,6 +361,10 @@ class _RangeAudit:
             rows.append({**base, **_priority(p), "row": SIZE_BUCKET, "bucket": bucket, "n": n})
         for index, (n, h) in self.index.items():
             rows.append({**base, "row": INDEX, "state": index, "n": n, "hash": ih.to_signed(h)})
+        for p, (n, oldest) in self.ready.items():
+            rows.append({**base, **_priority(p), "row": READY, "n": n, "oldest": oldest})
+        for a, n in self.attempts.items():
+            rows.append({**base, "row": ATTEMPTS, "bucket": a, "n": n})
         yield pa.RecordBatch.from_pylist(rows, schema=AUDIT_SCHEMA)
         if runs is not None:
             yield runs

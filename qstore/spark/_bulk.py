@@ -11,8 +11,9 @@ them (a test checks byte equality), but as files instead of WriteBatches:
   compaction output may);
 - ``p<pid>-m.sst``: the message records ``m qid id``, written as they come
   (ids grow with row order, so they are already sorted);
-- ``p<pid>-x.sst``: the index keys, sorted: delayed ``d``, dedup ``k`` and
-  ready ``r`` keys (``d`` < ``k`` < ``r`` in byte order);
+- ``p<pid>-x.sst``: the index keys, sorted: delayed ``d``, expiry ``e``
+  (messages with a TTL), dedup ``k`` and ready ``r`` keys (``d`` < ``e`` <
+  ``k`` < ``r`` in byte order);
 - ``rejects-p<pid>.parquet``: the rows that cannot be loaded, with a reason.
 
 Row ``n`` of partition ``p`` gets id ``first_id(p) + n`` whether it is loaded
@@ -179,13 +180,14 @@ class PartitionLoader:
         self._m_path = os.path.join(staging, "sst", f"p{plan.pid:05d}-m.sst")
         self._m: SstWriter | None = None
         self._delayed: list[tuple[np.ndarray, np.ndarray]] = []  # (due us, id) per batch
+        self._expiring: list[tuple[np.ndarray, np.ndarray]] = []  # (expires us, id) per batch
         self._ready: list[tuple[np.ndarray, np.ndarray]] = []  # (priority key, id) per batch
         self._ready_keys: list[bytes] = []  # str priorities: whole keys
         self._dedup: list[tuple[bytes, bytes]] = []
         self._rejects: list[pa.RecordBatch] = []
         self.rows = self.loaded = self.ready = self.delayed = self.nbytes = 0
         self.duplicates = 0
-        self.min_due_us: int | None = None
+        self.min_due_us: int | None = None  # the earliest due time or expiry (a timer event)
 
     def add(self, batch: pa.RecordBatch) -> None:
         plan = self.plan
@@ -250,6 +252,15 @@ class PartitionLoader:
         late = delays > 0
         # keys.to_us(now + delay), vectorised: the same float64 arithmetic, truncated.
         when = np.where(late, np.maximum(0, ((now + delays) * 1_000_000).astype(np.int64)), 0)
+        expires = None
+        if rows.ttls is not None:  # the same for now + ttl; 0: no TTL (NaN)
+            ttls = rows.ttls[idx]
+            has = ~np.isnan(ttls)
+            expires = np.where(has, np.maximum(0, ((now + np.where(has, ttls, 0.0))
+                                                   * 1_000_000).astype(np.int64)), 0)
+            if has.any():
+                self._expiring.append((expires[has], mids[has]))
+                self._event(int(expires[has].min()))
         prio_arr = rows.priorities[idx] if spec.priority_type == "int" else np.asarray(
             [rows.priorities[i] for i in idx.tolist()], object)
         digests = [None] * k if rows.digests is None else [
@@ -259,7 +270,7 @@ class PartitionLoader:
         mkeys = keys.split_rows(keys.key_rows(keys.MESSAGE, qid, mids))  # m qid id, in bulk
         states = np.where(late, records.DELAYED, records.READY)
         values = records.encode_messages(states, prio_arr, fids, ats, lens_arr, when, digests,
-                                         now)
+                                         now, expires)
         self._m.put_many(zip(mkeys, values, strict=True))
         self._index(mids, late, when, prio_arr, digests)
         self.nbytes += int(lens_arr.sum())
@@ -270,8 +281,7 @@ class PartitionLoader:
         spec = self.spec
         if late.any():
             self._delayed.append((when[late], mids[late]))
-            due = int(when[late].min())
-            self.min_due_us = due if self.min_due_us is None else min(self.min_due_us, due)
+            self._event(int(when[late].min()))
         soon = ~late
         self.delayed += int(late.sum())
         self.ready += int(soon.sum())
@@ -290,15 +300,19 @@ class PartitionLoader:
                                for dg, mid in zip(digests, mids.tolist(), strict=True)
                                if dg is not None)
 
+    def _event(self, when_us: int) -> None:
+        self.min_due_us = when_us if self.min_due_us is None else min(self.min_due_us, when_us)
+
     def _write_index(self, writer: SstWriter) -> None:
-        """Every index key of the partition, in key order: d, then k, then r."""
+        """Every index key of the partition, in key order: d, e, k, then r."""
         qid = self.spec.qid
-        if self._delayed:
-            due = np.concatenate([w for w, _ in self._delayed])
-            mid = np.concatenate([m for _, m in self._delayed])
-            order = np.lexsort((mid, due))
-            writer.put_keys(keys.split_rows(keys.key_rows(keys.DELAYED, qid, due[order],
-                                                          mid[order])))
+        for kind, timed in ((keys.DELAYED, self._delayed), (keys.EXPIRY, self._expiring)):
+            if timed:  # time, then id: the keys' order
+                when = np.concatenate([w for w, _ in timed])
+                mid = np.concatenate([m for _, m in timed])
+                order = np.lexsort((mid, when))
+                writer.put_keys(keys.split_rows(keys.key_rows(kind, qid, when[order],
+                                                              mid[order])))
         writer.put_many(sorted(self._dedup))
         if self._ready:
             pk = np.concatenate([p for p, _ in self._ready])

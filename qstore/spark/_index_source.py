@@ -24,9 +24,10 @@ from ._index_hash import fingerprint, to_signed
 from ._scan import checked_records, expected_index_key
 from ._snapshot_view import Snapshot
 
-# Index kinds by the name the audit uses; the dedup index ``k`` included.
+# Index kinds by the name the audit uses; the dedup index ``k`` and the expiry
+# index ``e`` (messages with a TTL) included.
 KINDS = {"ready": keys.READY, "delayed": keys.DELAYED, "in_flight": keys.INFLIGHT,
-         "dead": keys.DEAD, "dedup": keys.DEDUP}
+         "dead": keys.DEAD, "dedup": keys.DEDUP, "expiry": keys.EXPIRY}
 VERIFY_CHUNK = 1000
 
 INDEX_SCHEMA = pa.schema([
@@ -145,6 +146,8 @@ def _check_chunk(snap: Snapshot, qid: int, qrec: records.QueueRecord, kind: byte
         rec = records.MessageRecord(*rows[0][1:])
         if kind == keys.DEDUP:
             owned = rec.digest is not None and keys.dedup_key(qid, rec.digest) == key
+        elif kind == keys.EXPIRY:
+            owned = bool(rec.expires_us) and keys.expiry_key(qid, rec.expires_us, mid) == key
         else:
             owned = expected_index_key(qid, qrec, mid, rec.state, rec.priority,
                                        rec.when_us) == key

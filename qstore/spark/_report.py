@@ -49,6 +49,16 @@ def _size(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
+def _age(seconds: float | None) -> str:
+    """A duration the way an operator reads it: 42 s, 7.5 min, 3.2 h, 12.0 d."""
+    if seconds is None:
+        return ""
+    for limit, unit, div in ((120, "s", 1), (7200, "min", 60), (172800, "h", 3600)):
+        if seconds < limit:
+            return f"{seconds / div:.0f} {unit}" if unit == "s" else f"{seconds / div:.1f} {unit}"
+    return f"{seconds / 86400:.1f} d"
+
+
 def _where(f: dict[str, Any]) -> str:
     parts = []
     if f.get("message_id") is not None:
@@ -75,11 +85,12 @@ def render_text(summary: dict[str, Any]) -> str:
     ]
     if summary["queues"]:
         lines.append(f"  {'queue':<20} {'ready':>10} {'delayed':>9} {'in_flight':>9} "
-                     f"{'dead':>7} {'bytes':>12}  counters")
+                     f"{'dead':>7} {'bytes':>12} {'oldest ready':>12}  counters")
         for name, q in summary["queues"].items():
             c = q["recount"]
             lines.append(f"  {name[:20]:<20} {c['ready']:>10,} {c['delayed']:>9,} "
-                         f"{c['in_flight']:>9,} {c['dead']:>7,} {c['bytes']:>12,}  "
+                         f"{c['in_flight']:>9,} {c['dead']:>7,} {c['bytes']:>12,} "
+                         f"{_age(q.get('oldest_ready_age_s')):>12}  "
                          f"{'ok' if q['match'] else 'MISMATCH'}")
     found = summary["findings"]
     if found["total"] == 0:
@@ -117,8 +128,12 @@ def render_html(summary: dict[str, Any]) -> str:
         f"<tr><td>{e(name)}</td>"
         + "".join(f"<td class=n>{q['recount'][k]:,}</td>"
                   for k in ("ready", "delayed", "in_flight", "dead", "bytes"))
+        + f"<td class=n>{_age(q.get('oldest_ready_age_s'))}</td>"
         + f"<td>{'ok' if q['match'] else '<b>mismatch</b>'}</td></tr>"
         for name, q in summary["queues"].items())
+    attempts = "".join(
+        f"<tr><td>{e(name)}</td><td>{e(_attempts(q['attempts']))}</td></tr>"
+        for name, q in summary["queues"].items() if q.get("attempts"))
     sizes = "".join(
         f"<tr><td>{e(s['queue'] or '')}</td><td>{e(str(s['priority']))}</td>"
         + "".join(f"<td class=n>{_cell(s[k])}</td>"
@@ -132,7 +147,11 @@ def render_html(summary: dict[str, Any]) -> str:
         f"<th>offset</th><th>detail</th></tr>{examples}</table>")
     queues_html = "<p>No queues.</p>" if not queues else (
         "<table><tr><th>queue</th><th>ready</th><th>delayed</th><th>in flight</th>"
-        f"<th>dead</th><th>payload bytes</th><th>C record</th></tr>{queues}</table>")
+        "<th>dead</th><th>payload bytes</th><th>oldest ready</th><th>C record</th></tr>"
+        f"{queues}</table>")
+    attempts_html = "<p>No messages.</p>" if not attempts else (
+        "<table><tr><th>queue</th><th>attempts: messages</th></tr>"
+        f"{attempts}</table>")
     sizes_html = "<p>No messages.</p>" if not sizes else (
         "<table><tr><th>queue</th><th>priority</th><th>messages</th><th>min</th><th>p50</th>"
         f"<th>p90</th><th>p99</th><th>max</th><th>total</th></tr>{sizes}</table>")
@@ -155,16 +174,23 @@ audited {_when(summary['audited_at'])} in {summary['seconds']:.1f} s.
 ({_size(summary['disk']['bytes'])}, {summary['disk']['garbage_ratio']:.1%} garbage).</p>
 {verdict}
 {findings_html}{more}
-<h2>Queues (recount)</h2>
+<h2>Queues (recount; oldest ready: its age when the snapshot was taken)</h2>
 {queues_html}
+<h2>Attempts per message</h2>
+{attempts_html}
 <h2>Garbage ratio per segment</h2>
 {garbage_chart(summary['segments'])}
-<h2>Depth per queue and priority</h2>
-{depth_chart(summary['payload_sizes'])}
+<h2>Ready backlog per queue and priority</h2>
+{depth_chart(summary.get('ready_depth', []))}
 <h2>Payload sizes per queue and priority (bytes)</h2>
 {sizes_html}
 </body></html>
 """
+
+
+def _attempts(dist: dict[str, int]) -> str:
+    """``{"0": 50, "2": 1}`` as ``0: 50, 2: 1`` (attempts: messages)."""
+    return ", ".join(f"{a}: {n:,}" for a, n in sorted(dist.items(), key=lambda kv: int(kv[0])))
 
 
 def _cell(v: Any) -> str:
@@ -204,25 +230,28 @@ def garbage_chart(segments: list[dict[str, Any]]) -> str:
 
 
 def depth_chart(groups: list[dict[str, Any]]) -> str:
-    """Horizontal bars: messages per (queue, priority), for the largest groups."""
+    """Horizontal bars: ready messages per (queue, priority), for the largest groups.
+
+    Only the ready backlog: delayed, in-flight and dead messages are not
+    waiting to be popped (the queues table counts them)."""
     shown = sorted(groups[:MAX_DEPTH_BARS], key=lambda g: (
         g["queue"] or "", isinstance(g["priority"], str), g["priority"]))
     if not shown:
-        return "<p>No messages.</p>"
+        return "<p>No ready messages.</p>"
     label_w, bar_h = 220, 16
-    top = max(g["count"] for g in shown) or 1
+    top = max(g["ready"] for g in shown) or 1
     span = CHART_WIDTH - label_w - 80
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_WIDTH}" '
              f'height="{len(shown) * (bar_h + 4) + 10}" role="img" '
-             'aria-label="depth per queue and priority">']
+             'aria-label="ready backlog per queue and priority">']
     for i, g in enumerate(shown):
         y = 5 + i * (bar_h + 4)
-        w = max(1.0, span * g["count"] / top)
+        w = max(1.0, span * g["ready"] / top)
         label = html.escape(f"{g['queue']} / {g['priority']}"[:36])
         parts.append(f'<text x="{label_w - 6}" y="{y + 12}" text-anchor="end">{label}</text>')
         parts.append(f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar_h}" '
                      'fill="#d0894a"/>')
-        parts.append(f'<text x="{label_w + w + 4:.1f}" y="{y + 12}">{g["count"]:,}</text>')
+        parts.append(f'<text x="{label_w + w + 4:.1f}" y="{y + 12}">{g["ready"]:,}</text>')
     if len(groups) > len(shown):
         parts.append("</svg>")
         return "\n".join(parts) + f"<p>{len(shown)} largest of {len(groups)} groups.</p>"

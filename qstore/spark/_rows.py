@@ -4,11 +4,12 @@ The rules are push's (qstore/_queue.py): a payload is bytes (a string column
 is stored as UTF-8) of at most ``max_payload_bytes``; an ``int`` queue's
 priority is a signed 64-bit integer (integral floats, decimals and numeric
 strings are accepted, as a CSV or JSON source may produce them), a ``str``
-queue's at most 1024 UTF-8 bytes; a delay is finite seconds >= 0; nulls mean
-push's defaults, except a null payload. A row that breaks a rule is not an
-error: it gets a reason (the first problem found) and goes to the rejects
-table. Work is done on whole Arrow columns where it can be, because a
-backfill converts millions of rows.
+queue's at most 1024 UTF-8 bytes; a delay is finite seconds >= 0 and a TTL
+finite seconds > 0, each at most ``MAX_SECONDS`` (100 years); nulls mean
+push's defaults (a null TTL: the queue's default TTL), except a null payload.
+A row that breaks a rule is not an error: it gets a reason (the first
+problem found) and goes to the rejects table. Work is done on whole Arrow
+columns where it can be, because a backfill converts millions of rows.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .._queue import MAX_SECONDS
 from ..meta import keys
 
 
@@ -41,6 +43,8 @@ class LoadSpec:
     priority_col: str | None = None
     delay_col: str | None = None
     dedup_col: str | None = None
+    ttl_col: str | None = None
+    default_ttl: float | None = None  # the queue's TTL: rows without one of their own get it
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -51,7 +55,8 @@ class LoadSpec:
 
     def columns(self) -> list[str]:
         """The source columns a task reads, each once, in a fixed order."""
-        cols = [self.payload_col, self.priority_col, self.delay_col, self.dedup_col]
+        cols = [self.payload_col, self.priority_col, self.delay_col, self.dedup_col,
+                self.ttl_col]
         return list(dict.fromkeys(c for c in cols if c is not None))
 
 
@@ -66,6 +71,7 @@ class Rows:
     priorities: Any  # int queue: int64 ndarray; str queue: list of str
     delays: np.ndarray  # float64 seconds
     digests: list[bytes | None] | None  # dedup queues only
+    ttls: np.ndarray | None = None  # float64 seconds, NaN: none; None: no row has one
 
     def body(self, i: int) -> memoryview:
         return self.data[int(self.offsets[i]): int(self.offsets[i + 1])]
@@ -186,10 +192,16 @@ def _texts(arr: pa.Array, reasons: list[str | None]) -> list[str | None]:
     return out
 
 
-def _delays(arr: pa.Array | None, n: int, reasons: list[str | None]) -> np.ndarray:
+def _seconds_column(arr: pa.Array | None, n: int, reasons: list[str | None], what: str,
+                    positive: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds per row (push's ``_seconds`` rules) and where the cell was null.
+
+    A bad cell is a reject and reads as 0; ``positive`` refuses 0 (a TTL).
+    """
     if _is_null_array(arr):
-        return np.zeros(n, np.float64)
+        return np.zeros(n, np.float64), np.ones(n, bool)
     assert arr is not None
+    null = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else np.zeros(n, bool)
     if pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type):
         filled = pc.fill_null(arr, 0) if arr.null_count else arr
         out = np.array(filled.cast(pa.float64()).to_numpy(), np.float64)
@@ -201,13 +213,33 @@ def _delays(arr: pa.Array | None, n: int, reasons: list[str | None]) -> np.ndarr
             try:
                 out[i] = float(v.strip() if isinstance(v, str) else v)
             except (TypeError, ValueError):
-                _reject(reasons, i, f"delay: {v!r:.40} is not a number of seconds")
+                _reject(reasons, i, f"{what}: {v!r:.40} is not a number of seconds")
     bad = ~np.isfinite(out)
     for i in np.flatnonzero(bad).tolist():
-        _reject(reasons, i, f"delay: {float(out[i])!r} is not finite")
+        _reject(reasons, i, f"{what}: {float(out[i])!r} is not finite")
     out[bad] = 0.0
-    for i in np.flatnonzero(out < 0).tolist():
-        _reject(reasons, i, f"delay: {float(out[i])!r} is negative")
+    low = (out <= 0) & ~null if positive else out < 0
+    for i in np.flatnonzero(low).tolist():
+        _reject(reasons, i, f"{what}: {float(out[i])!r} is "
+                            + ("not > 0" if positive else "negative"))
+    for i in np.flatnonzero(out > MAX_SECONDS).tolist():
+        _reject(reasons, i, f"{what}: {float(out[i])!r} is over {MAX_SECONDS} seconds")
+    out[low | (out > MAX_SECONDS)] = 0.0
+    return out, null
+
+
+def _delays(arr: pa.Array | None, n: int, reasons: list[str | None]) -> np.ndarray:
+    return _seconds_column(arr, n, reasons, "delay", False)[0]
+
+
+def _ttls(arr: pa.Array | None, n: int, reasons: list[str | None],
+          default: float | None) -> np.ndarray | None:
+    """Each row's TTL in seconds, NaN for none: a null cell takes the queue's
+    ``default`` (push's rule for ttl=None). None when no row has a TTL."""
+    if _is_null_array(arr) and default is None:
+        return None
+    out, null = _seconds_column(arr, n, reasons, "ttl", True)
+    out[null] = np.nan if default is None else default
     return out
 
 
@@ -250,7 +282,8 @@ def parse(batch: pa.RecordBatch, spec: LoadSpec) -> Rows:
                   if spec.priority_type == "int"
                   else _str_priorities(col(spec.priority_col), n, reasons))
     delays = _delays(col(spec.delay_col), n, reasons)
-    rows = Rows(n, data, offsets, reasons, prios, delays, None)
+    ttls = _ttls(col(spec.ttl_col), n, reasons, spec.default_ttl)
+    rows = Rows(n, data, offsets, reasons, prios, delays, None, ttls)
     if spec.dedup:
         rows.digests = _digests(rows, col(spec.dedup_col))
     return rows

@@ -22,6 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .._check import message_problem
 from .._errors import Corruption, StorageError
 from ..meta import keys, records
 from ..payload import PayloadRef
@@ -165,8 +166,10 @@ class _BatchBuilder:
 
     def _batch(self, ids: list[int], rows: list[tuple[Any, ...]]) -> pa.RecordBatch:
         n = len(rows)
+        cols = [list(c) for c in zip(*rows, strict=True)]
         (_, state, prio, file_id, offset, length, attempts, deliveries, enqueued, when,
-         digest) = (list(c) for c in zip(*rows, strict=True))
+         digest) = cols[:11]
+        expires = cols[11] if len(cols) > 11 else None
         try:
             state_names = [_STATE_BY_CODE[s] for s in state]
         except (KeyError, TypeError):
@@ -200,7 +203,8 @@ class _BatchBuilder:
         if self.verify:
             columns.append(pa.array(problems, pa.string()))
         if self.check_index:
-            columns.append(pa.array(self._index_ok(ids, state, prio, when, digest), pa.bool_()))
+            columns.append(pa.array(self._index_ok(ids, state, prio, when, digest, expires),
+                                    pa.bool_()))
         return pa.RecordBatch.from_arrays(columns, schema=self.schema)
 
     def _priorities(self, prio: list[Any], ids: list[int]) -> tuple[pa.Array, pa.Array]:
@@ -238,8 +242,10 @@ class _BatchBuilder:
         return bodies, problems
 
     def _index_ok(self, ids: list[int], state: list[int], prio: list[Any], when: list[int],
-                  digest: list[bytes | None]) -> list[bool | None]:
-        """Whether each message's index key (and dedup key) exists; None if unknowable."""
+                  digest: list[bytes | None], expires: list[int] | None
+                  ) -> list[bool | None]:
+        """Whether each message's index key (and its dedup key, and its expiry key if
+        it has a TTL) exists; None if unknowable."""
         if self.info is None:
             return [None] * len(ids)
         qid, rec = self.qid, self.info.rec
@@ -248,11 +254,18 @@ class _BatchBuilder:
             wanted.append(expected_index_key(qid, rec, mid, s, p, w) or b"")
         dedup_at = [i for i, d in enumerate(digest) if d is not None]
         dedup_keys = [keys.dedup_key(qid, digest[i]) for i in dedup_at]  # type: ignore[arg-type]
-        found = self.snap.meta.multi_get(wanted + dedup_keys)
+        expiry_at = [] if expires is None else [i for i, e in enumerate(expires) if e]
+        expiry_keys = [keys.expiry_key(qid, expires[i], ids[i])  # type: ignore[index]
+                       for i in expiry_at]
+        found = self.snap.meta.multi_get(wanted + dedup_keys + expiry_keys)
         ok: list[bool | None] = [k != b"" and v is not None
                                  for k, v in zip(wanted, found, strict=False)]
         for j, i in enumerate(dedup_at):
             if found[len(wanted) + j] != keys.U64.pack(ids[i]):
+                ok[i] = False
+        base = len(wanted) + len(dedup_keys)
+        for j, i in enumerate(expiry_at):
+            if found[base + j] is None:
                 ok[i] = False
         return ok
 
@@ -286,6 +299,8 @@ def decode_records(ks: list[bytes], vs: list[bytes]) -> list[tuple[Any, ...]]:
 _LIMIT = 1 << 63
 _NATURAL = ((3, "file_id"), (4, "offset"), (5, "length"), (6, "attempts"), (7, "deliveries"),
             (9, "when_us"))  # positions in the record tuple of the fields that are int >= 0
+_NATURAL_2 = ((11, "expires_us"), (12, "aged"))  # the same, of version 2's fields
+_V1_TAIL = (0, 0, None)  # version 2's fields of a version 1 record: no TTL, not aged
 _PRIORITY_TYPES: dict[str | None, tuple[frozenset[type], ...]] = {
     "int": (frozenset({int}),),
     "str": (frozenset({str}),),
@@ -306,16 +321,22 @@ def checked_records(ks: list[bytes], vs: list[bytes], priority_type: str | None
                     ) -> tuple[list[int], list[tuple[Any, ...]], list[BadRecord]]:
     """Decode message records and check every field: (ids, rows, bad records).
 
-    A row is kept when it decodes, has the current version, a known state, a
-    priority of the queue's type (``priority_type``; None: int or str) within
-    64 bits, non-negative int references, counts and times, and a bytes or
-    null digest. Every other record is returned as a :class:`BadRecord`. A
-    whole batch is checked column by column first; only a batch with a bad
-    record is checked row by row.
+    A row is kept when it is a valid message record by the integrity check's
+    rules (:func:`qstore._check.message_problem`: it decodes, a known version
+    and state, unsigned references, counts and times, a 16-byte or null
+    digest, no expiry on a dead letter, a priority of the queue's type,
+    ``priority_type``; None: int or str) and fits Arrow's columns (signed
+    64-bit ints, a numeric enqueue time). Every other record is returned as
+    a :class:`BadRecord`. A whole batch is checked column by column first;
+    only a batch with a bad record is checked row by row.
+
+    Rows are tuples in the layout of the records; when a batch holds a
+    version 2 record (a TTL, aging or a dead-letter reason), every row has
+    version 2's 14 fields (a version 1 row gets ``(0, 0, None)``), else 11.
     """
     ids = [int.from_bytes(k[-8:], "big") for k in ks]
     try:
-        rows: list[tuple[Any, ...]] | None = records.decode_messages(ks, vs)
+        rows: list[tuple[Any, ...]] | None = _uniform(records.decode_messages(ks, vs))
     except StorageError:
         rows = None
     if rows is not None and (not rows or _columns_ok(rows, priority_type)):
@@ -335,7 +356,14 @@ def checked_records(ks: list[bytes], vs: list[bytes], priority_type: str | None
             good.append(row)
         else:
             bad.append(BadRecord(mid, k, f"message key {k.hex()}: {problem}"))
-    return good_ids, good, bad
+    return good_ids, _uniform(good), bad
+
+
+def _uniform(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Rows of one length: version 1 rows padded to 14 fields when any row has them."""
+    if not rows or all(len(r) == 11 for r in rows):
+        return rows
+    return [r if len(r) == 14 else r + _V1_TAIL for r in rows]
 
 
 def _ints_within(col: tuple[Any, ...], low: int) -> bool:
@@ -347,10 +375,16 @@ def _columns_ok(rows: list[tuple[Any, ...]], priority_type: str | None) -> bool:
     state, prio, enqueued, digest = cols[1], cols[2], cols[8], cols[10]
     if not (_ints_within(state, 0) and max(state) < len(records.STATE_NAMES)):
         return False
-    if not all(_ints_within(cols[i], 0) for i, _ in _NATURAL):
+    natural = _NATURAL + (_NATURAL_2 if len(cols) == 14 else ())
+    if not all(_ints_within(cols[i], 0) for i, _ in natural):
         return False
     if set(map(type, enqueued)) - {int, float} or set(map(type, digest)) - {bytes, type(None)}:
         return False
+    if any(d is not None and len(d) != 16 for d in digest):
+        return False
+    if len(cols) == 14 and any(e and s == records.DEAD for s, e in zip(state, cols[11],
+                                                                        strict=True)):
+        return False  # a dead letter with an expiry time: the row check names it
     types = set(map(type, prio))
     if not any(types <= allowed for allowed in _PRIORITY_TYPES[priority_type]):
         return False
@@ -358,18 +392,17 @@ def _columns_ok(rows: list[tuple[Any, ...]], priority_type: str | None) -> bool:
 
 
 def _row_problem(row: tuple[Any, ...], priority_type: str | None) -> str | None:
-    state, prio = row[1], row[2]
-    if type(state) is not int or not 0 <= state < len(records.STATE_NAMES):
-        return f"unknown state {state!r}"
-    for i, name in _NATURAL:
-        if type(row[i]) is not int or not 0 <= row[i] < _LIMIT:
+    """The integrity check's verdict on one record, then what Arrow's columns need."""
+    problem = message_problem(records.MessageRecord(*row[1:]), priority_type)
+    if problem is not None:
+        return problem
+    for i, name in _NATURAL + (_NATURAL_2 if len(row) == 14 else ()):
+        if row[i] >= _LIMIT:
             return f"field {name} is {row[i]!r}, not a non-negative 64-bit int"
     if type(row[8]) not in (int, float):
         return f"field enqueued_at is {row[8]!r}, not a number"
-    if row[10] is not None and type(row[10]) is not bytes:
-        return f"field digest is {row[10]!r}, not bytes"
-    want = {"int": (int,), "str": (str,), None: (int, str)}[priority_type]
-    if type(prio) not in want:
+    prio = row[2]
+    if type(prio) not in {"int": (int,), "str": (str,), None: (int, str)}[priority_type]:
         return f"priority {prio!r} is not of the queue's type ({priority_type or 'int or str'})"
     if type(prio) is int and not -_LIMIT <= prio < _LIMIT:
         return f"priority {prio!r} does not fit 64 bits"

@@ -14,6 +14,12 @@ open (rocksdict rewrites its config file even on a read-only open, RocksDB
 starts an info log), so each :class:`Snapshot` opens a private scratch copy of
 ``meta/`` instead. The copy links the table and log files (the bulk of the
 metadata, opened read-only through the links) and copies the few small files.
+
+The scratch copy lives in the system's temporary directory and goes when the
+reader closes (every task and the driver close theirs when their part of the
+job ends). A process killed first (a cancelled or lost Spark task, SIGKILL)
+cannot remove its own: the scratch directory's name carries the process id,
+and the next reader on that machine removes every one whose process is gone.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -35,6 +42,7 @@ ROWS_PER_PARTITION = 100_000  # default partition size when no count is asked fo
 MAX_PARTITIONS = 4096
 
 
+SCRATCH_PREFIX = "qstore-snapshot-meta-"  # then the owner's pid, "-", a random part
 ORDERS = ("max", "min", "fifo")
 PRIORITY_TYPES = ("int", "str")
 
@@ -204,14 +212,51 @@ class Snapshot:
 
 def private_meta_copy(meta_dir: str) -> str:
     """A new private directory that RocksDB can open read-only as ``meta_dir``
-    (:func:`qstore.meta.private_copy`). Raises InvalidArgument if ``meta_dir``
-    is not a directory.
+    (:func:`qstore.meta.private_copy`), named after this process so that the
+    next reader can remove it if this one dies (:func:`remove_stale_scratch`).
+    Raises InvalidArgument if ``meta_dir`` is not a directory.
     """
+    remove_stale_scratch()
     try:
-        return private_copy(meta_dir)
+        return private_copy(meta_dir, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
     except OSError as exc:
         raise InvalidArgument(f"{os.path.dirname(meta_dir)} is not a qstore snapshot: "
                               f"cannot list {meta_dir} ({exc.strerror})") from None
+
+
+def remove_stale_scratch(directory: str | None = None) -> list[str]:
+    """Remove the scratch copies of readers that died without closing; returns them.
+
+    A scratch directory belongs to the process whose id its name carries;
+    one whose process no longer exists on this machine is removed.
+    """
+    root = directory or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    for name in names:
+        if not name.startswith(SCRATCH_PREFIX):
+            continue
+        pid_text = name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def queue_info(key: bytes, value: bytes) -> QueueInfo | str:

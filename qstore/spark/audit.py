@@ -132,6 +132,9 @@ class _Passes:
     sizes: list[dict[str, Any]]
     sizes_truncated: bool
     index: dict[str, dict[str, dict[str, int]]]  # queue -> index -> keys, expected
+    ready: list[dict[str, Any]]  # per (queue, priority): ready, oldest enqueue time
+    attempts: dict[str, dict[int, int]]  # queue -> attempts -> messages
+    runs: Any  # pyarrow.Table of the runs of records per segment (offset, end)
 
 
 def _spark_passes(spark: Any, path: str, facts: MetaFacts) -> _Passes:
@@ -143,8 +146,10 @@ def _spark_passes(spark: Any, path: str, facts: MetaFacts) -> _Passes:
         findings = _dedup([*got.findings, *cross_task_overlaps(snap, got.runs, facts.queues)])
     index_findings, index = _index_pass(spark, path, facts, got.index)
     queues = {facts.queues[qid]: c for qid, c in got.queues.items() if qid in facts.queues}
+    attempts = {facts.queues[qid]: a for qid, a in got.attempts.items() if qid in facts.queues}
     return _Passes(findings + index_findings, got.messages, got.segments, queues,
-                   got.sizes[:MAX_SIZE_GROUPS], len(got.sizes) > MAX_SIZE_GROUPS, index)
+                   got.sizes[:MAX_SIZE_GROUPS], len(got.sizes) > MAX_SIZE_GROUPS, index,
+                   got.ready, attempts, got.runs)
 
 
 def _dedup(findings: list[Finding]) -> list[Finding]:
@@ -189,12 +194,14 @@ def _index_pass(spark: Any, path: str, facts: MetaFacts,
     missing = (spark.read.format("qstore").option("check_index", "true")
                .option("bad_records", "skip")  # found by the message pass
                .option("queue", ",".join(names)).load(path).where("not index_ok").collect())
+    expiry_differs = {facts.queues[qid] for qid, kind in differ if kind == "expiry"}
     for r in missing:
         out.append(Finding(kinds.INDEX_MISSING, queue=r["queue"], message_id=r["id"],
                            file_id=r["file_id"], offset=r["offset"],
                            detail=f"its key in the {r['state']} index"
                                   + (" or its dedup key" if r["dedup_digest"] else "")
-                                  + " is missing"))
+                                  + (" or its expiry key" if r["queue"] in expiry_differs
+                                     else "") + " is missing"))
     return out, index
 
 
@@ -209,14 +216,22 @@ def _partitions(spark: Any, messages: int) -> int:
 
 def _assemble(facts: MetaFacts, p: _Passes, started: float
               ) -> tuple[dict[str, Any], list[Finding]]:
-    seg_findings, segments = checks.check_segments(facts, p.segments)
+    seg_findings, segments = checks.check_segments(facts, p.segments, p.runs)
     counter_findings, queues = checks.check_counters(facts, p.queues)
     findings = sorted([*p.findings, *seg_findings, *counter_findings, *facts.orphan_queue_keys,
                        *facts.bad_records],
                       key=Finding.sort_key)
+    oldest: dict[str, float] = {}
+    for g in p.ready:
+        if g["queue"] is not None:
+            oldest[g["queue"]] = min(oldest.get(g["queue"], g["oldest"]), g["oldest"])
     for name, q in queues.items():
         q["priority_type"] = facts.queue_types.get(name)
         q["index"] = p.index.get(name, {})
+        # Age at the snapshot's moment, so that the report does not age with the audit.
+        q["oldest_ready_age_s"] = (round(max(0.0, facts.created_at - oldest[name]), 3)
+                                   if name in oldest else None)
+        q["attempts"] = {str(a): n for a, n in sorted(p.attempts.get(name, {}).items())}
     by_kind: dict[str, int] = {}
     for f in findings:
         by_kind[f.kind] = by_kind.get(f.kind, 0) + 1
@@ -248,6 +263,9 @@ def _assemble(facts: MetaFacts, p: _Passes, started: float
         "segments": segments,
         "payload_sizes": p.sizes,
         "payload_sizes_truncated": p.sizes_truncated,
+        "ready_depth": [{k: g[k] for k in ("queue", "priority", "ready")}
+                        for g in p.ready[:MAX_SIZE_GROUPS] if g["queue"] is not None],
+        "ready_depth_truncated": len(p.ready) > MAX_SIZE_GROUPS,
     }
     return summary, findings
 

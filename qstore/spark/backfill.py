@@ -13,7 +13,7 @@ spark/backfill.py`` also runs::
 
     qstore backfill SOURCE... --queue NAME --into STORE [--format parquet|json|csv]
         [--payload-col C] [--priority-col P] [--delay-col D] [--dedup-col K]
-        [--master URL] [--rejects DIR] [--order O] [--priority-type T]
+        [--ttl-col T] [--master URL] [--rejects DIR] [--order O] [--priority-type T]
         [--max-attempts N] [--dedup/--no-dedup]
 
 How it works (docs/backfill.md has the whole story): the driver opens the
@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -49,6 +49,9 @@ from . import _ingest
 from ._bulk import PARTITION_COL, REASON_COL, ROW_COL, PartitionPlan
 from ._rows import LoadSpec
 
+if TYPE_CHECKING:
+    from ._bulk_files import FilePart
+
 log = logging.getLogger("qstore.backfill")
 
 FORMATS = ("parquet", "json", "csv")
@@ -57,6 +60,9 @@ LOOKUP_CHUNK = 10_000  # dedup keys fetched from the store per multi-get
 # Segment file ids reserved per partition when its payload size is unknown (the
 # count reads no payload): segments roll at segment_max_bytes while they last.
 SEGMENT_IDS_PER_PARTITION = 4
+# Parquet files on a local (or shared) filesystem are read by the tasks themselves
+# (_bulk_files.py) unless this is False: then Spark's reader decodes every source.
+DIRECT_PARQUET = True
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,7 @@ def run_backfill(
     priority_col: str | None = None,
     delay_col: str | None = None,
     dedup_col: str | None = None,
+    ttl_col: str | None = None,
     master: str | None = None,
     spark: Any = None,
     create_queue_options: dict[str, Any] | None = None,
@@ -109,8 +116,10 @@ def run_backfill(
     column is binary or string (stored as UTF-8). ``priority_col`` holds ints
     (or integral numbers or numeric strings) for an ``int`` queue, strings for a
     ``str`` queue; ``delay_col`` seconds from now; ``dedup_col`` the dedup key
-    (a dedup queue only; without it the payload's hash is the key, as in push).
-    Nulls mean the push defaults (priority 0 or "", no delay, payload hash).
+    (a dedup queue only; without it the payload's hash is the key, as in push);
+    ``ttl_col`` seconds after which the message expires (``push(ttl=...)``).
+    Nulls mean the push defaults (priority 0 or "", no delay, payload hash,
+    the queue's default TTL if it has one).
 
     The queue is created if missing, with ``create_queue_options`` (``order``,
     ``priority_type``, ``max_attempts``, ``dedup``; ``dedup`` defaults to True
@@ -126,7 +135,7 @@ def run_backfill(
     started = time.perf_counter()
     into = os.fspath(into)
     options = _check_args(queue, fmt, payload_col, priority_col, delay_col, dedup_col,
-                          master, spark, create_queue_options)
+                          ttl_col, master, spark, create_queue_options)
     rejects_dest = None if rejects is None else os.path.abspath(os.fspath(rejects))
     if rejects_dest is not None:
         _ingest.check_rejects_dest(rejects_dest)
@@ -135,7 +144,7 @@ def run_backfill(
         if spark is None:
             spark = backfill_session(master)
         job = _Job(store, spark, source, fmt, queue, options, rejects_dest,
-                   (payload_col, priority_col, delay_col, dedup_col),
+                   (payload_col, priority_col, delay_col, dedup_col, ttl_col),
                    dict(create_queue_options or {}))
         result = job.run(started)
     finally:
@@ -161,8 +170,8 @@ def backfill_session(master: str | None) -> Any:
 
 
 def _check_args(queue: object, fmt: object, payload_col: object, priority_col: object,
-                delay_col: object, dedup_col: object, master: object, spark: object,
-                create_queue_options: object) -> dict[str, Any]:
+                delay_col: object, dedup_col: object, ttl_col: object, master: object,
+                spark: object, create_queue_options: object) -> dict[str, Any]:
     if not isinstance(queue, str) or not queue:
         raise InvalidArgument(f"queue must be a non-empty str, not {queue!r}")
     if not isinstance(fmt, str) or not fmt:
@@ -170,7 +179,7 @@ def _check_args(queue: object, fmt: object, payload_col: object, priority_col: o
     if not isinstance(payload_col, str) or not payload_col:
         raise InvalidArgument(f"payload_col must be a column name, not {payload_col!r}")
     for what, col in (("priority_col", priority_col), ("delay_col", delay_col),
-                      ("dedup_col", dedup_col)):
+                      ("dedup_col", dedup_col), ("ttl_col", ttl_col)):
         if col is not None and (not isinstance(col, str) or not col):
             raise InvalidArgument(f"{what} must be a column name or None, not {col!r}")
     if master is not None and spark is not None:
@@ -196,7 +205,7 @@ class _Job:
 
     def __init__(self, store: Store, spark: Any, source: Any, fmt: str, queue: str,
                  options: dict[str, Any], rejects_dest: str | None,
-                 columns: tuple[str, str | None, str | None, str | None],
+                 columns: tuple[str, str | None, str | None, str | None, str | None],
                  explicit_options: dict[str, Any]) -> None:
         self.store = store
         self.spark = spark
@@ -205,18 +214,22 @@ class _Job:
         # The default is relative: inside the store directory, wherever it is moved.
         self.rejects_dest = rejects_dest or os.path.join("rejects", self.job_id)
         self.explicit_rejects = rejects_dest is not None
-        self.payload_col, self.priority_col, self.delay_col, self.dedup_col = columns
+        (self.payload_col, self.priority_col, self.delay_col, self.dedup_col,
+         self.ttl_col) = columns
         self.df = _read(spark, source, fmt)
+        self.paths = _paths(source) if fmt == "parquet" else None
         self.options = options
         self.explicit_options = explicit_options
         self.phases: list[tuple[str, float]] = []
         self.first_id = self.end_id = 0
 
     def run(self, started: float) -> BackfillResult:
+        from ._bulk_files import BackfillFilesSource, plan_files
         from ._bulk_source import BackfillLoadSource, BackfillScanSource
 
         self.spark.dataSource.register(BackfillScanSource)
         self.spark.dataSource.register(BackfillLoadSource)
+        self.spark.dataSource.register(BackfillFilesSource)
         store = self.store
         ptype, dedup = self._queue_kind()
         self._check_schema(ptype, dedup)
@@ -231,15 +244,27 @@ class _Job:
                 max_payload_bytes=store.config.max_payload_bytes,
                 segment_max_bytes=store.config.segment_max_bytes,
                 payload_col=self.payload_col, priority_col=self.priority_col,
-                delay_col=self.delay_col, dedup_col=self.dedup_col)
+                delay_col=self.delay_col, dedup_col=self.dedup_col, ttl_col=self.ttl_col,
+                default_ttl=store.core.queues[self.queue].rec.ttl)
             selected = self.df.select(*[_quoted(c) for c in spec.columns()])
-            with _static_partitions(self.spark):
+            t = time.perf_counter()
+            files = None
+            if DIRECT_PARQUET and self.paths is not None and not spec.dedup:
+                files = plan_files(self.paths, spec.columns(), _cores(self.spark))
+            if files is not None:  # the tasks read their row groups: no counting pass
+                plans = self._reserve({p.pid: (p.rows, None) for p in files}, {}, spec,
+                                      staging)
+                self.phases.append(("plan", time.perf_counter() - t))
                 t = time.perf_counter()
-                plans = self._plan(selected, spec, staging)
-                self.phases.append(("count", time.perf_counter() - t))
-                t = time.perf_counter()
-                job = self._write(selected, spec, staging, plans)
+                job = self._write_files(selected, files, spec, staging, plans)
                 self.phases.append(("write", time.perf_counter() - t))
+            else:
+                with _static_partitions(self.spark):
+                    plans = self._plan(selected, spec, staging)
+                    self.phases.append(("count", time.perf_counter() - t))
+                    t = time.perf_counter()
+                    job = self._write(selected, spec, staging, plans)
+                    self.phases.append(("write", time.perf_counter() - t))
             t = time.perf_counter()
             _ingest.commit_job(store, staging)
             self.phases.append(("commit", time.perf_counter() - t))
@@ -308,6 +333,7 @@ class _Job:
             need(self.priority_col, "priority", (T.StringType, T.NullType),
                  f"string (queue {self.queue!r} has str priorities)")
         need(self.delay_col, "delay", (*numeric, T.StringType, T.NullType), "seconds (numeric)")
+        need(self.ttl_col, "ttl", (*numeric, T.StringType, T.NullType), "seconds (numeric)")
         need(self.dedup_col, "dedup", (T.StringType, T.BinaryType, T.IntegralType, T.NullType),
              "string, binary or integral")
         if self.dedup_col is not None and not dedup:
@@ -322,6 +348,12 @@ class _Job:
             counts, dups = self._scan_dedup(selected, spec, staging)
         else:
             counts, dups = self._count(selected), {}
+        return self._reserve(counts, dups, spec, staging)
+
+    def _reserve(self, counts: dict[int, tuple[int, int | None]],
+                 dups: dict[int, dict[int, str]], spec: LoadSpec, staging: str
+                 ) -> dict[int, PartitionPlan]:
+        """Reserve the ids and segment file ids of each partition; write the plans."""
         store = self.store
         first = _ingest.reserve_ids(store, sum(rows for rows, _ in counts.values()))
         capacity = spec.segment_max_bytes - fmt.HEADER_SIZE
@@ -417,7 +449,26 @@ class _Job:
         (selected.write.format(LOAD).mode("append").option("staging", staging)
          .option("spec", spec.to_json()).save())
         with open(os.path.join(staging, TASKS_RESULT), encoding="utf-8") as f:
-            tasks = sorted(json.load(f), key=lambda s: s["pid"])
+            tasks = json.load(f)
+        return self._staged(selected, tasks, staging, spec, plans)
+
+    def _write_files(self, selected: Any, files: list[FilePart], spec: LoadSpec, staging: str,
+                     plans: dict[int, PartitionPlan]) -> _ingest.StagedJob:
+        """The writing pass of the direct path: one summary row per task."""
+        import json
+
+        from ._bulk_files import FILES, parts_to_json
+
+        rows = (self.spark.read.format(FILES).option("staging", staging)
+                .option("spec", spec.to_json()).option("parts", parts_to_json(files))
+                .load().collect())
+        tasks = [json.loads(r["summary"]) for r in rows]
+        return self._staged(selected, tasks, staging, spec, plans)
+
+    def _staged(self, selected: Any, tasks: list[dict[str, Any]], staging: str, spec: LoadSpec,
+                plans: dict[int, PartitionPlan]) -> _ingest.StagedJob:
+        """Check the task summaries against the plans and save the staged job."""
+        tasks = sorted(tasks, key=lambda s: s["pid"])
         seen = {t["pid"]: t for t in tasks}
         for pid, plan in plans.items():
             got = seen.get(pid)
@@ -467,6 +518,23 @@ def _static_partitions(spark: Any) -> Iterator[None]:
             spark.conf.unset(key)
         else:
             spark.conf.set(key, old)
+
+
+def _paths(source: Any) -> list[str] | None:
+    """The source's paths, if it is a path or a list of paths (not a DataFrame)."""
+    if isinstance(source, (str, os.PathLike)):
+        return [os.fspath(source)]
+    if isinstance(source, (list, tuple)) and source and all(
+            isinstance(s, (str, os.PathLike)) for s in source):
+        return [os.fspath(s) for s in source]
+    return None
+
+
+def _cores(spark: Any) -> int:
+    try:
+        return int(spark.sparkContext.defaultParallelism)
+    except Exception:  # Spark Connect has no SparkContext
+        return 2
 
 
 def _read(spark: Any, source: Any, fmt: str) -> Any:

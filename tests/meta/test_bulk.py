@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from qstore.meta import keys, records
 
-Row = tuple[Any, ...]  # late, priority, file id, offset, length, due us, digest
+Row = tuple[Any, ...]  # late, priority, file id, offset, length, due us, digest, expires us
 INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 U63 = st.integers(min_value=0, max_value=2**63 - 1)
 # msgpack picks the smallest encoding of an int: hit every boundary, not just random values.
@@ -27,14 +27,21 @@ NOW = st.one_of(st.sampled_from([0.0, 1.7e9, 1700000000.123456]),
 def message_rows(draw: st.DrawFn, priorities: st.SearchStrategy[int | str]) -> list[Row]:
     n = draw(st.integers(min_value=1, max_value=40))
     row = st.tuples(st.booleans(), priorities, UINTS, UINTS,
-                    st.integers(min_value=0, max_value=2**32 - 1), UINTS, DIGEST)
+                    st.integers(min_value=0, max_value=2**32 - 1), UINTS, DIGEST,
+                    st.one_of(st.just(0), UINTS))  # 0: no TTL, a version 1 record
     return draw(st.lists(row, min_size=n, max_size=n))
 
 
 def _single(rows: list[Row], file_ids: list[int], now: float) -> list[bytes]:
-    return [records.encode_message(records.DELAYED if late else records.READY, prio, fid, at,
-                                   n, 0, 0, now, when if late else 0, dg)
-            for (late, prio, _, at, n, when, dg), fid in zip(rows, file_ids, strict=True)]
+    """What push writes: a version 2 record for a message with a TTL (_states.enqueue)."""
+    out = []
+    for (late, prio, _, at, n, when, dg, exp), fid in zip(rows, file_ids, strict=True):
+        state = records.DELAYED if late else records.READY
+        out.append(records.encode_message_v2(state, prio, fid, at, n, 0, 0, now,
+                                             when if late else 0, dg, exp, 0, None) if exp
+                   else records.encode_message(state, prio, fid, at, n, 0, 0, now,
+                                               when if late else 0, dg))
+    return out
 
 
 def _bulk(rows: list[Row], file_ids: int | list[int], now: float, str_prios: bool
@@ -46,7 +53,7 @@ def _bulk(rows: list[Row], file_ids: int | list[int], now: float, str_prios: boo
     return records.encode_messages(
         np.where(late, records.DELAYED, records.READY), prios, file_ids,
         np.array([r[3] for r in rows], np.int64), np.array([r[4] for r in rows], np.int64),
-        when, [r[6] for r in rows], now)
+        when, [r[6] for r in rows], now, np.array([r[7] for r in rows], np.int64))
 
 
 @settings(max_examples=300, deadline=None)
@@ -74,6 +81,12 @@ def test_bulk_records_decode_to_the_fields_given() -> None:
     assert (rec.state, rec.priority, rec.file_id, rec.offset, rec.length, rec.attempts,
             rec.deliveries, rec.enqueued_at, rec.when_us, rec.digest) == (
         records.DELAYED, -200, 3, 24, 70000, 0, 0, 1.5, 2**40, b"d" * 16)
+    [raw] = records.encode_messages(np.array([records.READY]), np.array([7], np.int64), 3,
+                                    np.array([24]), np.array([5]), np.array([0]), [None], 1.5,
+                                    np.array([2**50]))
+    rec = records.MessageRecord.decode(raw)
+    assert (rec.state, rec.priority, rec.expires_us, rec.aged, rec.reason) == (
+        records.READY, 7, 2**50, 0, None)
 
 
 @settings(max_examples=200, deadline=None)

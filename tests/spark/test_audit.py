@@ -215,3 +215,37 @@ def test_main_exit_codes_for_bad_usage(tmp_path: Any,
     assert main([]) == 2
     assert main([str(tmp_path)]) == 2  # not a snapshot: no Spark needed to say so
     assert "not a qstore snapshot" in capsys.readouterr().err
+
+
+def test_expiry_index_missing_extra_and_mismatched_keys_are_findings(
+        spark: Any, tmp_path: Any) -> None:
+    clock = FakeClock()
+    with qstore.open(tmp_path / "store", clock=clock, compactor=False) as store:
+        q = store.create_queue("q")
+        ids = q.push_many([(b"m%d" % i, 0, 0.0, None, 100.0 + i) for i in range(6)])
+        plain = q.push(b"no ttl")
+        qid = store.core.queues["q"].qid
+        snap = store.snapshot(str(tmp_path / "snap"))
+    assert run_audit(snap, spark=spark, out=str(tmp_path / "a0"), quiet=True).exit_code == 0
+
+    def exp(i: int) -> int:
+        return keys.to_us(clock() + 100.0 + i)
+
+    db = MetaDB(str(tmp_path / "snap" / "meta"), readonly=False, store_path=snap)
+    batch = new_batch()
+    batch.delete(keys.expiry_key(qid, exp(1), ids[1]))  # missing
+    batch.delete(keys.expiry_key(qid, exp(4), ids[4]))  # mismatched: another time
+    batch.put(keys.expiry_key(qid, exp(4) + 5, ids[4]), b"")
+    batch.put(keys.expiry_key(qid, exp(0), plain), b"")  # extra: its message has no TTL
+    db.write(batch, sync=True)
+    db.close()
+    result = run_audit(snap, spark=spark, out=str(tmp_path / "a1"), quiet=True)
+    found = sorted((f["kind"], f["message_id"]) for f in result.summary["findings"]["examples"])
+    assert found == sorted([("index_missing", ids[1]), ("index_missing", ids[4]),
+                            ("stray_index_key", ids[4]), ("stray_index_key", plain)])
+    missing = [f for f in result.summary["findings"]["examples"] if f["kind"] == "index_missing"]
+    assert all("or its expiry key is missing" in f["detail"] for f in missing)
+    strays = [f for f in result.summary["findings"]["examples"]
+              if f["kind"] == "stray_index_key"]
+    assert all(f["detail"].startswith("expiry index: ") for f in strays)
+    assert result.summary["queues"]["q"]["index"]["expiry"] == {"keys": 6, "expected": 6}

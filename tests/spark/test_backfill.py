@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -619,3 +620,179 @@ def test_equal_length_payloads_stage_the_bytes_push_many_writes(tmp_path: Path,
         per_queue = {k: v for k, v in s.core.meta.scan(b"d", b"s")}
     assert staged == per_queue
     assert (staging / "seg" / seg).read_bytes() == (pushed / "payload" / seg).read_bytes()
+
+
+# -- TTL column (issue 13) -------------------------------------------------------
+
+
+def test_ttl_rows_stage_the_bytes_push_many_writes_with_the_queue_default(
+        tmp_path: Path, clock: Any) -> None:
+    """A TTL per row, or the queue's default for a null one: the same records (version 2),
+    expiry keys and segment bytes as push_many with the same ttls."""
+    items = [(b"t%03d" % i, i % 3, 5.0 if i % 4 == 0 else 0.0, None,
+              None if i % 3 == 0 else 0.5 + i * 10) for i in range(30)]
+    pushed = tmp_path / "pushed"
+    with qstore.open(pushed, compactor=False, clock=clock) as s:
+        q = s.create_queue("q", ttl=600.0)
+        ids = q.push_many(items)
+        qid = s.core.queues["q"].qid
+    spec = LoadSpec(qid=qid, order="max", priority_type="int", dedup=False, now=clock(),
+                    max_payload_bytes=1 << 20, segment_max_bytes=1 << 20, payload_col="b",
+                    priority_col="p", delay_col="d", ttl_col="t", default_ttl=600.0)
+    staging = tmp_path / "staging"
+    for sub in ("seg", "sst", "rejects"):
+        (staging / sub).mkdir(parents=True)
+    loader = PartitionLoader(spec, PartitionPlan(0, 30, ids[0], [1]), str(staging), "t")
+    cols = list(zip(*items, strict=True))
+    loader.add(pa.RecordBatch.from_pydict({"b": list(cols[0]), "p": list(cols[1]),
+                                           "d": list(cols[2]), "t": list(cols[4])}))
+    summary = loader.finish()
+    # The earliest timer event of the partition: a due time or an expiry.
+    assert summary["min_due_us"] == int((clock() + 5.0) * 1e6)
+    staged = _ingest_into_fresh_db(staging, summary["ssts"], tmp_path / "db")
+    with qstore.open(pushed, readonly=True) as s:
+        per_queue = {k: v for k, v in s.core.meta.scan(b"d", b"s")}
+    assert sum(k[:1] == b"e" for k in staged) == 30  # every message has a TTL
+    assert staged == per_queue
+    seg = fmt.segment_name(1)
+    assert (staging / "seg" / seg).read_bytes() == (pushed / "payload" / seg).read_bytes()
+
+
+def test_ttl_rules_are_push_rules(tmp_path: Path) -> None:
+    from qstore.spark._rows import parse
+
+    spec = LoadSpec(qid=1, order="max", priority_type="int", dedup=False, now=0.0,
+                    max_payload_bytes=8, segment_max_bytes=1 << 20, payload_col="b",
+                    ttl_col="t")
+    cases: list[tuple[Any, str | None]] = [  # ttl, reason
+        (30.0, None), (None, None), (0.0, "ttl: 0.0 is not > 0"),
+        (-1.0, "ttl: -1.0 is not > 0"), (float("nan"), "ttl: nan is not finite"),
+        (1e12, "ttl: 1000000000000.0 is over 3162240000 seconds"),
+    ]
+    batch = pa.RecordBatch.from_pydict({"b": [b"x"] * len(cases), "t": [c[0] for c in cases]})
+    rows = parse(batch, spec)
+    assert rows.reasons == [c[1] for c in cases]
+    assert rows.ttls is not None and rows.ttls[0] == 30.0 and np.isnan(rows.ttls[1])
+    text = parse(pa.RecordBatch.from_pydict({"b": [b"x", b"y"], "t": [" 9 ", "soon"]}), spec)
+    assert text.reasons == [None, "ttl: 'soon' is not a number of seconds"]
+    assert text.ttls is not None and text.ttls[0] == 9.0
+    # A null TTL takes the queue's default; without a column every row does.
+    with_default = LoadSpec(**{**spec.__dict__, "default_ttl": 45.0})
+    assert parse(batch, with_default).ttls[1] == 45.0  # type: ignore[index]
+    no_col = LoadSpec(**{**spec.__dict__, "ttl_col": None, "default_ttl": 45.0})
+    assert parse(batch, no_col).ttls.tolist() == [45.0] * len(cases)  # type: ignore[union-attr]
+    assert parse(batch, LoadSpec(**{**spec.__dict__, "ttl_col": None})).ttls is None
+    with qstore.open(tmp_path / "s", compactor=False) as s:
+        q = s.create_queue("q")
+        for ttl, reason in cases:
+            if reason is None:
+                q.push(b"x", ttl=ttl)
+            else:
+                with pytest.raises(qstore.InvalidArgument):
+                    q.push(b"x", ttl=ttl)
+
+
+def test_ttl_column_loads_expiring_messages_and_the_audit_checks_the_expiry_index(
+        spark: Any, tmp_path: Path) -> None:
+    n = 12
+    ttls = [None if i % 3 == 0 else 100.0 * (i + 1) for i in range(n)]
+    src = write_parquet(tmp_path / "src.parquet", payload=[b"m%d" % i for i in range(n)],
+                        ttl=pa.array(ttls, pa.float64()))
+    store = tmp_path / "store"
+    with qstore.open(store, compactor=False) as s:
+        s.create_queue("q", ttl=5000.0, on_expire="dead")
+    before = time.time()
+    result = run_backfill(str(src), into=store, queue="q", ttl_col="ttl", spark=spark)
+    after = time.time()
+    assert result.loaded == n
+    check_consistent(store)
+    with qstore.open(store, readonly=True) as s:
+        q = s.queue("q")
+        for i, mid in enumerate(range(result.first_id, result.end_id)):
+            got = q.get(mid).expires_at
+            ttl = 5000.0 if ttls[i] is None else ttls[i]
+            assert got is not None and before + ttl - 1e-3 <= got <= after + ttl, i
+    # The messages expire on the clock as pushed ones do: dead letters, counted.
+    with qstore.open(store, compactor=False, clock=FakeClock(after + 650)) as s:
+        stats = s.queue("q").stats()
+        assert (stats.ready, stats.dead, stats.expired) == (n - 4, 4, 4)  # ttl 200..600
+    snap = tmp_path / "snap"
+    with qstore.open(store, compactor=False) as s:
+        s.snapshot(str(snap))
+    assert run_audit(str(snap), spark=spark, out=str(tmp_path / "a"), quiet=True).exit_code == 0
+
+
+# -- the direct path for Parquet files ---------------------------------------------
+
+
+def test_parquet_files_are_read_by_the_tasks_in_file_then_row_order(
+        spark: Any, tmp_path: Path) -> None:
+    """Files in name order, row groups split across tasks; the same messages as Spark's
+    reader loads (the DataFrame of the same files), rejects included."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rows = []
+    for f, n in (("b.parquet", 70), ("a.parquet", 50), ("c.parquet", 1)):
+        bodies = [None if i == 3 else b"%s-%d" % (f.encode(), i) for i in range(n)]
+        prios = [i % 4 for i in range(n)]
+        pq.write_table(pa.table({"payload": pa.array(bodies, pa.binary()),
+                                 "prio": pa.array(prios, pa.int64())}), src / f,
+                       row_group_size=20)
+        rows.append((f, bodies, prios))
+    (src / "_SUCCESS").write_bytes(b"")  # not data: skipped, as Spark skips it
+    store = tmp_path / "store"
+    result = run_backfill(str(src), into=store, queue="q", priority_col="prio", spark=spark)
+    assert [name for name, _ in result.phases] == ["plan", "write", "commit"]
+    assert result.partitions >= 2  # at least one task per core
+    assert (result.rows, result.loaded, result.rejected) == (121, 119, 2)
+    in_order = [(b, p) for _, bodies, prios in sorted(rows) for b, p in zip(bodies, prios,
+                                                                           strict=True)]
+    check_consistent(store)
+    got = {m[0]: (m[2], m[1]) for m in drain(store, "q")}
+    want = {result.first_id + i: bp for i, bp in enumerate(in_order) if bp[0] is not None}
+    assert got == want  # id = position in file-name order, then row order
+    rejects = pq.read_table(result.rejects_path).to_pylist()
+    # Row 3 of a.parquet and of b.parquet; each file starts a task here.
+    assert sorted((r["source_row"], r["prio"], r["reject_reason"]) for r in rejects) == [
+        (3, 3, "payload: null")] * 2
+    assert len({r["source_partition"] for r in rejects}) == 2
+    # Spark's own reader (a DataFrame source) loads the same messages.
+    spark_store = tmp_path / "spark-store"
+    df = spark.read.parquet(str(src))
+    other = run_backfill(df, into=spark_store, queue="q", priority_col="prio", spark=spark)
+    assert [name for name, _ in other.phases] == ["count", "write", "commit"]
+    assert sorted(v for v in got.values()) == sorted(
+        (m[2], m[1]) for m in drain(spark_store, "q"))
+
+
+def test_sources_the_direct_path_cannot_take_go_through_spark(spark: Any,
+                                                              tmp_path: Path) -> None:
+    hive = tmp_path / "hive" / "day=1"
+    write_parquet(hive / "part.parquet", payload=[b"x", b"y"])
+    result = run_backfill(str(tmp_path / "hive"), into=tmp_path / "s1", queue="q", spark=spark)
+    assert result.phases[0][0] == "count" and result.loaded == 2
+    src = write_parquet(tmp_path / "d.parquet", payload=[b"x", b"x", b"y"])
+    result = run_backfill(str(src), into=tmp_path / "s2", queue="q", spark=spark,
+                          create_queue_options={"dedup": True})
+    assert result.phases[0][0] == "count" and (result.loaded, result.duplicates) == (2, 1)
+
+
+def test_plan_files_cuts_whole_row_groups_in_file_order(tmp_path: Path) -> None:
+    from qstore.spark import _bulk_files as bf
+
+    for name, n in (("x.parquet", 10), ("w.parquet", 25)):
+        pq.write_table(pa.table({"p": [b"."] * n, "q": list(range(n))}), tmp_path / name,
+                       row_group_size=10)
+    parts = bf.plan_files([str(tmp_path)], ["p", "q"], cores=2)
+    assert parts is not None
+    # 35 rows over 2 cores: whole row groups, none of the parts over 18 rows.
+    assert [p.rows for p in parts] == [10, 15, 10]
+    w, x = str(tmp_path / "w.parquet"), str(tmp_path / "x.parquet")
+    assert [p.groups for p in parts] == [((w, (0,)),), ((w, (1, 2)),), ((x, (0,)),)]
+    assert bf.parts_from_json(bf.parts_to_json(parts)) == parts
+    got = [b.num_rows for p in parts for b in bf.read_part(p, ["p"])]
+    assert sum(got) == 35
+    assert bf.plan_files([str(tmp_path)], ["p", "missing"], cores=2) is None
+    assert bf.plan_files(["hdfs://host/x"], ["p"], cores=2) is None
+    pq.write_table(pa.table({"p": [1], "q": [1]}), tmp_path / "y.parquet")  # p: another type
+    assert bf.plan_files([str(tmp_path)], ["p", "q"], cores=2) is None

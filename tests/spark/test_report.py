@@ -13,8 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from qstore.spark._report import finding_rank, render_html
+import qstore
+from qstore.meta import MetaDB, keys, new_batch
+from qstore.spark._report import finding_rank, render_html, render_text
 from qstore.spark.audit import run_audit
+from tests.conftest import FakeClock
 
 from .conftest import Snap
 
@@ -47,6 +50,62 @@ def test_clean_report_has_no_empty_tables(clean_report: dict[str, Any]) -> None:
     for table in page.split("<table>")[1:]:
         body = table.split("</table>")[0]
         assert body.count("<tr>") >= 2, body[:200]  # a header row and at least one row
+
+
+def test_backlog_oldest_ready_age_and_attempts(spark: Any, tmp_path: Any) -> None:
+    """The depth chart counts ready messages only; each queue's oldest ready message is
+    aged at the snapshot's moment; attempts are counted per message, every state."""
+    clock = FakeClock()
+    with qstore.open(tmp_path / "store", clock=clock, compactor=False) as store:
+        a = store.create_queue("a")
+        a.push_many([(b"a1", 1), (b"a2", 2), (b"a3", 2)])  # at t0
+        clock.advance(100)
+        a.push_many([(b"later", 2, 1000.0), (b"later", 2, 1000.0)])  # delayed: no backlog
+        a.push(b"a6", 2)
+        m = a.pop()
+        assert m is not None and m.payload == b"a2"
+        a.nack(m)  # ready again, one attempt used
+        store.create_queue("b").push(b"b1", 0)  # at t0 + 100
+        c = store.create_queue("c", max_attempts=1)
+        c.push(b"c1", 0)
+        m = c.pop()
+        assert m is not None
+        c.nack(m)  # a dead letter: not in the backlog
+        clock.advance(50)
+        snap = store.snapshot(str(tmp_path / "snap"))
+    summary = run_audit(snap, spark=spark, out=str(tmp_path / "out"), quiet=True).summary
+    assert summary["clean"]
+    assert sorted((g["queue"], g["priority"], g["ready"]) for g in summary["ready_depth"]) == [
+        ("a", 1, 1), ("a", 2, 3), ("b", 0, 1)]
+    queues = summary["queues"]
+    assert [queues[n]["oldest_ready_age_s"] for n in "abc"] == [150.0, 50.0, None]
+    assert [queues[n]["attempts"] for n in "abc"] == [{"0": 5, "1": 1}, {"0": 1}, {"1": 1}]
+    page = render_html(summary)
+    chart = page.split("Ready backlog per queue and priority</h2>")[1].split("</svg>")[0]
+    assert ">a / 2</text>" in chart and ">3</text>" in chart and "c /" not in chart
+    assert "<td>a</td><td>0: 5, 1: 1</td>" in page and "2.5 min" in page
+    assert "2.5 min" in render_text(summary)
+
+
+def test_orphaned_live_bytes_name_the_offsets_no_message_references(
+        spark: Any, tmp_path: Any) -> None:
+    with qstore.open(tmp_path / "store", clock=FakeClock(), compactor=False) as store:
+        q = store.create_queue("q")
+        ids = q.push_many([b"0123456789"] * 5)  # records of 18 bytes from offset 24
+        qid = store.core.queues["q"].qid
+        snap = store.snapshot(str(tmp_path / "snap"))
+    # The record of the third message is lost; its segment's S record still counts it.
+    db = MetaDB(str(tmp_path / "snap" / "meta"), readonly=False, store_path=snap)
+    batch = new_batch()
+    batch.delete(keys.message_key(qid, ids[2]))
+    batch.delete(keys.ready_key(qid, keys.priority_key("max", "int", 0), ids[2]))
+    db.write(batch, sync=True)
+    db.close()
+    result = run_audit(snap, spark=spark, out=str(tmp_path / "out"), quiet=True)
+    [f] = [f for f in result.summary["findings"]["examples"]
+           if f["kind"] == "segment_record_mismatch"]
+    assert f["offset"] == 24 + 2 * 18
+    assert "18 bytes no message references, at [60, 78) (exactly the difference)" in f["detail"]
 
 
 def read_png(path: str) -> np.ndarray:

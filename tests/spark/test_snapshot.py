@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 from collections import Counter
 from typing import Any
@@ -11,11 +16,14 @@ import pytest
 
 import qstore
 from qstore.spark._scan import scan_snapshot
+from qstore.spark._snapshot_view import SCRATCH_PREFIX, Snapshot
+from qstore.spark.audit import run_audit
 from tests.conftest import FakeClock
 
 from .conftest import Snap, populate
 
 pytestmark = pytest.mark.spark
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _state_counts(path: str, queue: str) -> tuple[int, int, int, int, int]:
@@ -102,3 +110,48 @@ def test_snapshot_survives_writes_and_compaction_of_the_live_store(
     assert checked.num_rows == len(before)
     assert set(checked["problem"].to_pylist()) == {None}
     assert set(checked["index_ok"].to_pylist()) == {True}
+
+
+def _scratch_of(snapshot: str) -> list[str]:
+    """Scratch copies (in the temporary directory) whose links point into ``snapshot``."""
+    meta = os.path.realpath(os.path.join(snapshot, "meta"))
+    root = tempfile.gettempdir()
+    found = []
+    for name in os.listdir(root):
+        d = os.path.join(root, name)
+        if not name.startswith(SCRATCH_PREFIX) or not os.path.isdir(d):
+            continue
+        with contextlib.suppress(OSError):  # another reader may remove its copy meanwhile
+            if any(os.path.realpath(os.path.join(d, f)).startswith(meta + os.sep)
+                   for f in os.listdir(d)):
+                found.append(d)
+    return found
+
+
+def test_scratch_copies_are_gone_when_the_jobs_end(spark: Any, clean_snap: Snap,
+                                                   tmp_path: Any) -> None:
+    """Every reader (the driver, each task) removes its private copy of the metadata,
+    also a task whose rows were not all consumed (a limit)."""
+    assert _scratch_of(clean_snap.path) == []
+    run_audit(clean_snap.path, spark=spark, out=str(tmp_path / "audit"), quiet=True)
+    df = spark.read.format("qstore").option("payload", "true").load(clean_snap.path)
+    assert len(df.limit(3).collect()) == 3
+    assert df.count() > 3
+    assert _scratch_of(clean_snap.path) == []
+
+
+def test_scratch_copy_of_a_killed_reader_is_removed_by_the_next_reader(
+        clean_snap: Snap) -> None:
+    code = ("import os, signal, sys; from qstore.spark._snapshot_view import Snapshot; "
+            "s = Snapshot(sys.argv[1]); print(s._scratch, flush=True); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    child = subprocess.run([sys.executable, "-c", code, clean_snap.path], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    left = child.stdout.strip()
+    assert os.path.isdir(left) and left in _scratch_of(clean_snap.path)
+    with Snapshot(clean_snap.path) as snap:  # the next reader on this machine
+        assert snap.queues
+        assert not os.path.exists(left)
+        assert _scratch_of(clean_snap.path) == [snap._scratch]  # its own, while open
+    assert _scratch_of(clean_snap.path) == []

@@ -1,0 +1,182 @@
+"""The backfill's direct path for Parquet files: executors read their row groups themselves.
+
+When the source is Parquet files on a filesystem every executor mounts (the
+store must be on one anyway), Spark need not decode the rows in the JVM and
+hand them to Python: each task reads its own row groups with pyarrow, straight
+into the Arrow batches :func:`~._bulk.load_partition` works on, and Spark moves
+one small summary row per task. Measured here, the JVM's decoding and
+hand-over was the largest cost of the write pass (docs/backfill.md).
+
+The driver plans from the files' footers alone: the rows of every row group
+are known exactly, so there is no counting pass. Partitions are runs of
+consecutive row groups, files in name order, each at most the rows of an
+even split over the cores (and ``ROWS_PER_TASK``) unless one row group is
+larger, so row ``n`` of the source in that
+order gets the ``n``-th id: the FIFO rule is file order, then row order.
+
+:func:`plan_files` returns None when the direct path does not apply (a
+``scheme://`` path, a directory of Hive partitions, a column missing from
+a file or of another type in another file), and the job goes through Spark's
+own reader instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+from ._bulk import PartitionPlan, load_partition
+from ._bulk_source import read_plan
+from ._rows import LoadSpec
+
+FILES = "qstore_backfill_files"
+ROWS_PER_TASK = 250_000  # a task reads about this many rows at most (whole row groups)
+BATCH_ROWS = 10_000  # rows per Arrow batch read from a file, as Spark hands them over
+
+
+@dataclass(frozen=True)
+class FilePart:
+    """One task's rows: consecutive row groups of one or more files, in order."""
+
+    pid: int
+    rows: int
+    groups: tuple[tuple[str, tuple[int, ...]], ...]  # (file, row group indexes)
+
+
+def list_parquet(paths: list[str]) -> list[str] | None:
+    """The data files of ``paths`` in name order, as Spark lists them (hidden files and
+    ``_``-files skipped); None if a path is not local or holds Hive partition directories."""
+    out: list[str] = []
+    for path in paths:
+        if "://" in path or not os.path.exists(path):
+            return None
+        if os.path.isfile(path):
+            out.append(os.path.abspath(path))
+            continue
+        for root, dirs, names in os.walk(path):
+            if any("=" in d for d in dirs):
+                return None  # partition columns come from directory names: Spark's job
+            dirs[:] = sorted(d for d in dirs if not d.startswith(("_", ".")))
+            out.extend(os.path.abspath(os.path.join(root, n)) for n in sorted(names)
+                       if not n.startswith(("_", ".")))
+    return sorted(out) if out else None
+
+
+def plan_files(paths: list[str], columns: list[str], cores: int) -> list[FilePart] | None:
+    """Partitions of whole row groups for the direct path, or None if it does not apply."""
+    files = list_parquet(paths)
+    if files is None:
+        return None
+    groups: list[tuple[str, int, int]] = []  # file, row group, rows
+    types: dict[str, pa.DataType] = {}
+    for path in files:
+        try:
+            meta = pq.ParquetFile(path)
+        except (OSError, pa.ArrowException):
+            return None  # not Parquet: let Spark say what is wrong
+        schema = meta.schema_arrow
+        for col in columns:
+            if col not in schema.names:
+                return None
+            if types.setdefault(col, schema.field(col).type) != schema.field(col).type:
+                return None
+        groups.extend((path, i, meta.metadata.row_group(i).num_rows)
+                      for i in range(meta.metadata.num_row_groups))
+        meta.close()
+    total = sum(n for _, _, n in groups)
+    want = max(cores, math.ceil(total / ROWS_PER_TASK), 1)
+    per_task = max(1, math.ceil(total / want))
+    parts: list[FilePart] = []
+    current: list[tuple[str, int]] = []
+    rows = 0
+    for path, index, n in groups:  # a part ends before the group that would overfill it
+        if current and rows + n > per_task:
+            parts.append(_part(len(parts), rows, current))
+            current, rows = [], 0
+        current.append((path, index))
+        rows += n
+    if current:
+        parts.append(_part(len(parts), rows, current))
+    return parts
+
+
+def _part(pid: int, rows: int, picked: list[tuple[str, int]]) -> FilePart:
+    by_file: dict[str, list[int]] = {}
+    for path, index in picked:
+        by_file.setdefault(path, []).append(index)
+    return FilePart(pid, rows, tuple((p, tuple(ix)) for p, ix in by_file.items()))
+
+
+def parts_to_json(parts: list[FilePart]) -> str:
+    return json.dumps([[p.pid, p.rows, [[f, list(ix)] for f, ix in p.groups]] for p in parts])
+
+
+def parts_from_json(text: str) -> list[FilePart]:
+    return [FilePart(pid, rows, tuple((f, tuple(ix)) for f, ix in groups))
+            for pid, rows, groups in json.loads(text)]
+
+
+def read_part(part: FilePart, columns: list[str]) -> Iterator[pa.RecordBatch]:
+    """The part's rows as Arrow batches, in file then row order."""
+    for path, indexes in part.groups:
+        f = pq.ParquetFile(path, memory_map=True)
+        try:
+            yield from f.iter_batches(batch_size=BATCH_ROWS, row_groups=list(indexes),
+                                      columns=columns)
+        finally:
+            f.close()
+
+
+class _TaskPartition(InputPartition):
+    def __init__(self, part: FilePart) -> None:
+        super().__init__(part.pid)
+        self.part = part
+
+
+class _FilesReader(DataSourceReader):
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.staging = options["staging"]
+        self.spec = LoadSpec.from_json(options["spec"])
+        self.parts = parts_from_json(options["parts"])
+
+    def partitions(self) -> list[InputPartition]:
+        return [_TaskPartition(p) for p in self.parts]
+
+    def read(self, partition: InputPartition) -> Iterator[tuple[int, str]]:
+        if not isinstance(partition, _TaskPartition):
+            return
+        part = partition.part
+        plan = read_plan(self.staging, part.pid) or PartitionPlan(part.pid, 0, 0, [])
+        summary = load_partition(read_part(part, self.spec.columns()), self.spec, plan,
+                                 self.staging, _attempt())
+        yield part.pid, json.dumps(summary)
+
+
+def _attempt() -> str:
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    return f"a{ctx.taskAttemptId()}" if ctx is not None else "r" + secrets.token_hex(4)
+
+
+class BackfillFilesSource(DataSource):
+    """Options: ``staging``, ``spec`` (LoadSpec JSON), ``parts`` (the plan's partitions)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FILES
+
+    def schema(self) -> str:
+        return "pid int, summary string"
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        return _FilesReader(self.options)
