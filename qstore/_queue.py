@@ -414,7 +414,7 @@ class Queue:
                     core.deliver_one(q, rkey, mid, rec, when)
                     out = [_popped(qid, mid, name, rec, payload, deadline)]
                 elif q.hot_paths:
-                    payloads = [read(rec) for rec in recs]  # all read before anything changes
+                    payloads = core.payload.read_many(recs)  # all read before anything changes
                     core.deliver_many(q, ready_keys, recs, when)
                     out = [_popped(qid, keys.trailing_id(rkey), name, rec, payload, deadline)
                            for rkey, rec, payload in zip(ready_keys, recs, payloads, strict=True)]

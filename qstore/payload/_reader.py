@@ -140,6 +140,23 @@ class SegmentReader:
             raise Corruption(self.path, ref.offset, problem)
         return view[ref.offset + fmt.FRAME_SIZE : end].tobytes()
 
+    def read_many(self, refs: Sequence[Located], limit: int | None = None) -> list[bytes]:
+        """:meth:`read` of each of ``refs`` (all in this segment), in order."""
+        frame_size = fmt.FRAME_SIZE
+        view = self._whole
+        if refs and max(r.offset + r.length for r in refs) + frame_size > len(view):
+            self.remap()
+            view = self._whole
+        bound = len(view) if limit is None else min(limit, len(view))
+        out = []
+        for ref in refs:
+            offset, length = ref.offset, ref.length
+            problem = frame_problem(view, offset, length, bound)
+            if problem is not None:
+                raise Corruption(self.path, offset, problem)
+            out.append(view[offset + frame_size: offset + frame_size + length].tobytes())
+        return out
+
     def scan(self, start: int = fmt.HEADER_SIZE, end: int | None = None) -> Iterator[PayloadRef]:
         """Yield every intact record from ``start``; a stop is raised as :class:`ScanError`."""
         self.remap()

@@ -480,6 +480,28 @@ class SegmentSet:
 
     # -- reading --------------------------------------------------------------
 
+    def read_many(self, refs: Sequence[Located]) -> list[bytes]:
+        """:meth:`read` of each of ``refs``, in order: one reader lookup per run
+        of references into one segment."""
+        out: list[bytes] = []
+        writer = self._writer
+        start = 0
+        try:  # costs nothing unless raised (Python 3.11)
+            while start < len(refs):
+                fid = refs[start].file_id
+                stop = start + 1
+                while stop < len(refs) and refs[stop].file_id == fid:
+                    stop += 1
+                reader = self._readers.get(fid)
+                if reader is None:
+                    reader = self._open_reader(fid)
+                limit = writer.end if writer is not None and writer.file_id == fid else None
+                out.extend(reader.read_many(refs[start:stop], limit))
+                start = stop
+        except OSError as exc:
+            raise storage_error(exc, "read") from exc
+        return out
+
     def read(self, ref: Located) -> bytes:
         reader = self._readers.get(ref.file_id)
         if reader is None:

@@ -89,6 +89,10 @@ def test_any_payloads_round_trip_across_rotations_and_reopen(
             assert [r.length for r in refs] == [len(b) for b in bodies]
             assert [segs.read(r) for r in refs] == bodies
             written.update(zip(refs, bodies, strict=True))
+            # read_many of everything so far, in a shuffled order across segments
+            order = list(written)
+            random.Random(len(order)).shuffle(order)
+            assert segs.read_many(order) == [written[r] for r in order]
         elif op[0] == "seal":
             before = segs.active_id
             assert segs.seal() == before
@@ -518,4 +522,18 @@ def test_segment_size_and_disk_usage_count_data_not_preallocated_zeros(tmp_path:
     segs = open_set(tmp_path, segment_max_bytes=1 << 20)
     assert segs.disk_usage() == sum(file_size(segs, fid) for fid in segs.file_ids())
     assert segs.disk_usage() == (24 + 108 + 58) + (24 + 38)
+    segs.close()
+
+
+def test_read_many_raises_corruption_for_a_damaged_record(tmp_path: Path) -> None:
+    segs = open_set(tmp_path)
+    refs = segs.append_many([b"one" * 10, b"two" * 10, b"three" * 10])
+    segs.sync()
+    path = segs.path_of(refs[1].file_id)
+    with open(path, "r+b") as f:
+        f.seek(refs[1].offset + fmt.FRAME_SIZE)
+        f.write(b"X")
+    assert segs.read_many([refs[0], refs[2]]) == [b"one" * 10, b"three" * 10]
+    with pytest.raises(Corruption, match="checksum"):
+        segs.read_many(refs)
     segs.close()
