@@ -76,11 +76,14 @@ class Level:
 class Plan:
     """The keys a pop would take, in order, and the levels it would drain."""
 
-    __slots__ = ("keys", "drained")
+    __slots__ = ("keys", "drained", "known_runs", "mixed")
 
     def __init__(self) -> None:
         self.keys: list[bytes] = []
         self.drained: list[bytes] = []  # level starts with nothing past the keys taken
+        # (level, count): runs of keys taken from the front of a level's known keys
+        self.known_runs: list[tuple[Level, int]] = []
+        self.mixed = False  # some keys are returns or were found by a seek
 
 
 class ReadyHeads:
@@ -267,7 +270,9 @@ class ReadyHeads:
                 break
             lv = self.levels[nxt]
             want = n - len(plan.keys)
-            plan.keys.extend(lv.returns[:want])
+            if lv.returns:
+                plan.keys.extend(lv.returns[:want])
+                plan.mixed = True
             want = n - len(plan.keys)
             if want and lv.maybe:
                 known, k0 = lv.known, lv.k0
@@ -275,6 +280,7 @@ class ReadyHeads:
                 if len(known) > k0:  # taken from memory, no seek
                     got = known[k0: k0 + want]
                     plan.keys.extend(got)
+                    plan.known_runs.append((lv, len(got)))
                     want -= len(got)
                     seek_from = got[-1] + b"\x00"
                 if want and lv.exact:
@@ -286,6 +292,8 @@ class ReadyHeads:
                     else:
                         found = db.scan_keys(seek_from, lv.end, want)
                     plan.keys.extend(found)
+                    if found:
+                        plan.mixed = True
                     if len(found) < want:
                         plan.drained.append(lv.start)
             i += 1
@@ -319,7 +327,28 @@ class ReadyHeads:
             lv.k0 = 0
 
     def taken(self, plan: Plan) -> None:
-        for key in plan.keys:
+        if plan.mixed:
+            self._taken_each(plan.keys)
+            touched = {key[:-_ID_BYTES] for key in plan.keys}
+        else:  # every key is from the front of a level's known keys: one step a level
+            touched = set()
+            for lv, n in plan.known_runs:
+                known = lv.known
+                k0 = lv.k0 + n
+                lv.frontier = known[k0 - 1] + b"\x00"  # the smallest key after the last
+                self.known_total -= n
+                if k0 == len(known):
+                    known.clear()
+                    k0 = 0
+                elif k0 >= 1024 and k0 * 2 >= len(known):
+                    del known[:k0]
+                    k0 = 0
+                lv.k0 = k0
+                touched.add(lv.start)
+        self._after_taken(plan, touched)
+
+    def _taken_each(self, taken: list[bytes]) -> None:
+        for key in taken:
             lv = self.levels[key[:-_ID_BYTES]]
             j = bisect_left(lv.returns, key)
             if j < len(lv.returns) and lv.returns[j] == key:
@@ -336,7 +365,8 @@ class ReadyHeads:
                 elif lv.k0 >= 1024 and lv.k0 * 2 >= len(known):
                     del known[: lv.k0]
                     lv.k0 = 0
-        touched = {key[:-_ID_BYTES] for key in plan.keys}
+
+    def _after_taken(self, plan: Plan, touched: set[bytes]) -> None:
         for start in plan.drained:
             lv = self.levels[start]
             lv.maybe = False
