@@ -316,15 +316,20 @@ class ReadyHeads:
         """:meth:`taken` for the one key :meth:`known_head` returned."""
         lv = self.levels[self.active[0]]
         lv.frontier = key + b"\x00"
-        lv.k0 += 1
-        self.known_total -= 1
+        self._pass_known(lv, 1)
+
+    def _pass_known(self, lv: Level, n: int) -> None:
+        """Forget the first ``n`` known keys of ``lv``: a pop took them."""
         known = lv.known
-        if lv.k0 == len(known):
+        k0 = lv.k0 + n
+        self.known_total -= n
+        if k0 == len(known):
             known.clear()
-            lv.k0 = 0
-        elif lv.k0 >= 1024 and lv.k0 * 2 >= len(known):
-            del known[: lv.k0]
-            lv.k0 = 0
+            k0 = 0
+        elif k0 >= 1024 and k0 * 2 >= len(known):  # drop the dead front now and then
+            del known[:k0]
+            k0 = 0
+        lv.k0 = k0
 
     def taken(self, plan: Plan) -> None:
         if plan.mixed:
@@ -333,17 +338,9 @@ class ReadyHeads:
         else:  # every key is from the front of a level's known keys: one step a level
             touched = set()
             for lv, n in plan.known_runs:
-                known = lv.known
-                k0 = lv.k0 + n
-                lv.frontier = known[k0 - 1] + b"\x00"  # the smallest key after the last
-                self.known_total -= n
-                if k0 == len(known):
-                    known.clear()
-                    k0 = 0
-                elif k0 >= 1024 and k0 * 2 >= len(known):
-                    del known[:k0]
-                    k0 = 0
-                lv.k0 = k0
+                # the smallest key after the last one taken
+                lv.frontier = lv.known[lv.k0 + n - 1] + b"\x00"
+                self._pass_known(lv, n)
                 touched.add(lv.start)
         self._after_taken(plan, touched)
 
@@ -355,16 +352,8 @@ class ReadyHeads:
                 del lv.returns[j]
                 continue
             lv.frontier = key + b"\x00"  # the smallest key after it
-            known = lv.known
-            if len(known) > lv.k0 and known[lv.k0] == key:
-                lv.k0 += 1
-                self.known_total -= 1
-                if lv.k0 == len(known):
-                    known.clear()
-                    lv.k0 = 0
-                elif lv.k0 >= 1024 and lv.k0 * 2 >= len(known):
-                    del known[: lv.k0]
-                    lv.k0 = 0
+            if len(lv.known) > lv.k0 and lv.known[lv.k0] == key:
+                self._pass_known(lv, 1)
 
     def _after_taken(self, plan: Plan, touched: set[bytes]) -> None:
         for start in plan.drained:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import copy
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -234,37 +234,47 @@ def _level_state(heads: _heads.ReadyHeads) -> Any:
              for s, lv in heads.levels.items()})
 
 
+def _churn(store: qstore.Store, seed: int, steps: int,
+           push: Callable[[qstore.Queue, random.Random], object],
+           pop: Callable[[qstore.Queue, random.Random], list[qstore.Message]]) -> None:
+    """A random workload: pushes, pops (through ``pop``), nacks and acks."""
+    rnd = random.Random(seed)
+    q = store.create_queue("q")
+    leased: list[qstore.Message] = []
+    for _ in range(steps):
+        op = rnd.random()
+        if op < 0.45:
+            push(q, rnd)
+        elif op < 0.88:
+            leased.extend(pop(q, rnd))
+        elif leased:
+            m = leased.pop(rnd.randrange(len(leased)))
+            q.nack(m) if rnd.random() < 0.5 else q.ack(m)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_single_pop_fast_path_matches_plan_and_taken(churn_store: qstore.Store,
                                                           clock: FakeClock, seed: int) -> None:
     # Before every single pop, the fast path (known_head/took_head) and the
     # general one (plan/taken) are run on copies of the heads: wherever the fast
     # path answers, it must pick the same key and leave the same knowledge.
-    rnd = random.Random(seed)
-    q = churn_store.create_queue("q")
-    leased: list[qstore.Message] = []
     fast = 0
-    for _ in range(3000):
-        op = rnd.random()
-        if op < 0.45:
-            q.push(b"x", priority=rnd.randrange(4))
-        elif op < 0.9:
-            heads = q._q.heads
-            a, b = copy.deepcopy(heads), copy.deepcopy(heads)
-            head = a.known_head()
-            plan = b.plan(churn_store.core.meta, 1)
-            if head is not None:
-                fast += 1
-                assert plan.keys == [head]
-                a.took_head(head)
-                b.taken(plan)
-                assert _level_state(a) == _level_state(b)
-            m = q.pop()
-            if m is not None:
-                leased.append(m)
-        elif leased:
-            m = leased.pop(rnd.randrange(len(leased)))
-            q.nack(m) if rnd.random() < 0.5 else q.ack(m)
+
+    def pop(q: qstore.Queue, rnd: random.Random) -> list[qstore.Message]:
+        nonlocal fast
+        a, b = copy.deepcopy(q._q.heads), copy.deepcopy(q._q.heads)
+        head = a.known_head()
+        plan = b.plan(churn_store.core.meta, 1)
+        if head is not None:
+            fast += 1
+            assert plan.keys == [head]
+            a.took_head(head)
+            b.taken(plan)
+            assert _level_state(a) == _level_state(b)
+        m = q.pop()
+        return [] if m is None else [m]
+
+    _churn(churn_store, seed, 3000, lambda q, rnd: q.push(b"x", priority=rnd.randrange(4)), pop)
     assert fast > 500  # the fast path is the common one
 
 
@@ -274,29 +284,24 @@ def test_taking_runs_of_known_keys_matches_taking_them_one_by_one(
     # taken() moves past a plan made only of known keys one level at a time;
     # the same plan taken key by key (as a plan with returns or seeks is) must
     # leave the same knowledge. Checked before every batch pop of a random
-    # workload with small known-key caps, so both branches are exercised.
-    rnd = random.Random(seed)
-    q = churn_store.create_queue("q")
-    leased: list[qstore.Message] = []
+    # workload whose nacks put returns in the plans now and then.
     bulk = 0
-    for _ in range(1500):
-        op = rnd.random()
-        if op < 0.45:
-            q.push_many([(b"x", rnd.randrange(4)) for _ in range(rnd.randrange(1, 30))])
-        elif op < 0.85:
-            n = rnd.randrange(1, 40)
-            heads = q._q.heads
-            a, b = copy.deepcopy(heads), copy.deepcopy(heads)
-            plan_a = a.plan(churn_store.core.meta, n)
-            plan_b = b.plan(churn_store.core.meta, n)
-            assert plan_a.keys == plan_b.keys
-            bulk += not plan_a.mixed
-            a.taken(plan_a)
-            plan_b.mixed = True  # the key-by-key way
-            b.taken(plan_b)
-            assert _level_state(a) == _level_state(b)
-            leased.extend(q.pop_many(n, lease=60.0))
-        elif leased:
-            m = leased.pop(rnd.randrange(len(leased)))
-            q.nack(m) if rnd.random() < 0.5 else q.ack(m)
+
+    def pop(q: qstore.Queue, rnd: random.Random) -> list[qstore.Message]:
+        nonlocal bulk
+        n = rnd.randrange(1, 40)
+        a, b = copy.deepcopy(q._q.heads), copy.deepcopy(q._q.heads)
+        plan_a = a.plan(churn_store.core.meta, n)
+        plan_b = b.plan(churn_store.core.meta, n)
+        assert plan_a.keys == plan_b.keys
+        bulk += not plan_a.mixed
+        a.taken(plan_a)
+        plan_b.mixed = True  # the key-by-key way
+        b.taken(plan_b)
+        assert _level_state(a) == _level_state(b)
+        return q.pop_many(n, lease=60.0)
+
+    _churn(churn_store, seed, 1500,
+           lambda q, rnd: q.push_many([(b"x", rnd.randrange(4))
+                                       for _ in range(rnd.randrange(1, 30))]), pop)
     assert bulk > 100
