@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,3 +74,26 @@ def running(store: str, *args: str) -> Iterator[ServerProcess]:
         yield server
     finally:
         server.kill()
+
+
+def raw_socket(address: str) -> socket.socket:
+    """A plain connection to a unix-socket server, for sending bytes by hand."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(address[len("unix://"):])  # blocking: waits while the accept backlog is full
+    return s
+
+
+def send_junk(address: str, data: bytes) -> None:
+    """Send ``data`` on a connection of its own, close the sending side, and
+    read whatever the server answers until it closes (its errors included)."""
+    s = raw_socket(address)
+    try:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        while s.recv(65536):
+            pass
+    except OSError:
+        pass
+    finally:
+        s.close()

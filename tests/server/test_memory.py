@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import qstore
 
-from ._support import ServerProcess, running
+from ._support import ServerProcess, raw_socket, running, send_junk
 
 PAYLOAD_LIMIT = 64 * 1024
 FRAME_LIMIT = PAYLOAD_LIMIT + 1024 * 1024  # what --max-payload-bytes 65536 gives
@@ -30,13 +30,6 @@ def _rss(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
-
-
-def _raw(address: str) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(address[len("unix://"):])  # blocking: waits while the accept backlog is full
-    s.settimeout(10)
-    return s
 
 
 def _frame(value: Any) -> bytes:
@@ -72,17 +65,17 @@ def _closed_by_server(s: socket.socket) -> bool:
 
 def _abuse(address: str) -> list[socket.socket]:
     """Open connections that hold memory if anything does; returns those left open."""
-    held = [_raw(address) for _ in range(200)]  # idle, never say hello
+    held = [raw_socket(address) for _ in range(200)]  # idle, never say hello
     for _ in range(40):  # greeted, then a frame cut off after 256 KiB of its 1 MiB
-        s = _raw(address)
+        s = raw_socket(address)
         s.sendall(HELLO + struct.pack(">I", FRAME_LIMIT - 16) + b"\x00" * (256 * 1024))
         held.append(s)
     for _ in range(20):  # a 1 MiB frame before the handshake: over the 64 KiB hello cap
-        s = _raw(address)
+        s = raw_socket(address)
         s.sendall(struct.pack(">I", MiB) + b"\x00" * 1024)
         assert _closed_by_server(s)
     for _ in range(20):  # oversized after the handshake
-        s = _raw(address)
+        s = raw_socket(address)
         s.sendall(HELLO + struct.pack(">I", FRAME_LIMIT + 1))
         assert _closed_by_server(s)
     return held
@@ -102,16 +95,7 @@ def _fuzz(address: str) -> None:
     @settings(max_examples=150, deadline=None, database=None)
     @given(frames=JUNK, hello=st.booleans())
     def one(frames: list[bytes], hello: bool) -> None:
-        s = _raw(address)
-        try:
-            s.sendall((HELLO if hello else b"") + b"".join(frames))
-            s.shutdown(socket.SHUT_WR)
-            while s.recv(65536):
-                pass
-        except OSError:
-            pass
-        finally:
-            s.close()
+        send_junk(address, (HELLO if hello else b"") + b"".join(frames))
     one()
 
 
@@ -142,7 +126,7 @@ def test_rss_stays_bounded_under_abusive_connections_and_the_server_keeps_servin
 
 def test_max_payload_bytes_sets_the_payload_and_frame_limits(tmp_path: Any) -> None:
     with running(str(tmp_path / "s"), "--max-payload-bytes", str(PAYLOAD_LIMIT)) as srv:
-        s = _raw(srv.address)
+        s = raw_socket(srv.address)
         s.sendall(HELLO)
         head = s.recv(4, socket.MSG_WAITALL)
         welcome = msgpack.unpackb(s.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL))

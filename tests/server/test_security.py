@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import qstore
 
-from ._support import ServerProcess, running
+from ._support import ServerProcess, raw_socket, running, send_junk
 
 
 def _token_file(tmp_path: Any) -> str:
@@ -69,13 +69,6 @@ def test_tls_round_trip_with_a_throwaway_certificate(tmp_path: Any) -> None:
             qstore.connect(srv.address, tls=ssl.create_default_context(), timeout=5.0)
 
 
-def _raw(address: str) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(10)
-    s.connect(address[len("unix://"):])
-    return s
-
-
 def _frame(value: Any) -> bytes:
     body = msgpack.packb(value, use_bin_type=True)
     return struct.pack(">I", len(body)) + body
@@ -99,20 +92,20 @@ def test_oversized_malformed_and_unauthenticated_frames_close_only_that_connecti
         server: ServerProcess) -> None:
     with qstore.connect(server.address) as good:
         q = good.create_queue("q")
-        bad = _raw(server.address)
+        bad = raw_socket(server.address)
         bad.sendall(struct.pack(">I", 2**31))  # oversized
         assert _closed_with_error(bad)[2][0] == "ProtocolError"
-        bad = _raw(server.address)
+        bad = raw_socket(server.address)
         bad.sendall(_frame([1, "push", {"queue": "q", "payload": b"x"}]))  # no handshake
         assert _closed_with_error(bad)[2][0] == "ProtocolError"
-        bad = _raw(server.address)
+        bad = raw_socket(server.address)
         bad.sendall(_frame({"qstore": 1}) + b"\x00\x00\x00\x02\xc1\xc1")  # malformed body
         error = _closed_with_error(bad)
         assert error[0] == 0 and error[2][0] == "ProtocolError"
-        bad = _raw(server.address)
+        bad = raw_socket(server.address)
         bad.sendall(_frame({"qstore": 99}))  # unknown version
         assert "version" in _closed_with_error(bad)[2][1]
-        bad = _raw(server.address)
+        bad = raw_socket(server.address)
         bad.sendall(b"\x00\x00\x01\x00abc")  # truncated, then gone
         bad.close()
         q.push(b"fine")
@@ -120,7 +113,7 @@ def test_oversized_malformed_and_unauthenticated_frames_close_only_that_connecti
 
 
 def test_many_idle_connections_do_not_block_a_working_client(server: ServerProcess) -> None:
-    idle = [_raw(server.address) for _ in range(100)]
+    idle = [raw_socket(server.address) for _ in range(100)]
     try:
         with qstore.connect(server.address) as client:
             q = client.create_queue("q")
@@ -142,16 +135,7 @@ def test_many_idle_connections_do_not_block_a_working_client(server: ServerProce
 ), handshake=st.booleans())
 def test_fuzzed_frames_never_harm_the_server(server: ServerProcess, junk: bytes,
                                              handshake: bool) -> None:
-    s = _raw(server.address)
-    try:
-        s.sendall((_frame({"qstore": 1}) if handshake else b"") + junk)
-        s.shutdown(socket.SHUT_WR)
-        while s.recv(65536):
-            pass
-    except OSError:
-        pass
-    finally:
-        s.close()
+    send_junk(server.address, (_frame({"qstore": 1}) if handshake else b"") + junk)
     with qstore.connect(server.address) as client:
         q = client.create_queue("fz", exist_ok=True)
         q.push(b"alive")
