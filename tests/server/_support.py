@@ -79,8 +79,10 @@ def running(store: str, *args: str) -> Iterator[ServerProcess]:
 def raw_socket(address: str) -> socket.socket:
     """A plain connection to a unix-socket server, for sending bytes by hand."""
     s = socket.socket(socket.AF_UNIX)
+    # Blocking, no timeout: a unix socket with a timeout fails with EAGAIN at
+    # once when the server's accept backlog is full, instead of waiting.
+    s.connect(address[len("unix://"):])
     s.settimeout(10)
-    s.connect(address[len("unix://"):])  # blocking: waits while the accept backlog is full
     return s
 
 
