@@ -79,8 +79,16 @@ demo: $(STAMP) $(JAVA_STAMP)
 # The harness lives in tools/bench, outside the installed package:
 # `make bench BENCH_ARGS=--quick` for a run of under a minute (docs/benchmarks.md).
 BENCH_ARGS ?=
+# The commit that added TTL, aging and rate limits (contract section 10): their
+# cost to a queue that uses none of them is measured against its parent.
+FEATURES_COMMIT := f21cc8a
+
 bench: $(STAMP) beanstalkd
 	PYTHONPATH=tools $(PY) -m bench $(BENCH_ARGS)
+	$(PY) tools/feature_overhead.py git:$(FEATURES_COMMIT)^ git:$(FEATURES_COMMIT) --rounds 8 \
+		--label "the features' commit against its parent"
+	$(PY) tools/feature_overhead.py git:$(FEATURES_COMMIT)^ . --rounds 8 \
+		--label "this tree against the commit before the features"
 
 crash: $(STAMP)
 	$(PY) tools/crash.py --kills 300

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+import feature_overhead
 from bench import _peers, _results, _runner, _scaling, _spark, _targets, run
 from bench._plan import MODES
 
@@ -143,3 +144,16 @@ def test_server_targets_prefer_the_median_of_per_repeat_ratios() -> None:
                {"name": "server.ratio.pop_ack", "value": 0.4}]
     got = {t["id"]: t for t in _targets.evaluate([], metrics, dataclasses.asdict(MODES["quick"]))}
     assert got["server-pop"]["measured"] == 0.4 and got["server-pop"]["status"] == "missed"
+
+
+def test_feature_overhead_extracts_a_commit_or_skips(tmp_path: Any,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    if os.system("git -C . rev-parse --verify -q HEAD >/dev/null 2>&1") != 0:
+        pytest.skip("not a git checkout: make bench skips the comparison the same way")
+    out = feature_overhead.tree("git:HEAD", str(tmp_path))
+    assert out is not None
+    assert os.path.isfile(os.path.join(out, "qstore", "__init__.py"))
+    assert os.path.isfile(os.path.join(out, "qstore", "_core.py"))
+    assert feature_overhead.tree("git:no-such-revision", str(tmp_path)) is None
+    assert "skipped" in capsys.readouterr().out
+    assert feature_overhead.tree(str(tmp_path), str(tmp_path)) == str(tmp_path)  # a directory

@@ -2,9 +2,12 @@
 
     python tools/feature_overhead.py OLD_TREE NEW_TREE [--rounds 12] [--n 20000]
 
-Each tree is a directory holding a ``qstore`` package (for example a
-``git archive`` of the commit before the section 10 features, and this
-worktree). Rounds alternate the two trees (ABBA order), each in a fresh
+Each tree is a directory holding a ``qstore`` package, or ``git:REV`` for
+the ``qstore`` package of a commit of this repository (extracted with ``git
+archive``; without git or that commit the comparison is skipped, exit 0).
+``make bench`` runs it twice: the commit that added the section 10 features
+against its parent (the features' own cost), and this tree against that
+parent. Rounds alternate the two trees (ABBA order), each in a fresh
 interpreter on a fresh store, so that the load of a shared machine falls on
 both alike; the result is the median time per operation of each and their
 ratio. The contract's budget: the features may not slow these paths by more
@@ -19,6 +22,9 @@ import os
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
+from io import BytesIO
 
 CHUNK = """
 import json, sys, tempfile, time, qstore
@@ -47,13 +53,43 @@ def run_chunk(tree: str, n: int) -> dict[str, float]:
     return json.loads(out)  # type: ignore[no-any-return]
 
 
+def tree(spec: str, scratch: str) -> str | None:
+    """The directory holding the ``qstore`` package ``spec`` names; None if git cannot say."""
+    if not spec.startswith("git:"):
+        return spec
+    rev = spec[len("git:"):]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        data = subprocess.run(["git", "-C", repo, "archive", rev, "qstore"], check=True,
+                              capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        print(f"feature overhead: skipped, no {rev} here ({exc})")
+        return None
+    out = os.path.join(scratch, rev.replace("/", "_").replace("^", "-parent"))
+    with tarfile.open(fileobj=BytesIO(data)) as tar:
+        tar.extractall(out, filter="data")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("old")
     ap.add_argument("new")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--n", type=int, default=20_000)
+    ap.add_argument("--label", default="", help="what the comparison is, printed first")
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        old, new = tree(args.old, scratch), tree(args.new, scratch)
+        if old is None or new is None:
+            return
+        args.old, args.new = old, new
+        compare(args)
+
+
+def compare(args: argparse.Namespace) -> None:
+    if args.label:
+        print(f"feature overhead, {args.label}:")
     times: dict[str, dict[str, list[float]]] = {
         t: {"push": [], "pop_ack": []} for t in ("old", "new")}
     for r in range(args.rounds):
