@@ -17,8 +17,9 @@ So the queue keeps, per priority *level* (one priority-key value):
   which is behind the frontier); they are taken from memory, no seek;
 - ``maybe``: keys may exist at or past the frontier;
 - ``known``: live keys at or past the frontier that this process committed
-  (pushes, returns, promotions), sorted: a prefix of the level from the
-  frontier on, so a pop takes them without a seek. ``exact`` says that
+  (pushes, returns, promotions) or read ahead (a seek reads up to
+  ``READ_AHEAD`` keys past the ones a pop wants), sorted: a prefix of the
+  level from the frontier on, so a pop takes them without a seek. ``exact`` says that
   ``known`` is the whole level past the frontier: it becomes true when a
   seek found the level drained, and false when a key could not be kept
   (the caps below); a level that is not exact seeks past its known keys.
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 RETURNS_CAP = 65_536
 LEVEL_CAP = 4_096
 KNOWN_CAP = 32_768  # known keys per queue, all levels together (about 1.5 MB)
+READ_AHEAD = 128  # keys a seek reads past the ones a pop wants, while under KNOWN_CAP
 _ID_BYTES = 8
 
 
@@ -286,14 +288,28 @@ class ReadyHeads:
                 if want and lv.exact:
                     plan.drained.append(lv.start)
                 elif want:
-                    if want == 1:  # a single pop: one seek, no list
+                    # Read ahead: the keys after the ones wanted are the level's next
+                    # live keys, so the pops after this one need no seek.
+                    ahead = READ_AHEAD if self.known_total + want + READ_AHEAD <= KNOWN_CAP else 0
+                    if want == 1 and not ahead:  # a single pop: one seek, no list
                         first = db.first_key(seek_from, lv.end)
                         found = [] if first is None else [first]
                     else:
-                        found = db.scan_keys(seek_from, lv.end, want)
-                    plan.keys.extend(found)
-                    if found:
-                        plan.mixed = True
+                        found = db.scan_keys(seek_from, lv.end, want + ahead)
+                    if ahead and found:
+                        # Consecutive live keys from where memory ended: known from
+                        # now on, the ones taken included (taken() passes them).
+                        known.extend(found)
+                        self.known_total += len(found)
+                        take = found[:want]
+                        plan.keys.extend(take)
+                        plan.known_runs.append((lv, len(take)))
+                        if len(found) < want + ahead:
+                            lv.exact = True  # the scan reached the level's end
+                    else:
+                        plan.keys.extend(found)
+                        if found:
+                            plan.mixed = True
                     if len(found) < want:
                         plan.drained.append(lv.start)
             i += 1

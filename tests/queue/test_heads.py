@@ -305,3 +305,37 @@ def test_taking_runs_of_known_keys_matches_taking_them_one_by_one(
            lambda q, rnd: q.push_many([(b"x", rnd.randrange(4))
                                        for _ in range(rnd.randrange(1, 30))]), pop)
     assert bulk > 100
+
+
+def test_pops_of_a_backlog_this_process_did_not_push_read_ahead(store_path: str,
+                                                                 clock: FakeClock) -> None:
+    # After a reopen no key is known: the first pop of a level seeks and reads
+    # the next READ_AHEAD keys too, so the pops after it need no seek.
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        q = s.create_queue("q")
+        ids = q.push_many([(b"m%d" % i, i % 3) for i in range(2000)])
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        q = s.queue("q")
+        meta = s.core.meta
+        reads: list[bytes] = []
+        scan_keys, first_key = meta.scan_keys, meta.first_key
+
+        def logged_scan(lo: bytes, hi: bytes, limit: int | None = None) -> list[bytes]:
+            reads.append(lo)
+            return scan_keys(lo, hi, limit)
+
+        def logged_first(lo: bytes, hi: bytes) -> bytes | None:
+            reads.append(lo)
+            return first_key(lo, hi)
+
+        meta.scan_keys = logged_scan  # type: ignore[method-assign]
+        meta.first_key = logged_first  # type: ignore[method-assign]
+        popped = [q.pop(lease=60.0) for _ in range(1000)]
+        popped += q.pop_many(1000, lease=60.0)
+        assert q.pop(lease=60.0) is None
+        got = [m.id for m in popped if m is not None]
+        # max order: priority 2 first, then 1, then 0, each level in push order
+        assert got == sorted(ids, key=lambda i: (-(ids.index(i) % 3), i))
+        levels = 3
+        assert len(reads) <= 2000 // _heads.READ_AHEAD + 4 * levels  # not one seek a pop
+        assert s.check().ok
