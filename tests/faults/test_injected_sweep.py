@@ -1,17 +1,20 @@
 """Fail the Nth file call of an operation, once and persistently, for every N (SQLite style).
 
-For each operation the calls it makes are counted on a healthy run; then for
-every N the Nth call fails (ENOSPC or EIO). The operation must raise
-StorageError or succeed (a retried call), never a raw OSError; once the fault
-is gone the store checks clean, every message whose push returned reads back,
-and new writes succeed, in the same process.
+For each operation (push, push_many, rotation, seal, compaction, snapshot)
+the calls it makes are counted on a healthy run; then for every N the Nth
+call fails (ENOSPC or EIO). The operation must raise StorageError or succeed
+(a retried call), never a raw OSError; once the fault is gone the store
+checks clean at once (not only after a reopen), every message whose push
+returned reads back, no message acked before the fault comes back, and new
+writes and a compaction pass succeed, in the same process.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
+import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -20,113 +23,207 @@ from qstore._fs import calls
 
 from ._inject import NAMES, FaultyCalls
 
-Op = Callable[[qstore.Store, dict[int, bytes]], None]
+
+@dataclass
+class Prepared:
+    """A store before the operation: what must read back, and what was acked."""
+
+    store: qstore.Store
+    kept: dict[tuple[str, int], bytes] = field(default_factory=dict)
+    acked: set[tuple[str, int]] = field(default_factory=set)
+    snapshot: str = ""  # where the snapshot operation writes
 
 
-def _push(store: qstore.Store, kept: dict[int, bytes]) -> None:
-    # Three pushes: a push into reserved space copies into the segment's map and
-    # makes no file call; these also reserve space (fallocate, a new map).
-    q = store.queue("q")
-    for i in range(3):
-        body = b"one %d" % i * 30
-        kept[q.push(body)] = body
+Op = Callable[[Prepared], None]
 
 
-def _rotation(store: qstore.Store, kept: dict[int, bytes]) -> None:
-    q = store.queue("q")
-    for i in range(6):
-        body = b"rot %d" % i * 40
-        kept[q.push(body)] = body
+def _open(path: str) -> qstore.Store:
+    return qstore.open(path, compactor=False, segment_max_bytes=512)
 
 
-# Compaction and snapshot are not swept yet: a failed unlink of a dead segment
-# leaves an orphan the check reports until the next open, and the snapshot's
-# os.link and checkpoint errors are not yet wrapped. push_many: a batch that
-# rotated and then failed leaves a segment of unreferenced records that the
-# check reports as an orphan until the next open removes it (docs/faults.md).
-OPS: dict[str, Op] = {"push": _push, "rotation": _rotation}
-
-
-def _prepared(path: str) -> tuple[qstore.Store, dict[int, bytes]]:
-    store = qstore.open(path, compactor=False, segment_max_bytes=512)
-    q = store.create_queue("q")
-    kept = {}
+def _mixed(path: str) -> Prepared:
+    """Queue ``q`` in three sealed segments and the active one, every other message acked."""
+    p = Prepared(_open(path), snapshot=path + "-snap")
+    q = p.store.create_queue("q")
     for i in range(12):
-        mid = q.push(b"base %02d" % i * 10)
+        body = b"base %02d" % i * 10
+        p.kept[("q", q.push(body))] = body
         if i % 2:
             m = q.pop()
             assert m is not None
             q.ack(m)
-        else:
-            kept[mid] = b"base %02d" % i * 10
-    # pops took the oldest: keep the map in line with what is still there
-    kept = {m: b for m, b in kept.items() if _exists(q, m)}
-    return store, kept
+            p.acked.add(("q", m.id))
+            del p.kept[("q", m.id)]
+    return p
 
 
-def _exists(q: qstore.Queue, mid: int) -> bool:
-    try:
-        q.get(mid)
-    except qstore.MessageNotFound:
-        return False
-    return True
+def _live_sealed(path: str) -> Prepared:
+    """Sealed segments half garbage (queue ``j`` acked), so a pass copies live records.
+
+    ``q`` and ``j`` messages alternate in every segment; all of ``j`` is acked.
+    """
+    p = Prepared(_open(path))
+    q, j = p.store.create_queue("q"), p.store.create_queue("j")
+    for i in range(14):
+        body = b"live %02d" % i * 8
+        p.kept[("q", q.push(body))] = body
+        j.push(b"junk %02d" % i * 8)
+        m = j.pop()
+        assert m is not None
+        j.ack(m)
+        p.acked.add(("j", m.id))
+    sealed = [s for s in p.store.stats().segments if not s.active]
+    assert len(sealed) >= 2 and all(s.live_count > 0 for s in sealed)
+    return p
 
 
-def _calls_of(op: Op, path: str, monkeypatch: pytest.MonkeyPatch) -> int:
+def _dead_active(path: str) -> Prepared:
+    """Sealed segments all live; the active segment holds one record, acked: worth sealing."""
+    p = Prepared(_open(path))
+    q, j = p.store.create_queue("q"), p.store.create_queue("j")
+    for i in range(8):
+        body = b"kept %02d" % i * 10
+        p.kept[("q", q.push(body))] = body
+    j.push(b"x" * 400)  # does not fit in the active segment: a segment of its own
+    m = j.pop()
+    assert m is not None
+    j.ack(m)
+    p.acked.add(("j", m.id))
+    return p
+
+
+def _push(p: Prepared) -> None:
+    # Three pushes: a push into reserved space copies into the segment's map and
+    # makes no file call; these also reserve space (fallocate, a new map).
+    q = p.store.queue("q")
+    for i in range(3):
+        body = b"one %d" % i * 30
+        p.kept[("q", q.push(body))] = body
+
+
+def _rotation(p: Prepared) -> None:
+    q = p.store.queue("q")
+    for i in range(6):
+        body = b"rot %d" % i * 40
+        p.kept[("q", q.push(body))] = body
+
+
+def _push_many(p: Prepared) -> None:
+    # Each batch is larger than a segment: it rotates twice. The first takes the
+    # hot path (ready messages), the second the general one (a delay).
+    q = p.store.queue("q")
+    bodies = [b"many %02d" % i * 20 for i in range(14)]
+    for mid, body in zip(q.push_many(bodies[:7]), bodies[:7], strict=True):
+        p.kept[("q", mid)] = body
+    for mid, body in zip(q.push_many(bodies[7:], delay=0.0), bodies[7:], strict=True):
+        p.kept[("q", mid)] = body
+
+
+def _seal(p: Prepared) -> None:
+    result = p.store.compact(threshold=0.9)  # only the dead active segment is worth it
+    assert result.sealed is not None and not result.segments_read
+
+
+def _compaction(p: Prepared) -> None:
+    result = p.store.compact(threshold=0.3)
+    assert result.segments_read and result.messages_moved
+
+
+def _snapshot(p: Prepared) -> None:
+    p.store.snapshot(p.snapshot)
+
+
+@dataclass(frozen=True)
+class Case:
+    op: Op
+    prepare: Callable[[str], Prepared]
+    # Whether writes through the active segment's writable map matter here.
+    maps: tuple[str, ...] = ("map",)
+
+
+CASES = {
+    "push": Case(_push, _mixed, ("map", "pwritev")),
+    "rotation": Case(_rotation, _mixed, ("map", "pwritev")),
+    "seal": Case(_seal, _dead_active),
+    "compaction": Case(_compaction, _live_sealed),
+}
+PARAMS = [(name, writes) for name, case in sorted(CASES.items()) for writes in case.maps]
+
+
+def _calls_of(case: Case, path: str, monkeypatch: pytest.MonkeyPatch) -> int:
     with monkeypatch.context() as mp:
         faults = FaultyCalls(mp)
-        store, kept = _prepared(path)
+        p = case.prepare(path)
         try:
             faults.counting()
-            op(store, kept)
+            case.op(p)
             return faults.count
         finally:
-            store.close()
+            p.store.close()
 
 
 def _no_map(fd: int, size: int) -> object:
     raise OSError(errno.ENODEV, "no writable map here")
 
 
+def _assert_intact(store: qstore.Store, p: Prepared) -> None:
+    for (name, mid), body in p.kept.items():
+        assert store.queue(name).get(mid).payload == body, (name, mid)
+    for name, mid in p.acked:  # acked before the fault: never comes back
+        with pytest.raises(qstore.MessageNotFound):
+            store.queue(name).get(mid)
+
+
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
-@pytest.mark.parametrize("name", sorted(OPS))
-@pytest.mark.parametrize("writes", ["map", "pwritev"])
+@pytest.mark.parametrize(("name", "writes"), PARAMS)
 def test_every_failed_file_call_raises_storage_error_and_loses_nothing(
         tmp_path: object, monkeypatch: pytest.MonkeyPatch, name: str, err: int,
         writes: str) -> None:
     if writes == "pwritev":  # a file system without writable maps: every append is a call
         monkeypatch.setattr(calls, "mmap_write", _no_map)
-    op = OPS[name]
-    total = _calls_of(op, f"{tmp_path}/count", monkeypatch)
+    case = CASES[name]
+    total = _calls_of(case, f"{tmp_path}/count", monkeypatch)
     assert total >= 1
     injected = 0
-    for n in range(1, min(total, 40) + 1):
+    for n in range(1, min(total, 60) + 1):
         for persistent in (False, True):
             path = f"{tmp_path}/s{n}{'p' if persistent else 'o'}"
             with monkeypatch.context() as mp:
                 # A persistent fault spares unlink: removing a file frees space, and
-                # a failed one is cleaned at the next open (test_silent_loss).
+                # a failed one is retried (compaction) or cleaned at the next open.
                 names = tuple(c for c in NAMES if not (persistent and c == "unlink"))
                 faults = FaultyCalls(mp, names=names, err=err)
-                store, kept = _prepared(path)
+                p = case.prepare(path)
+                store = p.store
                 try:
                     faults.arm(n, persistent=persistent)
-                    attempt: dict[int, bytes] = {}
-                    with contextlib.suppress(qstore.StorageError):
-                        op(store, attempt)
-                    kept.update(attempt)  # what returned an id was committed
+                    before = dict(p.kept)
+                    failed = False
+                    try:
+                        case.op(p)  # what returned an id was committed: p.kept has it
+                    except qstore.StorageError as exc:
+                        failed = True
+                        assert exc.errno == err, exc
                     injected += bool(faults.failed)
                     faults.heal()
+                    where = (n, persistent, faults.failed)
                     report = store.check()
-                    assert report.ok, (n, persistent, report.summary())
+                    assert report.ok, (where, report.summary())
+                    if name == "snapshot" and failed:
+                        assert not os.path.exists(p.snapshot), where
+                    elif name == "snapshot":
+                        assert os.path.exists(os.path.join(p.snapshot, "MANIFEST.json"))
+                    assert set(before) <= set(p.kept)
+                    _assert_intact(store, p)
                     q = store.queue("q")
-                    for mid, body in kept.items():
-                        assert q.get(mid).payload == body
-                    kept[q.push(b"after the fault")] = b"after the fault"
+                    p.kept[("q", q.push(b"after the fault"))] = b"after the fault"
+                    store.compact(threshold=0.0)
+                    assert store.check().ok, where
+                    _assert_intact(store, p)
                 finally:
                     store.close()
             with qstore.open(path, compactor=False) as again:
-                q = again.queue("q")
-                assert {m: q.get(m).payload for m in kept} == kept
+                _assert_intact(again, p)
                 assert again.check().ok
     assert injected >= 1
+
