@@ -146,6 +146,7 @@ CASES = {
     "rotation": Case(_rotation, _mixed, ("map", "pwritev")),
     "seal": Case(_seal, _dead_active),
     "compaction": Case(_compaction, _live_sealed),
+    "snapshot": Case(_snapshot, _mixed),
 }
 PARAMS = [(name, writes) for name, case in sorted(CASES.items()) for writes in case.maps]
 
@@ -227,3 +228,22 @@ def test_every_failed_file_call_raises_storage_error_and_loses_nothing(
                 assert again.check().ok
     assert injected >= 1
 
+
+
+def test_a_failed_snapshot_into_an_empty_directory_leaves_it_empty(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = _mixed(f"{tmp_path}/store")
+    dest = f"{tmp_path}/snap"
+    os.mkdir(dest)
+    try:
+        faults = FaultyCalls(monkeypatch, names=("link",), err=errno.EXDEV)
+        faults.arm(2)  # the checkpoint and one segment's link are written by then
+        with pytest.raises(qstore.StorageError, match="hard-link") as raised:
+            p.store.snapshot(dest)
+        assert raised.value.errno == errno.EXDEV
+        assert os.path.isdir(dest) and os.listdir(dest) == []
+        faults.heal()
+        p.store.snapshot(dest)  # the same destination works once the fault is gone
+        assert os.path.exists(os.path.join(dest, "MANIFEST.json"))
+    finally:
+        p.store.close()
