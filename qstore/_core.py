@@ -16,6 +16,7 @@ number read-only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -615,7 +616,45 @@ class Core:
         if not bodies:
             return []
         now = self.clock()  # before the append: a clock that fails leaves nothing behind
-        refs = self.payload.append_many(bodies)
+        with self.appending_batch() as started:
+            refs = self.payload.append_many(bodies, started)
+            return self._commit_ready(q, refs, prios, now)
+
+    @contextlib.contextmanager
+    def appending_batch(self) -> Iterator[list[int]]:
+        """Around a batch's ``payload.append_many(bodies, started)`` and its commit (lock held).
+
+        A batch larger than the room left rotates the active segment, once or
+        more. If it then fails (a file call, the metadata write), the segments
+        it sealed may hold nothing but its uncommitted records, with no ``S``
+        record: orphans to the check, kept until a pass or the next open. Those
+        are removed here at once. A segment with an ``S`` record is kept (its
+        records that the batch left are counted as garbage, as for a failed
+        single push), and so is the active one.
+        """
+        before = self.payload.active_id
+        started: list[int] = []
+        try:
+            yield started
+        except BaseException:
+            active = self.payload.active_id
+            dead = [fid for fid in (before, *started)
+                    if fid is not None and fid != active and fid not in self.segments]
+            if dead:
+                try:
+                    self.payload.delete(dead)
+                except StorageError as exc:  # the batch's error is the one to report
+                    log.error("could not remove segments %s, which hold only the records "
+                              "of a failed batch: %s (the next compaction pass does)",
+                              dead, exc)
+                else:
+                    log.warning("removed segments %s: they held only the records of a "
+                                "failed batch", dead)
+            raise
+
+    def _commit_ready(self, q: QueueState, refs: list[PayloadRef],
+                      prios: Sequence[int | str], now: float) -> list[int]:
+        """push_ready's batch for the records at ``refs``, written, and memory in line."""
         batch = new_batch()
         put = batch.put
         n = len(refs)

@@ -388,12 +388,14 @@ class SegmentSet:
             raise storage_error(exc, "append") from exc
 
     @_os_errors("append")
-    def append_many(self, bodies: Sequence[bytes]) -> list[PayloadRef]:
+    def append_many(self, bodies: Sequence[bytes],
+                    started: list[int] | None = None) -> list[PayloadRef]:
         """Append each body as a record; a batch that fits is one pwritev per 512 records.
 
         The segment rotates before a record that would take it past
         ``segment_max_bytes``; a single record larger than that gets a segment
-        of its own.
+        of its own. ``started`` gets the id of each segment a rotation starts,
+        as it starts (so the caller knows them also when the call raises).
         """
         for body in bodies:
             self.check_size(body)
@@ -406,6 +408,8 @@ class SegmentSet:
                 nbytes = fmt.FRAME_SIZE + len(bodies[start])
                 if nbytes > room and not writer.empty:
                     writer = self._rotate_locked()
+                    if started is not None:
+                        started.append(writer.file_id)
                     continue
                 stop = start + 1
                 while stop < len(bodies) and nbytes + fmt.FRAME_SIZE + len(bodies[stop]) <= room:
