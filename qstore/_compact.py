@@ -198,7 +198,9 @@ class Compactor:
             try:
                 return self._run(threshold, max_bytes, progress)
             except OSError as exc:  # the pass rolled back or stopped where it was safe to
-                raise StorageError(f"compaction pass failed: {exc}") from exc
+                err = StorageError(f"compaction pass failed: {exc}")
+                err.errno = exc.errno
+                raise err from exc
             finally:
                 self._pass_owner = None
 

@@ -43,7 +43,7 @@ from ._rate import TokenBucket
 from ._reserve import SpaceReserve, free_bytes
 from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts, plain_push
 from .meta import Batch, MetaDB, keys, new_batch, records, space_to_open, write_sst
-from .payload import FRAME_SIZE, PayloadRef, SegmentSet, parse_segment_name, viewing
+from .payload import FRAME_SIZE, HEADER_SIZE, PayloadRef, SegmentSet, parse_segment_name, viewing
 
 log = logging.getLogger("qstore")
 
@@ -628,18 +628,22 @@ class Core:
         more. If it then fails (a file call, the metadata write), the segments
         it sealed may hold nothing but its uncommitted records, with no ``S``
         record: orphans to the check, kept until a pass or the next open. Those
-        are removed here at once. A segment with an ``S`` record is kept (its
-        records that the batch left are counted as garbage, as for a failed
-        single push), and so is the active one.
+        are removed here at once: the segments the batch started, and the one
+        active before it if the batch's records were its first. Any other is
+        kept: one with an ``S`` record counts the batch's records as garbage (as
+        for a failed single push), and a payload is never deleted unless it is
+        known to hold only records no commit referred to.
         """
         before = self.payload.active_id
+        ours = [] if before is None or self.payload.segment_size(before) > HEADER_SIZE \
+            else [before]
         started: list[int] = []
         try:
             yield started
         except BaseException:
             active = self.payload.active_id
-            dead = [fid for fid in (before, *started)
-                    if fid is not None and fid != active and fid not in self.segments]
+            dead = [fid for fid in (*ours, *started)
+                    if fid != active and fid not in self.segments]
             if dead:
                 try:
                     self.payload.delete(dead)

@@ -317,3 +317,25 @@ def test_a_failed_snapshot_into_an_empty_directory_leaves_it_empty(
         assert os.path.exists(os.path.join(dest, "MANIFEST.json"))
     finally:
         p.store.close()
+
+
+def test_a_failed_first_batch_leaves_no_segment_of_its_records(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fresh store: the batch's records are the first in the active segment,
+    # which the batch seals by rotating before its last write fails.
+    store = _open(f"{tmp_path}/s")
+    try:
+        q = store.create_queue("q")
+        faults = FaultyCalls(monkeypatch, names=("pwritev",), err=errno.EIO)
+        faults.arm(2)  # the write into the segment the rotation started
+        with pytest.raises(qstore.StorageError) as raised:
+            q.push_many([b"a" * 200, b"b" * 200, b"c" * 200])
+        assert raised.value.errno == errno.EIO
+        faults.heal()
+        assert store.check().ok
+        assert [s.active for s in store.stats().segments] == [True]
+        mid = q.push(b"after")
+        assert q.get(mid).payload == b"after"
+        assert store.check().ok
+    finally:
+        store.close()
