@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -197,7 +198,9 @@ class Compactor:
             try:
                 return self._run(threshold, max_bytes, progress)
             except OSError as exc:  # the pass rolled back or stopped where it was safe to
-                raise StorageError(f"compaction pass failed: {exc}") from exc
+                err = StorageError(f"compaction pass failed: {exc}")
+                err.errno = exc.errno
+                raise err from exc
             finally:
                 self._pass_owner = None
 
@@ -295,10 +298,38 @@ class Compactor:
                     # these. They stay (S records with nothing live) for the next pass.
                     return []
                 core.write_synced(deletes=[keys.segment_key(fid) for fid, _ in dead])
-                for fid, _ in dead:
-                    core.segments.pop(fid, None)
-                core.payload.delete(fid for fid, _ in dead)
+                accounts = {fid: core.segments.pop(fid, None) for fid, _ in dead}
+                try:
+                    core.payload.delete(fid for fid, _ in dead)
+                except StorageError:
+                    self._account_undeleted(accounts)
+                    raise
         return dead
+
+    def _account_undeleted(self, accounts: dict[int, list[int] | None]) -> None:
+        """Writer lock held: give the dead segments whose unlink failed their S records back.
+
+        With its S record (nothing live) such a file is accounted for, as any
+        dead segment waiting for a pass, rather than an orphan; the next pass
+        finds it dead again and retries the unlink (the payload keeps it listed).
+        """
+        core = self._core
+        left = set(core.payload.file_ids())
+        back = {}
+        for fid, old in accounts.items():
+            if fid in left:
+                back[fid] = [0, 0, old[2] if old else core.payload.segment_size(fid)]
+        if not back:
+            return
+        try:
+            core.write_synced([(keys.segment_key(fid), records.encode_segment(*seg))
+                               for fid, seg in back.items()])
+        except StorageError:
+            # Only the check's view suffers (an orphan until the next pass or open
+            # deletes it): the unlink's error is the one to report.
+            log.exception("could not record dead segments %s again", sorted(back))
+            return
+        core.segments.update(back)
 
     def _choose(self, threshold: float, max_bytes: int) -> list[int]:
         """Sources of this pass: carried over, or garbage >= threshold; oldest first."""
@@ -359,18 +390,20 @@ class Compactor:
         written = core.payload.segment_size(output)
         try:
             moved = self._repoint(live, refs, mapping, output, written, sources)
+            # Make the new references durable before the old bytes can go.
+            core.syncer.sync_now()
+            _step("repointed")
+            self._write_record(DELETING, output, sources)
+            _step("deleting")
+            deleted = self._delete_dead_segments()
         except Exception:
             # Messages may refer to the output now: keep it, stop here, and let
-            # the next pass finish moving what is left in the sources.
+            # the next pass finish moving what is left in the sources and delete
+            # them (a source is deleted only once nothing refers to it, and an
+            # unlink that failed is retried: see _delete_dead_segments).
             self._carry = list(sources)
             self._clear_record_quietly()
             raise
-        # Make the new references durable before the old bytes can go.
-        core.syncer.sync_now()
-        _step("repointed")
-        self._write_record(DELETING, output, sources)
-        _step("deleting")
-        deleted = self._delete_dead_segments()
         left = [fid for fid in sources if core.segments.get(fid, [0, 0])[1]]
         if left:  # cannot happen while pushes only target the active segment
             log.error("segments %s still hold live records after repointing; kept", left)
@@ -508,9 +541,17 @@ class Compactor:
     def _roll_back(self, output: int) -> None:
         """Undo a pass that failed before any message referred to its output."""
         core = self._core
-        with core.lock:
-            if output in core.payload.file_ids():
+        try:
+            with core.lock:
+                # By name, whether or not copy_live got as far as listing it.
                 core.payload.delete([output])
+        except StorageError as exc:  # the copy's error is the one to report
+            log.error("could not remove the output segment %d of a failed compaction "
+                      "pass: %s", output, exc)
+            if os.path.exists(core.payload.path_of(output)):
+                # The record ([copying, output]) stays: the check accepts the file
+                # and the next open discards it.
+                return
         self._clear_record_quietly()
 
 

@@ -16,6 +16,7 @@ number read-only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -42,7 +43,7 @@ from ._rate import TokenBucket
 from ._reserve import SpaceReserve, free_bytes
 from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts, plain_push
 from .meta import Batch, MetaDB, keys, new_batch, records, space_to_open, write_sst
-from .payload import FRAME_SIZE, PayloadRef, SegmentSet, parse_segment_name, viewing
+from .payload import FRAME_SIZE, HEADER_SIZE, PayloadRef, SegmentSet, parse_segment_name, viewing
 
 log = logging.getLogger("qstore")
 
@@ -615,7 +616,49 @@ class Core:
         if not bodies:
             return []
         now = self.clock()  # before the append: a clock that fails leaves nothing behind
-        refs = self.payload.append_many(bodies)
+        with self.appending_batch() as started:
+            refs = self.payload.append_many(bodies, started)
+            return self._commit_ready(q, refs, prios, now)
+
+    @contextlib.contextmanager
+    def appending_batch(self) -> Iterator[list[int]]:
+        """Around a batch's ``payload.append_many(bodies, started)`` and its commit (lock held).
+
+        A batch larger than the room left rotates the active segment, once or
+        more. If it then fails (a file call, the metadata write), the segments
+        it sealed may hold nothing but its uncommitted records, with no ``S``
+        record: orphans to the check, kept until a pass or the next open. Those
+        are removed here at once: the segments the batch started, and the one
+        active before it if the batch's records were its first. Any other is
+        kept: one with an ``S`` record counts the batch's records as garbage (as
+        for a failed single push), and a payload is never deleted unless it is
+        known to hold only records no commit referred to.
+        """
+        before = self.payload.active_id
+        ours = [] if before is None or self.payload.segment_size(before) > HEADER_SIZE \
+            else [before]
+        started: list[int] = []
+        try:
+            yield started
+        except BaseException:
+            active = self.payload.active_id
+            dead = [fid for fid in (*ours, *started)
+                    if fid != active and fid not in self.segments]
+            if dead:
+                try:
+                    self.payload.delete(dead)
+                except StorageError as exc:  # the batch's error is the one to report
+                    log.error("could not remove segments %s, which hold only the records "
+                              "of a failed batch: %s (the next compaction pass does)",
+                              dead, exc)
+                else:
+                    log.warning("removed segments %s: they held only the records of a "
+                                "failed batch", dead)
+            raise
+
+    def _commit_ready(self, q: QueueState, refs: list[PayloadRef],
+                      prios: Sequence[int | str], now: float) -> list[int]:
+        """push_ready's batch for the records at ``refs``, written, and memory in line."""
         batch = new_batch()
         put = batch.put
         n = len(refs)

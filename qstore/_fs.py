@@ -54,6 +54,7 @@ class FileCalls:
         self.truncate = os.truncate
         self.replace = os.replace
         self.unlink = os.unlink
+        self.link = os.link
         self.mmap = map_read
         self.mmap_write = map_write
 

@@ -310,17 +310,18 @@ class Queue:
                 fresh.append(i)
             if fresh:
                 now = core.clock()  # before the append: a bad time leaves nothing behind
-                refs = core.payload.append_many([bodies[i] for i in fresh])
-                txn = Txn()
-                default_ttl = q.rec.ttl
-                for i, ref in zip(fresh, refs, strict=True):
-                    prio, delay, digest, ttl = prepared[i]
-                    ids[i] = mid = core.alloc_id(txn)
-                    if ttl is None:
-                        ttl = default_ttl
-                    expires_us = 0 if ttl is None else keys.to_us(now + ttl)
-                    states.enqueue(txn, q, mid, ref, prio, delay, digest, now, expires_us)
-                core.commit(txn)
+                with core.appending_batch() as started:
+                    refs = core.payload.append_many([bodies[i] for i in fresh], started)
+                    txn = Txn()
+                    default_ttl = q.rec.ttl
+                    for i, ref in zip(fresh, refs, strict=True):
+                        prio, delay, digest, ttl = prepared[i]
+                        ids[i] = mid = core.alloc_id(txn)
+                        if ttl is None:
+                            ttl = default_ttl
+                        expires_us = 0 if ttl is None else keys.to_us(now + ttl)
+                        states.enqueue(txn, q, mid, ref, prio, delay, digest, now, expires_us)
+                    core.commit(txn)
             for i, j in dup_of.items():
                 ids[i] = ids[j]
         return ids

@@ -388,12 +388,14 @@ class SegmentSet:
             raise storage_error(exc, "append") from exc
 
     @_os_errors("append")
-    def append_many(self, bodies: Sequence[bytes]) -> list[PayloadRef]:
+    def append_many(self, bodies: Sequence[bytes],
+                    started: list[int] | None = None) -> list[PayloadRef]:
         """Append each body as a record; a batch that fits is one pwritev per 512 records.
 
         The segment rotates before a record that would take it past
         ``segment_max_bytes``; a single record larger than that gets a segment
-        of its own.
+        of its own. ``started`` gets the id of each segment a rotation starts,
+        as it starts (so the caller knows them also when the call raises).
         """
         for body in bodies:
             self.check_size(body)
@@ -406,6 +408,8 @@ class SegmentSet:
                 nbytes = fmt.FRAME_SIZE + len(bodies[start])
                 if nbytes > room and not writer.empty:
                     writer = self._rotate_locked()
+                    if started is not None:
+                        started.append(writer.file_id)
                     continue
                 stop = start + 1
                 while stop < len(bodies) and nbytes + fmt.FRAME_SIZE + len(bodies[stop]) <= room:
@@ -611,17 +615,19 @@ class SegmentSet:
             _write_pieces(out, pieces, progress)
             flusher.finish()
             out.finish()  # fsyncs and closes
+            fsync_dir(self.directory)
+            reader = SegmentReader(path, file_id)
         except BaseException:
             flusher.abandon()
             out.abandon()
-            fcalls.unlink(path)
+            with contextlib.suppress(OSError):  # the caller retries by name (delete)
+                fcalls.unlink(path)
             raise
         finally:
             pieces.clear()
             views.clear()
-        fsync_dir(self.directory)
         with self._lock:
-            self._readers[file_id] = SegmentReader(path, file_id)
+            self._readers[file_id] = reader
         return mapping
 
     def _source_view(
@@ -645,24 +651,35 @@ class SegmentSet:
 
     @_os_errors("delete")
     def delete(self, file_ids: Iterable[int]) -> None:
-        """Unlink sealed segments. Readers already holding one keep a valid map."""
+        """Unlink sealed segments. Readers already holding one keep a valid map.
+
+        Every id is tried; a segment whose unlink failed stays in the set (its
+        reader kept, listed by :meth:`file_ids`), so a later call can retry it,
+        and the first error is raised once the others are done.
+        """
         removed = False
+        failed: OSError | None = None
         ids = list(file_ids)
         with self._lock:
             # Check every id before unlinking any, so a bad call changes nothing.
             if self._writer is not None and self._writer.file_id in ids:
                 raise ValueError(f"cannot delete the active segment {self._writer.file_id}")
             for fid in ids:
-                reader = self._readers.pop(fid, None)
-                if reader is not None:
-                    reader.detach()
                 try:
                     fcalls.unlink(self._path(fid))
                     removed = True
                 except FileNotFoundError:
                     pass
+                except OSError as exc:
+                    failed = failed or exc
+                    continue
+                reader = self._readers.pop(fid, None)
+                if reader is not None:
+                    reader.detach()
         if removed:
             fsync_dir(self.directory)
+        if failed is not None:
+            raise failed
 
     # -- accounting -----------------------------------------------------------
 

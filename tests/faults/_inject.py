@@ -19,7 +19,7 @@ import pytest
 from qstore._fs import calls
 
 NAMES = ("open_fd", "write", "pwritev", "pwrite", "fsync", "fdatasync", "ftruncate",
-         "fallocate", "truncate", "replace", "unlink", "mmap", "mmap_write")
+         "fallocate", "truncate", "replace", "unlink", "link", "mmap", "mmap_write")
 
 
 class FaultyCalls:
