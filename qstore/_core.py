@@ -21,6 +21,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any
@@ -214,6 +215,10 @@ class Core:
         self.ready = ReadySignal(self.lock)  # notified when ready keys are added
         self.waiters = 0  # pops blocked in ready.wait (lock held to change it)
         self._sleep_time = sleep_time_of(config.clock, self.clock)  # see wait_until
+        # What a pop's wait is measured by: an injected clock decides its outcome;
+        # with the default wall clock, the monotonic one, so that a step of the
+        # wall clock (NTP, a resumed VM) neither stretches nor cuts a wait.
+        self.wait_clock = time.monotonic if config.clock is time.time else self.clock
         self.writing = Writing(self)
         self.closed = False
         # message key -> its record as last committed by this process (see commit):

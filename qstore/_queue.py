@@ -351,19 +351,23 @@ class Queue:
             got = self._pop_locked(n, lease)
             if got or not wait:
                 return got
-            # Measured by the store's clock, as tokens and due times are: with an
-            # injected clock the outcome is that clock's to decide (_waits.py).
-            deadline = core.clock() + wait
+            # Measured by core.wait_clock: an injected clock decides the outcome, as
+            # it does for tokens and due times (_waits.py).
+            wait_clock = core.wait_clock
+            deadline = wait_clock() + wait
             while True:
-                now = core.clock()
-                if got or now >= deadline or core.closed:
+                left = deadline - wait_clock()
+                if got or left <= 0 or core.closed:
                     return got
-                until = min(deadline, self._q.next_event_us / 1e6)
+                now = core.clock()
+                end = deadline if wait_clock is core.clock else now + left  # store clock
                 bucket = self._q.bucket
                 if bucket is not None and bucket.available(now) == 0:
                     # Nothing goes before a token: wake when one is due (on time, not
                     # by polling the store), whatever else falls due before.
-                    until = min(deadline, bucket.next_token_at(now))
+                    until = min(end, bucket.next_token_at(now))
+                else:
+                    until = min(end, self._q.next_event_us / 1e6)
                 core.wait_until(until)
                 if core.closed:  # close() woke us; the database may be gone already
                     return []

@@ -44,7 +44,8 @@ class TokenBucket:
         return 0.0 if missing <= 1e-9 else missing * self.per / self.capacity
 
     def next_token_at(self, now: float) -> float:
-        """The earliest time, from ``now`` on, at which :meth:`available` says 1 or more.
+        """When a whole token is there: ``now + wait_time(now)``, or the few floats
+        after it needed for :meth:`available` to say 1 there.
 
         ``now + wait_time(now)`` may fall a rounding error short of a whole token
         (times near 1.7e9 s are spaced 2.4e-7 s apart): a pop woken then would
