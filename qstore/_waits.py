@@ -21,7 +21,9 @@ through two optional methods:
 
 The default clock, ``time.time``, has neither: a blocked pop wakes when ready
 keys are added (push, nack, redrive, a promotion), when the store closes, or
-when its next due time comes.
+when its next due time comes; its deadline is measured by ``time.monotonic``
+(``Core.wait_clock``), so that a step of the wall clock neither stretches nor
+cuts a wait.
 """
 
 from __future__ import annotations
