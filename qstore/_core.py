@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any
@@ -42,6 +43,7 @@ from ._migrate import migrate_dedup
 from ._rate import TokenBucket
 from ._reserve import SpaceReserve, free_bytes
 from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts, plain_push
+from ._waits import sleep_time_of, watch
 from .meta import Batch, MetaDB, keys, new_batch, records, space_to_open, write_sst
 from .payload import FRAME_SIZE, HEADER_SIZE, PayloadRef, SegmentSet, parse_segment_name, viewing
 
@@ -213,6 +215,11 @@ class Core:
         self.lock = threading.RLock()
         self.ready = ReadySignal(self.lock)  # notified when ready keys are added
         self.waiters = 0  # pops blocked in ready.wait (lock held to change it)
+        self._sleep_time = sleep_time_of(config.clock, self.clock)  # see wait_until
+        # What a pop's wait is measured by: an injected clock decides its outcome;
+        # with the default wall clock, the monotonic one, so that a step of the
+        # wall clock (NTP, a resumed VM) neither stretches nor cuts a wait.
+        self.wait_clock = time.monotonic if config.clock is time.time else self.clock
         self.writing = Writing(self)
         self.closed = False
         # message key -> its record as last committed by this process (see commit):
@@ -256,6 +263,28 @@ class Core:
             self._drop_lost_tails()
             self.reserve.restore()
             self.syncer.start()
+        # Last: a clock that tells of its moves wakes the blocked pops (_waits.py).
+        self._unwatch_clock = watch(config.clock, self._clock_moved)
+
+    # -- waiting --------------------------------------------------------------
+
+    def wait_until(self, until: float) -> None:
+        """Block (writer lock held; let go meanwhile) until the store's clock reads
+        ``until``, ready keys are added, the store closes or a clock that tells of its
+        moves moves. The caller reads the clock again and decides (``_waits.py``)."""
+        seconds = self._sleep_time(until)
+        if seconds is not None and seconds <= 0:
+            return  # the clock jumped to ``until`` itself
+        self.waiters += 1
+        try:
+            self.ready.wait(seconds)
+        finally:
+            self.waiters -= 1
+
+    def _clock_moved(self) -> None:
+        with self.lock:
+            if self.waiters:
+                self.ready.notify_all()
 
     def _make_room(self, doing: str) -> bool:
         """Release the space reserve if the disk lacks what RocksDB needs for ``doing``.
@@ -1175,6 +1204,7 @@ class Core:
         fails; then a :class:`StorageError` is raised if something that returned
         could not be made durable (the payload fsync, the WAL sync).
         """
+        self._unwatch_clock()
         self.syncer.stop()
         with self.lock:
             error: StorageError | None = None

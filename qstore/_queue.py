@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -353,22 +352,24 @@ class Queue:
             got = self._pop_locked(n, lease)
             if got or not wait:
                 return got
-            deadline = time.monotonic() + wait
+            # Measured by core.wait_clock: an injected clock decides the outcome, as
+            # it does for tokens and due times (_waits.py).
+            wait_clock = core.wait_clock
+            deadline = wait_clock() + wait
             while True:
-                remaining = deadline - time.monotonic()
-                if got or remaining <= 0 or core.closed:
+                left = deadline - wait_clock()
+                if got or left <= 0 or core.closed:
                     return got
                 now = core.clock()
-                until_event = (self._q.next_event_us / 1e6) - now
+                end = deadline if wait_clock is core.clock else now + left  # store clock
                 bucket = self._q.bucket
                 if bucket is not None and bucket.available(now) == 0:
-                    # Wake when a token is due (on time, not by polling the store).
-                    until_event = bucket.wait_time(now)
-                core.waiters += 1
-                try:
-                    core.ready.wait(max(0.001, min(remaining, until_event)))
-                finally:
-                    core.waiters -= 1
+                    # Nothing goes before a token: wake when one is due (on time, not
+                    # by polling the store), whatever else falls due before.
+                    until = min(end, bucket.next_token_at(now))
+                else:
+                    until = min(end, self._q.next_event_us / 1e6)
+                core.wait_until(until)
                 if core.closed:  # close() woke us; the database may be gone already
                     return []
                 got = self._pop_locked(n, lease)

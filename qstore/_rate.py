@@ -9,6 +9,8 @@ clock itself, so tests drive it with a fake clock.
 
 from __future__ import annotations
 
+import math
+
 
 class TokenBucket:
     __slots__ = ("capacity", "per", "tokens", "at")
@@ -40,3 +42,23 @@ class TokenBucket:
         self._refill(now)
         missing = 1.0 - self.tokens
         return 0.0 if missing <= 1e-9 else missing * self.per / self.capacity
+
+    def next_token_at(self, now: float) -> float:
+        """When a whole token is there: ``now + wait_time(now)``, or the few floats
+        after it needed for :meth:`available` to say 1 there.
+
+        ``now + wait_time(now)`` may fall a rounding error short of a whole token
+        (times near 1.7e9 s are spaced 2.4e-7 s apart): a pop woken then would
+        find none and wait again for a time that rounds to ``now``. Stepping to
+        the next float until the refill reaches the token makes the wake-up exact.
+        """
+        self._refill(now)
+        if self.tokens + 1e-9 >= 1.0:
+            return now
+        t = now + self.wait_time(now)
+        for _ in range(64):  # a few steps at most; the bound only guards the loop
+            # the very sum _refill will make at t
+            if int(self.tokens + (t - self.at) * self.capacity / self.per + 1e-9) >= 1:
+                break
+            t = math.nextafter(t, math.inf)
+        return t

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -12,16 +14,55 @@ import qstore
 
 
 class FakeClock:
-    """A clock the test moves by hand: no test sleeps to let time pass."""
+    """A clock the test moves by hand: no test sleeps to let time pass.
 
-    def __init__(self, start: float = 1_700_000_000.0) -> None:
+    It takes part in the store's waits (qstore/_waits.py): a ``pop(wait=...)``
+    is measured by this clock, so on its own it blocks until something wakes it:
+    a push, or :meth:`advance` from another thread (the store subscribes to the
+    moves). With ``autojump`` it instead jumps to the time the store waits for,
+    and a wait's outcome is decided at once; ``jumps`` records each jump.
+    Assigning ``now`` moves it without waking anyone. :meth:`wait_blocks` lets a
+    test wait (for a thread, not for time) until pops have blocked on it.
+    """
+
+    def __init__(self, start: float = 1_700_000_000.0, *, autojump: bool = False) -> None:
         self.now = start
+        self.autojump = autojump
+        self.jumps: list[float] = []  # seconds of each autojump
+        self._subscribers: list[Callable[[], None]] = []
+        self._blocks = 0  # waits that blocked until woken (not autojump)
+        self._blocked = threading.Condition()
 
     def __call__(self) -> float:
         return self.now
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+        self._moved()
+
+    def _moved(self) -> None:
+        for callback in list(self._subscribers):
+            callback()
+
+    # -- the store's optional clock protocol (qstore/_waits.py) -------------------------
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        self._subscribers.append(callback)
+
+    def unsubscribe(self, callback: Callable[[], None]) -> None:
+        self._subscribers.remove(callback)
+
+    def deadline_to_sleep_time(self, deadline: float) -> float:
+        if not self.autojump:
+            with self._blocked:
+                self._blocks += 1
+                self._blocked.notify_all()
+            return math.inf  # it moves only when the test moves it
+        if deadline > self.now:
+            self.jumps.append(deadline - self.now)
+            self.now = deadline
+            self._moved()
+        return 0.0
 
 
 @pytest.fixture
@@ -50,3 +91,11 @@ def spark() -> Iterator[Any]:
                           extra={"spark.sql.shuffle.partitions": "2"})
     yield session
     session.stop()
+
+
+def wait_blocks(clock: FakeClock, n: int, timeout: float = 30.0) -> None:
+    """Return once ``n`` waits in all have blocked on ``clock`` (the waiting thread
+    holds the writer lock until it blocks: what the test does next comes after)."""
+    with clock._blocked:
+        assert clock._blocked.wait_for(lambda: clock._blocks >= n, timeout), \
+            f"{clock._blocks} of {n} waits blocked on the clock"

@@ -42,6 +42,12 @@ def test_nothing_is_lost_duplicated_or_held_twice_while_passes_run_back_to_back(
     backlog = threading.Event()  # consumers start behind, so passes have plenty to move
     passes: list[qstore.CompactionResult] = []
 
+    def release_waiters() -> None:
+        # Waits are measured by the injected clock, which moves only by hand: once
+        # the work is done (or a thread failed) the clock jumps to every deadline.
+        clock.autojump = True
+        clock.advance(0.0)
+
     def guard(work: Any) -> Any:
         def run(*args: Any) -> None:
             try:
@@ -49,6 +55,7 @@ def test_nothing_is_lost_duplicated_or_held_twice_while_passes_run_back_to_back(
             except BaseException as exc:  # reported by the test, not lost in the thread
                 errors.append(f"{work.__name__}: {exc!r}")
                 stop.set()
+                release_waiters()
         return run
 
     @guard
@@ -67,6 +74,7 @@ def test_nothing_is_lost_duplicated_or_held_twice_while_passes_run_back_to_back(
         while not stop.is_set():
             with lock:
                 if len(acked) == total:
+                    release_waiters()
                     return
             msgs = q.pop_many(rng.randint(1, 5), lease=3600.0, wait=0.01)
             with lock:

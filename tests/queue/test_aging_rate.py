@@ -120,24 +120,19 @@ def test_a_rate_limit_hands_out_tokens_over_time(store: qstore.Store, clock: Fak
 
 
 def test_a_rate_limited_pop_waits_for_its_token_not_for_the_store(store_path: str) -> None:
-    clock = FakeClock()
-    waits: list[float] = []
+    clock = FakeClock(autojump=True)  # jumps to each time the store waits for
     with qstore.open(store_path, clock=clock, compactor=False) as s:
         q = s.create_queue("q", rate=(1, 4.0))
-        q.push_many([b"a", b"b"])
+        q.push_many([b"a", b"b", b"c"])
         assert q.pop() is not None
-        cond = s.core.ready
-        real_wait = cond.wait
-
-        def wait(timeout: float | None = None) -> bool:
-            waits.append(timeout if timeout is not None else -1)
-            clock.advance(timeout or 0)  # the fake time passes as long as asked
-            return real_wait(0)
-
-        cond.wait = wait  # type: ignore[method-assign]
+        start = clock.now
         m = q.pop(wait=60)
         assert m is not None and m.payload == b"b"
-    assert waits == [pytest.approx(4.0)]
+        assert clock.jumps == [4.0] and clock.now == start + 4.0  # one wake-up, on time
+        assert q.pop(wait=3.0) is None  # the next token is 4 s away: the deadline first
+        assert clock.jumps == [4.0, 3.0]
+        assert [x.payload for x in q.pop_many(5, wait=60)] == [b"c"]  # 1 s later
+        assert clock.jumps == [4.0, 3.0, 1.0]
 
 
 def test_rate_bucket_arithmetic() -> None:

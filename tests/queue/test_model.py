@@ -15,11 +15,20 @@ plus one level per ``aging`` seconds since their push (up to ``aging_cap``),
 so every pop is compared with the model's aged priorities; a rate-limited
 queue's pops take tokens from a bucket refilled by the clock (full again
 after a reopen). ``stats().expired`` and the options are compared too, and
-``configure`` changes the TTL, ``on_expire`` and rate of a live queue.
+``configure`` changes the TTL, ``on_expire``, rate (or removes it) and aging
+(period and cap) of a live queue: levels already gained are kept, and a
+message gains more only once the new period gives it more than it has.
 
-Times are whole or half seconds, so that ``clock() + lease`` and its
-microsecond key round-trip exactly and the model can compare deadlines with
-``==``.
+``pop(wait=w)`` runs on the store's clock (qstore/_waits.py), here an
+autojump clock: each time the store waits it jumps to the time waited for. The
+model predicts the whole wait: the time the pop returns at (a token falls due
+within ``w``, then a message becomes ready: it returns one; else ``None`` at
+the deadline) and what it returns, settling the queue at each time the store
+wakes (the next token while the bucket is empty, else the queue's next event).
+
+Times are multiples of 1/8 s (rates whose tokens fall due at such times too),
+so that ``clock() + lease`` and its microsecond key round-trip exactly and the
+model can compare deadlines and token times with ``==``.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from fractions import Fraction
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -79,7 +88,10 @@ ttls = st.sampled_from([None] * 5 + [1, 2.5, 6, 20])
 on_expires = st.sampled_from(["drop", "dead"])
 agings = st.sampled_from([None, None, 1, 2.5, 4])
 aging_caps = st.sampled_from([None, None, 1, 3])
-rates = st.sampled_from([None, None, None, (1, 2.0), (2, 1.0), (3, 10.0)])
+# Token intervals (per / n) of 2, 0.5, 2 and 1/8 s: token times stay exact floats.
+RATES = [(1, 2.0), (2, 1.0), (3, 6.0), (4, 0.5)]
+rates = st.sampled_from([None, None, None, *RATES])
+waits = st.sampled_from([0.5, 1, 2, 3.5, 10, 40])
 # A clock move at the start of an operation, before any stats() call promotes what
 # became due: the operation itself must see expired leases and due delays.
 ticks = st.sampled_from([None] * 7 + ["event", "before", 1])
@@ -101,6 +113,7 @@ class Rec:
     expires: float | None = None  # when its TTL runs out (None: no TTL, or dead)
     reason: str | None = None  # "expired": a dead letter made by its TTL
     base: int | str = 0  # the pushed priority (``priority`` is the aged one)
+    aged: int = 0  # levels gained so far (kept when the aging options change)
 
 
 @dataclass
@@ -161,18 +174,26 @@ class ModelQueue:
         return k if self.opts.aging_cap is None else min(k, self.opts.aging_cap)
 
     def aged(self, rec: Rec, now: float) -> int:
+        """A ready message's priority at ``now``: levels are gained, never given back
+        (a longer period, a lower cap or no aging keep what was gained)."""
         assert isinstance(rec.base, int)
-        k = self.gain(rec, now)
+        k = rec.aged = max(rec.aged, self.gain(rec, now))
         return max(INT_MIN, rec.base - k) if self.order == "min" else min(INT_MAX, rec.base + k)
 
     def next_gain(self, rec: Rec, now: float) -> float | None:
         """When a ready message next gains a level (None: it reached its cap)."""
         a = self.opts.aging
         assert a is not None
-        k = self.gain(rec, now)
+        k = max(rec.aged, self.gain(rec, now))
         if self.opts.aging_cap is not None and k >= self.opts.aging_cap:
             return None
         return rec.enqueued_at + (k + 1) * a
+
+    def next_token(self, now: float) -> float:
+        """When the empty bucket (just refilled to ``now``) next holds a whole token."""
+        assert self.opts.rate is not None and self.tokens < 1 and self.tokens_at == now
+        n, per = self.opts.rate
+        return float(self.tokens_at + (1 - self.tokens) * Fraction(per) / n)
 
     def priority(self, given: int | str | None) -> int | str:
         if given is None:
@@ -270,7 +291,7 @@ class QueueMachine(RuleBasedStateMachine):
         super().__init__()
         self.tmp = tempfile.mkdtemp(prefix="qstore-model-")
         self.path = os.path.join(self.tmp, "store")
-        self.clock = FakeClock()
+        self.clock = FakeClock(autojump=True)  # only pop(wait=...) ever waits on it
         self.options: dict[str, Any] = {}
         self.store: qstore.Store | None = None
         self.model: dict[str, ModelQueue] = {}
@@ -279,6 +300,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.receipts: set[str] = set()
         self.ids: list[int] = []
         self.last_id = 0
+        self._token_first = False  # the last waiting pop began with an empty bucket
 
     # -- set-up ---------------------------------------------------------------
 
@@ -387,6 +409,11 @@ class QueueMachine(RuleBasedStateMachine):
         rec = self.model[msg.queue].msgs.get(msg.id)
         if (edge is not None and rec is not None and rec.state == "in_flight"
                 and rec.when - edge > self.now):
+            # The model settled at the step's tick; the store must too, or it would
+            # settle what fell due then only at the edge, in one pass whose order
+            # (TTLs first, then leases) may differ from two passes.
+            for q in self.handles.values():
+                q.stats()
             self.clock.now = rec.when - edge
             self._settle()
         return msg
@@ -471,6 +498,58 @@ class QueueMachine(RuleBasedStateMachine):
         mq.take_tokens(len(got))
         for msg, rec in zip(got, head, strict=True):
             self._check_delivery(mq, msg, rec, lease)
+
+    @rule(name=st.sampled_from(NAMES), n=st.integers(1, 4), single=st.booleans(),
+          lease=leases, wait=waits, tick=ticks, drain=st.integers(0, 2))
+    def pop_wait(self, name: str, n: int, single: bool, lease: float, wait: float,
+                 tick: Any, drain: int) -> None:
+        """pop(wait=...) / pop_many(wait=...): what it returns and when, by the clock.
+
+        Now and then a pop_many first takes every token it can, so that the wait
+        often begins with an empty bucket and messages ready behind it."""
+        self._tick(tick)
+        if not drain:
+            self.pop_many(name, 5, lease, None)
+        mq = self.model[name]
+        n = 1 if single else n
+        at, head = self._predict_wait(mq, n, wait)
+        q = self.handles[name]
+        if single:
+            one = q.pop(lease=lease, wait=wait)
+            got = [] if one is None else [one]
+        else:
+            got = q.pop_many(n, lease=lease, wait=wait)
+        assert self.now == at, f"the wait returned at {self.now}, the model says {at}"
+        event(f"pop_wait: {'messages' if got else 'nothing'} after {len(self.clock.jumps)} "
+              f"wake-up(s){', first for a token' if self._token_first else ''}")
+        self.clock.jumps.clear()
+        assert [m.id for m in got] == [r.id for r in head]
+        mq.take_tokens(len(got))
+        for msg, rec in zip(got, head, strict=True):
+            self._check_delivery(mq, msg, rec, lease)
+
+    def _predict_wait(self, mq: ModelQueue, n: int, wait: float) -> tuple[float, list[Rec]]:
+        """Where the clock stands when a waiting pop returns, and the records it returns.
+
+        The store tries to pop, and while it gets nothing and the deadline has not
+        come, waits for the next token if the bucket is empty (nothing can go before
+        it), else for the queue's next event (a delay or lease that runs out, a TTL),
+        and tries again then. The model settles the queue at each of those times.
+        """
+        t, deadline = self.now, self.now + wait
+        self._token_first = False
+        while True:
+            mq.settle(t)
+            tokens = mq.tokens_available(t)
+            head = mq.ready()[:min(n, tokens)]
+            if head or t >= deadline:
+                return t, head
+            if tokens == 0:
+                self._token_first |= t == self.now
+                nxt = mq.next_token(t)
+            else:
+                nxt = min((e for e in mq.events(t) if e > t), default=deadline)
+            t = min(deadline, nxt)
 
     @precondition(lambda self: self.delivered)
     @rule(data=st.data(), by_message=st.booleans(), other=st.integers(0, 7), tick=ticks)
@@ -635,6 +714,46 @@ class QueueMachine(RuleBasedStateMachine):
         setattr(mq.opts, what, value)
         if what == "rate" and value != old_rate:
             mq.fill_bucket(self.now)
+
+    @rule(name=st.sampled_from(NAMES), rate=st.sampled_from([None, *RATES]),
+          go=st.integers(0, 1))
+    def configure_rate(self, name: str, rate: tuple[int, float] | None, go: int) -> None:
+        """A new rate starts a full bucket; the same rate keeps the bucket; None lifts it."""
+        if go:
+            return
+        assert self.store is not None
+        self.handles[name] = self.store.configure_queue(name, rate=rate)
+        mq = self.model[name]
+        old, mq.opts.rate = mq.opts.rate, rate
+        if rate != old:
+            mq.fill_bucket(self.now)
+
+    @rule(name=st.sampled_from(NAMES), aging=st.sampled_from([None, 0.5, 1, 2.5, 4, 8]),
+          cap=aging_caps, keep_cap=st.booleans(), go=st.integers(0, 1))
+    def configure_aging(self, name: str, aging: float | None, cap: int | None,
+                        keep_cap: bool, go: int) -> None:
+        """Change or remove the aging period (and maybe the cap) of a live queue; on a
+        queue that cannot age (str priorities, fifo) setting a period is refused."""
+        if go:
+            return
+        assert self.store is not None
+        mq = self.model[name]
+        args: dict[str, Any] = {"aging": aging} if keep_cap else {"aging": aging,
+                                                                  "aging_cap": cap}
+        can_age = mq.ptype == "int" and mq.order != "fifo"
+        store = self.store
+        got, err = outcome(lambda: store.configure_queue(name, **args))
+        if aging is not None and not can_age:
+            assert err is qstore.InvalidArgument
+            return
+        assert err is None
+        self.handles[name] = got
+        mq.settle(self.now)  # what was gained by now under the old options stays
+        mq.opts.aging = aging
+        if not keep_cap:
+            mq.opts.aging_cap = cap
+        event(f"configure_aging: {'removed' if aging is None else 'set'}, "
+              f"{'with' if mq.ready() else 'without'} ready messages")
 
     # -- invariants -----------------------------------------------------------
 

@@ -12,6 +12,7 @@ import pytest
 
 import qstore
 from qstore.meta import keys
+from tests.conftest import FakeClock, wait_blocks
 
 from ._support import Counts, assert_consistent, dump
 
@@ -876,28 +877,32 @@ def test_closing_the_store_wakes_a_waiting_pop(tmp_path: Any, clock: Any) -> Non
         assert result["waited"] < 10.0
 
 
-def test_pop_wait_returns_none_when_nothing_comes(store: qstore.Store) -> None:
-    q = store.create_queue("q")
-    start = time.monotonic()
-    assert q.pop(wait=0.2) is None
-    waited = time.monotonic() - start
-    assert 0.19 <= waited < 10.0
-    assert q.pop_many(3, wait=0.05) == []
+def test_pop_wait_returns_none_when_nothing_comes_by_the_default_clock(store_path: str) -> None:
+    # The default clock is time.time: the wait is real (the injected-clock form of
+    # this rule is in test_clock_waits.py).
+    with qstore.open(store_path, compactor=False) as store:
+        q = store.create_queue("q")
+        start = time.monotonic()
+        assert q.pop(wait=0.2) is None
+        waited = time.monotonic() - start
+        assert 0.19 <= waited < 10.0
+        assert q.pop_many(3, wait=0.05) == []
 
 
-def test_a_push_to_another_queue_does_not_satisfy_a_waiter(store: qstore.Store) -> None:
+def test_a_push_to_another_queue_does_not_satisfy_a_waiter(store: qstore.Store,
+                                                            clock: FakeClock) -> None:
     a, b = store.create_queue("a"), store.create_queue("b")
-    done = threading.Event()
-
-    def push_elsewhere() -> None:
-        b.push(b"not for a")
-        done.set()
-
-    t = threading.Thread(target=push_elsewhere)
+    result: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: result.update(got=a.pop(wait=5.0)))
     t.start()
-    assert a.pop(wait=0.2) is None
-    t.join()
-    assert done.is_set() and counts(b).ready == 1
+    wait_blocks(clock, 1)
+    b.push(b"not for a")  # wakes the waiter, which finds nothing in a and blocks again
+    wait_blocks(clock, 2)
+    assert t.is_alive()
+    clock.advance(5.0)  # its deadline, by the store's clock
+    t.join(30.0)
+    assert not t.is_alive() and result == {"got": None}
+    assert counts(b).ready == 1 and counts(a).ready == 0
 
 
 # -- counters ---------------------------------------------------------------------------

@@ -69,7 +69,19 @@ def produce_and_consume(store: qstore.Store, clock: Any, *, producers: int, per_
             pushed.extend(ids)
             left -= n
 
+    def release_waiters() -> None:
+        # Waits are measured by the injected clock, which moves only by hand: once
+        # the work is done (or a consumer failed) the clock jumps to every deadline.
+        clock.autojump = True
+        clock.advance(0.0)
+
     def consumer(seed: int) -> None:
+        try:
+            consume(seed)
+        finally:
+            release_waiters()
+
+    def consume(seed: int) -> None:
         rng = random.Random(seed)
         while not all_acked.is_set():
             for msg in q.pop_many(rng.randint(1, 3), lease=10.0, wait=0.02):
