@@ -42,7 +42,9 @@ class FaultyCalls:
                 n = self.fail_at
                 if n is not None and (self.count == n or (self.persistent and self.count > n)):
                     self.failed.append(name)
-                    raise OSError(self._err, os.strerror(self._err) + " (injected)")
+                    # As the OS does, a call on a path names it.
+                    path = args[0] if args and isinstance(args[0], str) else None
+                    raise OSError(self._err, os.strerror(self._err) + " (injected)", path)
             return real(*args, **kwargs)
 
         return call

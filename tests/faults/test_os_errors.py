@@ -17,6 +17,8 @@ import pytest
 import qstore
 from qstore._errors import EXIT_ERROR
 
+from ._inject import FaultyCalls
+
 
 def test_a_file_where_the_store_should_be_is_a_storage_error(tmp_path: object) -> None:
     path = os.path.join(str(tmp_path), "f")
@@ -45,3 +47,29 @@ def test_the_cli_exits_with_the_documented_code_and_no_traceback(tmp_path: objec
     assert r.returncode == EXIT_ERROR, r.stderr
     assert "File exists" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_an_unreadable_segment_is_a_storage_error_with_its_errno(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tests run as root, for whom no file is unreadable: the permission error
+    # is made by the fault layer, on the open of one sealed segment.
+    path = os.path.join(str(tmp_path), "s")
+    with qstore.open(path, compactor=False, segment_max_bytes=4096) as store:
+        q = store.create_queue("q")
+        ids = q.push_many([b"m%03d" % i * 40 for i in range(200)])
+        assert store.core.payload.active_id > 2
+    with monkeypatch.context() as mp:
+        faults = FaultyCalls(mp, names=("open_fd",), err=errno.EACCES,
+                             only=lambda name, args: str(args[0]).endswith("0000000001.seg"))
+        faults.arm(1, persistent=True)
+        for readonly in (False, True):
+            with pytest.raises(qstore.StorageError) as info:
+                qstore.open(path, readonly=readonly, compactor=False)
+            assert info.value.errno == errno.EACCES
+            assert "0000000001.seg" in str(info.value)  # it says which file
+            assert not isinstance(info.value, qstore.Corruption)  # not damage: nothing set aside
+        assert faults.failed
+    with qstore.open(path, compactor=False) as store:  # readable again: all there
+        q = store.queue("q")
+        assert [q.get(m).payload for m in ids] == [b"m%03d" % i * 40 for i in range(200)]
+        assert store.check().ok
