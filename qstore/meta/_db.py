@@ -294,9 +294,18 @@ class MetaDB:
 
         About a third of the cost of stepping an iterator by hand, for passes
         over millions of keys; a point-in-time view from the first ``next``.
+        On a read-write database it steps one iterator by hand (see below).
         The generator holds a RocksDB iterator, and with it the database's
         LOCK, until it is exhausted or dropped: drop it before :meth:`close`.
         """
+        if not self.readonly:
+            # The writer's own database changes while it scans (the compactor scans
+            # beside pushes and acks): the check below, a second iterator made
+            # later, could see keys written after the item iterator's view and
+            # take them for an early end. One iterator stepped by hand says by its
+            # status whether it really ended.
+            yield from self.scan(lo, hi)
+            return
         ro = ReadOptions()  # kept alive here: the iterator points at its bound
         ro.set_iterate_upper_bound(hi)  # NOT set_iterate_lower_bound: it sets the upper one
         last = None
