@@ -29,7 +29,7 @@ from ._check_segments import check_segments
 from ._errors import Corruption, InvalidArgument, StorageError
 from ._snapshot import MANIFEST, read_manifest
 from .meta import MetaDB, keys, records
-from .payload import PayloadRef
+from .payload import PayloadRef, SegmentReader
 from .payload import _format as fmt
 
 BATCH = 1024  # keys per multi_get
@@ -80,22 +80,25 @@ def _readonly_meta(meta_path: str, store_path: str) -> Iterator[MetaDB]:
 
 
 def run_check(meta: MetaDB, payload_dir: str, lengths: Mapping[int, int] | None = None, *,
-              active_id: int | None = None) -> CheckReport:
+              active_id: int | None = None,
+              pinned: Mapping[int, SegmentReader] | None = None) -> CheckReport:
     """Check the store whose metadata is ``meta`` (already open) and payload is ``payload_dir``.
 
     ``lengths``: a snapshot's segment data lengths (its manifest), or None for
     a store (bounds are the file sizes). ``active_id``: the segment being
     appended to, which may hold bytes no record refers to yet (default: the
     highest id on disk). The caller keeps ``meta`` from changing meanwhile
-    (``Store.check`` holds the writer lock).
+    (``Store.check`` holds the writer lock). ``pinned``: a read-only view's
+    open segment readers, which stand for files the writer deleted since.
     """
-    return inspect_store(meta, payload_dir, lengths, active_id=active_id)[0]
+    return inspect_store(meta, payload_dir, lengths, active_id=active_id, pinned=pinned)[0]
 
 
 def inspect_store(meta: MetaDB, payload_dir: str, lengths: Mapping[int, int] | None = None, *,
-                  active_id: int | None = None) -> tuple[CheckReport, Check]:
+                  active_id: int | None = None,
+                  pinned: Mapping[int, SegmentReader] | None = None) -> tuple[CheckReport, Check]:
     """:func:`run_check`, also returning the :class:`Check` (its recounts, for a repair)."""
-    files = SegmentFiles(payload_dir, lengths)
+    files = SegmentFiles(payload_dir, lengths, pinned)
     try:
         if active_id is None:
             active_id = max(files.sizes, default=None)

@@ -34,16 +34,25 @@ class SegmentFiles:
     bounds are the file sizes.
     """
 
-    def __init__(self, directory: str, lengths: Mapping[int, int] | None) -> None:
+    def __init__(self, directory: str, lengths: Mapping[int, int] | None,
+                 pinned: Mapping[int, SegmentReader] | None = None) -> None:
         self.directory = directory
         self.lengths = lengths
         self.sizes: dict[int, int] = {}  # file id -> size of the file when first opened
         self._readers: dict[int, SegmentReader | Corruption] = {}
+        self._borrowed: set[int] = set()  # pinned readers: the view's, never closed here
         names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
         for name in names:
             fid = fmt.parse_segment_name(name)
             if fid is not None:
                 self._open(fid)
+        # A read-only view's segments, pinned when it opened: one the writer has
+        # deleted since is still the view's (its metadata refers to it), not missing.
+        for fid, reader in (pinned or {}).items():
+            if fid not in self.sizes:
+                self._readers[fid] = reader
+                self.sizes[fid] = reader.mapped_size
+                self._borrowed.add(fid)
 
     def path(self, file_id: int) -> str:
         return os.path.join(self.directory, fmt.segment_name(file_id))
@@ -108,7 +117,7 @@ class SegmentFiles:
         return fresh if isinstance(fresh, SegmentReader) else None
 
     def close(self) -> None:
-        for reader in self._readers.values():
-            if isinstance(reader, SegmentReader):
+        for fid, reader in self._readers.items():
+            if isinstance(reader, SegmentReader) and fid not in self._borrowed:
                 reader.close()
         self._readers.clear()

@@ -258,7 +258,9 @@ class Store:
                 return run_repair(core, payload_dir)
         core.check_open()
         with core.lock:
-            return run_check(core.meta, payload_dir, active_id=core.payload.active_id)
+            pinned = core.payload.pinned() if core.readonly else None
+            return run_check(core.meta, payload_dir, active_id=core.payload.active_id,
+                             pinned=pinned)
 
 
 OPTION_NAMES = ("ttl", "on_expire", "aging", "aging_cap", "rate")

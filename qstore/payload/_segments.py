@@ -231,6 +231,11 @@ class SegmentSet:
                 self._readers[fid] = reader
         return missing
 
+    def pinned(self) -> dict[int, SegmentReader]:
+        """The open readers of the segments (a read-only view's pinned ones)."""
+        with self._lock:
+            return dict(self._readers)
+
     def viewing(self) -> contextlib.AbstractContextManager[bool]:
         """Held by a read-only view while it opens (see _views.py)."""
         return viewing(self.directory)

@@ -75,3 +75,26 @@ def test_views_opened_during_compaction_read_everything(store_path: str) -> None
         assert store.queue("keep").stats().ready == KEPT
         assert store.check().ok
     assert os.path.isdir(store_path)
+
+
+def test_a_views_check_is_clean_after_the_writer_deleted_what_it_pinned(store_path: str) -> None:
+    # A view's own check lists the segment files when it runs; a segment the
+    # writer compacted away after the view opened is still the view's (pinned,
+    # and its metadata refers to it), never a missing_segment.
+    with qstore.open(store_path, compactor=False, segment_max_bytes=4096) as writer:
+        q = writer.create_queue("q")
+        kept = q.push_many([b"kept %03d " % i * 10 for i in range(20)])
+        doomed = q.push_many([b"gone %03d " % i * 10 for i in range(40)])
+        q.ack_many([m for m in q.pop_many(60) if m.id in set(doomed)])
+        with qstore.open(store_path, readonly=True) as view:
+            before = set(view.core.payload.file_ids())
+            result = writer.compact(threshold=0.0)  # copies the kept ones, deletes sources
+            assert result.segments_deleted
+            assert not before <= {int(n[:10]) for n in os.listdir(
+                os.path.join(store_path, "payload")) if n.endswith(".seg")}
+            report = view.check()
+            assert report.ok, report.summary()
+            vq = view.queue("q")
+            assert vq.stats().in_flight == len(kept)
+            assert [vq.get(m).payload for m in kept] == [b"kept %03d " % i * 10
+                                                         for i in range(20)]
