@@ -16,10 +16,13 @@ either. It reads them in chunks of ``SCAN`` and may span several calls of
 the pass (``Round``; each call does a bounded amount of work under the
 writer lock, see _timers.py), so messages that reached ``aging_cap`` at the
 head of a level never hide due messages behind them, and a round finishes
-on a clock that does not move. Capped messages and messages not yet due for
-their next level are read again by each round (once per round); rounds run
-when the earliest head may be due (the queue's next event), not on every
-pop.
+on a clock that does not move. The capped messages a round finds at the
+head of a level (with nothing else before them) are not read again: the
+ready heads keep, per level, the key past them (``aging_skip``), dropped
+when a ready key is added below it (a nack, a promotion, a message aged
+into the level). Messages not yet due for their next level are read again
+by each round (once per round); rounds run when the earliest head may be
+due (the queue's next event), not on every pop.
 
 Guarantee. With ``aging_cap`` unset, a message of priority ``p`` pushed at
 ``t`` sits at level ``p + k`` (order "max") from ``t + k*a`` on, and a level
@@ -63,7 +66,7 @@ class Round:
     A round belongs to one queue record: changing the options starts a new one.
     """
 
-    __slots__ = ("rec", "levels", "cursors", "next_us", "spanned")
+    __slots__ = ("rec", "levels", "cursors", "next_us", "spanned", "broken")
 
     def __init__(self, rec: records.QueueRecord, levels: list[bytes]) -> None:
         self.rec = rec
@@ -71,6 +74,8 @@ class Round:
         self.cursors: dict[bytes, bytes] = {}
         self.next_us = NO_EVENT_US
         self.spanned = False  # True once the round went on in a later call
+        # levels whose run of capped messages from the head ended in this round
+        self.broken: set[bytes] = set()
 
 
 def levels_gained(rec_q: records.QueueRecord, enqueued_at: float, now: float) -> int:

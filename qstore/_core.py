@@ -1102,6 +1102,7 @@ class Core:
         old = q.rec
         q.rec = rec
         q.plain = plain_push(rec)
+        q.heads.aging_skip.clear()  # a new cap (or none): capped messages may move again
         if rec.rate is None:
             q.bucket = None
         elif q.bucket is None or old.rate != rec.rate:

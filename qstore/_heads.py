@@ -96,6 +96,12 @@ class ReadyHeads:
         self.active: list[bytes] = []  # sorted starts of active levels
         self.known_upto = self.base
         self.known_total = 0  # len(known) - k0, summed over the levels
+        # For aging (_timers._age): level start -> a key such that every live key
+        # of the level below it (from its head on) belongs to a message at its
+        # aging cap, which no round needs to read again. A level's entry goes
+        # when a ready key is added below it (a nack, a promotion, a message
+        # aged into the level); a push's key is above it (ids only grow).
+        self.aging_skip: dict[bytes, bytes] = {}
 
     @classmethod
     def of_empty_queue(cls, qid: int) -> ReadyHeads:
@@ -145,6 +151,13 @@ class ReadyHeads:
 
     def added(self, new_keys: Iterable[bytes]) -> None:
         """Ready keys that were just committed (push, nack, promotion, redrive)."""
+        skip = self.aging_skip
+        if skip:
+            new_keys = list(new_keys)
+            for key in new_keys:
+                below = skip.get(key[:-_ID_BYTES])
+                if below is not None and key < below:
+                    del skip[key[:-_ID_BYTES]]
         for key in new_keys:
             start = key[:-_ID_BYTES]
             lv = self.levels.get(start)

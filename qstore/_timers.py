@@ -198,9 +198,14 @@ def _age(core: Core, q: QueueState, now_us: int, limit: int) -> bool:
         if want <= 0:
             return False
         resume = rnd.cursors.get(start)
+        lv = q.heads.levels.get(start)
+        skip = q.heads.aging_skip.get(start)
         if resume is not None:
             front = core.meta.scan_keys(resume, keys.prefix_end(start), want)
-        elif start in q.heads.levels:
+        elif lv is not None and skip is not None and skip > lv.frontier:
+            # Past the capped messages at the head, which an earlier round read.
+            front = core.meta.scan_keys(skip, lv.end, want)
+        elif lv is not None:
             front = q.heads.front(core.meta, start, want)
         else:
             front = []  # purged meanwhile
@@ -219,6 +224,7 @@ def _age(core: Core, q: QueueState, now_us: int, limit: int) -> bool:
                     gone.append(front[j])
                 core.commit(txn)
                 q.heads.removed(gone)
+            _skip_capped(q, rnd, start, front, recs, plan)
         if plan.stopped or len(front) < want:
             rnd.levels.pop(0)
             rnd.cursors.pop(start, None)
@@ -229,6 +235,28 @@ def _age(core: Core, q: QueueState, now_us: int, limit: int) -> bool:
     q.aging_next_us = now_us + 1 if rnd.spanned else max(rnd.next_us, now_us + 1)
     q.aging_round = None
     return True
+
+
+def _skip_capped(q: QueueState, rnd: aging.Round, start: bytes, front: list[bytes],
+                 recs: list[records.MessageRecord], plan: aging.Plan) -> None:
+    """Move the level's aging skip past the capped messages this read found at its head.
+
+    Only while the round has read the level without a gap from its head (or
+    from its skip) and found nothing but capped messages and ones it moved
+    away: the first other message ends the run for this round.
+    """
+    cap = q.rec.aging_cap
+    if cap is None or start in rnd.broken:
+        return
+    moved = {j for j, _, _ in plan.moves}
+    last = None
+    for i, rec in enumerate(recs):
+        if i not in moved and rec.aged < cap:
+            rnd.broken.add(start)
+            break
+        last = front[i]
+    if last is not None:
+        q.heads.aging_skip[start] = last + b"\x00"
 
 
 def promote_due(core: Core) -> None:

@@ -94,6 +94,51 @@ def test_aging_reads_the_heads_of_levels_not_the_backlog(store: qstore.Store,
     assert_consistent(store, q)
 
 
+def test_rounds_do_not_read_again_the_capped_messages_at_a_levels_head(
+        store: qstore.Store, clock: FakeClock) -> None:
+    # 400 messages reach the cap and wait at the head of their level (no
+    # consumer); every later round reads past them, not through them, until a
+    # nack puts a key below them, and a message aged into the level after
+    # them is still aged on.
+    q = store.create_queue("q", aging=1.0, aging_cap=2)
+    capped = q.push_many([(b"capped", 0)] * 400)
+    clock.advance(3)
+    q.stats()  # they gain their two levels
+    assert {q.get(i).priority for i in capped} == {2}
+    core = store.core
+    read = 0
+    records_of = core.records_of
+
+    def counted(state: object, index_keys: list[bytes]) -> object:
+        nonlocal read
+        read += len(index_keys)
+        return records_of(state, index_keys)  # type: ignore[arg-type]
+
+    core.records_of = counted  # type: ignore[method-assign,assignment]
+    q.push(b"later", 0)
+    clock.advance(1.0)
+    q.stats()  # the next round reads the level's head once and finds them capped
+    assert read >= 400
+    for _ in range(20):
+        later = q.push(b"later", 0)
+        clock.advance(1.0)
+        read = 0
+        q.stats()
+        assert read < 10, read  # not the 400 capped ones
+    clock.advance(2.0)
+    q.stats()
+    assert q.get(later).priority == 2  # aged on, behind the capped run
+    m = q.pop(lease=60.0)  # a capped one, given back below the skip: read again
+    assert m is not None and m.priority == 2
+    q.nack(m)
+    read = 0
+    clock.advance(1.0)
+    q.stats()
+    assert read >= 400
+    core.records_of = records_of  # type: ignore[method-assign]
+    assert_consistent(store, q)
+
+
 def test_aging_plan_stops_at_the_first_message_not_old_enough() -> None:
     from qstore.meta import records
 
