@@ -32,8 +32,9 @@ import logging
 from . import _states as states
 from ._check import Check, inspect_store
 from ._check_report import CheckReport, Finding
-from ._core import ID_BLOCK, Core
+from ._core import Core
 from ._errors import StorageError
+from ._hot import ID_BLOCK
 from ._txn import QueueState, Txn
 from .meta import keys, records
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import qstore
+from qstore import _hot
 from tests.conftest import FakeClock
 
 from ._support import dump
@@ -82,9 +83,7 @@ def test_the_batch_hot_paths_write_what_the_state_machine_writes(
     # mark more than once (a small ID_BLOCK): Core.push_ready, deliver_many and
     # remove_many against states.enqueue, deliver and remove + commit, which
     # the general store is made to take.
-    from qstore import _core
-
-    monkeypatch.setattr(_core, "ID_BLOCK", 7)
+    monkeypatch.setattr(_hot, "ID_BLOCK", 7)
     clock = FakeClock()
     stores = [qstore.open(os.path.join(str(tmp_path), name), clock=clock, compactor=False,
                           durability="none", segment_max_bytes=400) for name in ("hot", "general")]
@@ -118,9 +117,7 @@ def test_the_batch_hot_paths_write_what_the_state_machine_writes(
 
 def test_the_record_cache_stays_bounded_and_right(tmp_path: Any, monkeypatch: Any) -> None:
     """Past its cap the cache keeps the newer half; every read still sees the database."""
-    from qstore import _core
-
-    monkeypatch.setattr(_core, "RECORD_CACHE", 8)
+    monkeypatch.setattr(_hot, "RECORD_CACHE", 8)
     clock = FakeClock()
     with qstore.open(os.path.join(str(tmp_path), "s"), clock=clock, compactor=False) as s:
         q = s.create_queue("q")

@@ -1,0 +1,462 @@
+"""The hot paths of the core and its record cache (a mixin of :class:`qstore._core.Core`).
+
+Single and batch push, pop and ack build their one WriteBatch directly: the
+same keys, records and counters the state machine (``_states``) plus
+``Core.commit`` would write, which ``tests/queue/test_hot_paths.py`` checks
+byte for byte, without a ``Txn`` or per-message calls. Id allocation lives
+here too (``alloc_id``; ``push_one`` and ``push_ready`` move the high-water
+mark the same way), and the record cache: the last records this process
+committed, so that a pop or an ack of a recent message reads no record from
+RocksDB.
+
+Everything here runs with the writer lock held, and changes in-memory state
+only after the batch it reflects was written (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from itertools import islice
+from typing import Any
+
+from ._durability import Syncer
+from ._errors import StorageError
+from ._txn import QueueState, Txn
+from .meta import Batch, MetaDB, keys, new_batch, records
+from .payload import FRAME_SIZE, HEADER_SIZE, PayloadRef, SegmentSet
+
+log = logging.getLogger("qstore")
+
+_READY, _INFLIGHT = records.READY, records.INFLIGHT
+_U64 = keys.U64.pack
+
+ID_BLOCK = 4096  # ids reserved per M"id_hwm" write; a restart skips the unused rest
+# Message records this process wrote last, kept encoded (or decoded, by a pop,
+# for its ack) so that a pop or an ack of a recent message reads no record from
+# RocksDB. Bounded: about 150 bytes each.
+RECORD_CACHE = 65_536
+
+
+class HotPaths:
+    """The hot paths, id allocation and the record cache of :class:`~qstore._core.Core`."""
+
+    # Set by Core.__init__ (declared here for the type checker).
+    payload: SegmentSet
+    meta: MetaDB
+    syncer: Syncer
+    clock: Callable[[], float]
+    segments: dict[int, list[int]]
+    waiters: int
+    ready: Any  # the core's ReadySignal (a threading.Condition)
+    _next_id: int
+    _id_hwm: int
+    _synced_mark: tuple[int, int] | None
+    # message key -> its record as last committed by this process (see commit):
+    # encoded, or decoded (a pop leaves the record it delivered, for the ack);
+    # message_record() hands a decoded one over rather than share it.
+    _records: dict[bytes, bytes | records.MessageRecord]
+
+    def alloc_id(self, txn: Txn) -> int:
+        """A new message id; ``txn`` carries the id high-water mark when it moves."""
+        mid = self._next_id
+        self._next_id += 1
+        reserved = self._id_hwm if txn.id_hwm is None else txn.id_hwm
+        if self._next_id > reserved:
+            hwm = max(reserved, mid) + ID_BLOCK
+            txn.put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, hwm]))
+            txn.id_hwm = hwm
+        return mid
+
+    def push_one(self, q: QueueState, body: bytes, prio: int | str) -> int:
+        """Append one ready message: the hot path of ``Queue.push`` (lock held).
+
+        The same keys, records and counters as :func:`states.enqueue` plus
+        :meth:`commit` would write (a test compares the two byte for byte),
+        built straight into one batch: no Txn, no per-call dictionaries.
+        """
+        now = self.clock()  # before the append: a clock that fails leaves nothing behind
+        ref = self.payload.append_one(body)
+        fid, offset, length = ref
+        batch = new_batch()
+        mid = self._next_id
+        self._next_id = mid + 1
+        hwm = None
+        if mid >= self._id_hwm:
+            hwm = mid + ID_BLOCK
+            batch.put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, hwm]))
+        id_bytes = _U64(mid)
+        pkey = q.pkeys.get(prio)
+        rkey = q.ready_prefix + (q.priority_key(prio) if pkey is None else pkey) + id_bytes
+        batch.put(rkey, b"")
+        mkey = q.message_prefix + id_bytes
+        record = records.encode_message(_READY, prio, fid, offset, length, 0, 0, now, 0, None)
+        batch.put(mkey, record)
+        c = q.counts
+        counts = [c[0] + 1, c[1], c[2], c[3], c[4] + length]
+        batch.put(q.counts_key, records.encode_counts(counts))
+        frame = FRAME_SIZE + length
+        end = offset + frame
+        old = self.segments.get(fid)
+        seg = ([frame, 1, end] if old is None
+               else [old[0] + frame, old[1] + 1, end if end > old[2] else old[2]])
+        batch.put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
+        self._write_hot(batch)
+        cache = self._records
+        cache[mkey] = record
+        if len(cache) > RECORD_CACHE:
+            self._trim_records()
+        q.counts = counts
+        self.segments[fid] = seg
+        if hwm is not None:
+            self._id_hwm = hwm
+        q.heads.added_one(rkey)
+        if self.waiters:
+            self.ready.notify_all()
+        return mid
+
+    def push_ready(self, q: QueueState, bodies: Sequence[bytes],
+                   prios: Sequence[int | str]) -> list[int]:
+        """Append ready messages, no delay, TTL or dedup: the hot path of
+        ``Queue.push_many`` (lock held; bodies checked with ``check_size``).
+
+        What :func:`states.enqueue` for each plus :meth:`commit` would write (a
+        test compares the two byte for byte), built straight into one batch.
+        """
+        if not bodies:
+            return []
+        now = self.clock()  # before the append: a clock that fails leaves nothing behind
+        with self.appending_batch() as started:
+            refs = self.payload.append_many(bodies, started)
+            return self._commit_ready(q, refs, prios, now)
+
+    @contextlib.contextmanager
+    def appending_batch(self) -> Iterator[list[int]]:
+        """Around a batch's ``payload.append_many(bodies, started)`` and its commit (lock held).
+
+        A batch larger than the room left rotates the active segment, once or
+        more. If it then fails (a file call, the metadata write), the segments
+        it sealed may hold nothing but its uncommitted records, with no ``S``
+        record: orphans to the check, kept until a pass or the next open. Those
+        are removed here at once: the segments the batch started, and the one
+        active before it if the batch's records were its first. Any other is
+        kept: one with an ``S`` record counts the batch's records as garbage (as
+        for a failed single push), and a payload is never deleted unless it is
+        known to hold only records no commit referred to.
+        """
+        before = self.payload.active_id
+        ours = [] if before is None or self.payload.segment_size(before) > HEADER_SIZE \
+            else [before]
+        started: list[int] = []
+        try:
+            yield started
+        except BaseException:
+            active = self.payload.active_id
+            dead = [fid for fid in (*ours, *started)
+                    if fid != active and fid not in self.segments]
+            if dead:
+                try:
+                    self.payload.delete(dead)
+                except StorageError as exc:  # the batch's error is the one to report
+                    log.error("could not remove segments %s, which hold only the records "
+                              "of a failed batch: %s (the next compaction pass does)",
+                              dead, exc)
+                else:
+                    log.warning("removed segments %s: they held only the records of a "
+                                "failed batch", dead)
+            raise
+
+    def _commit_ready(self, q: QueueState, refs: list[PayloadRef],
+                      prios: Sequence[int | str], now: float) -> list[int]:
+        """push_ready's batch for the records at ``refs``, written, and memory in line."""
+        batch = new_batch()
+        put = batch.put
+        n = len(refs)
+        first = self._next_id
+        self._next_id = first + n
+        hwm = self._id_hwm
+        if first + n > hwm:  # what alloc_id does, id by id
+            for mid in range(first, first + n):
+                if mid + 1 > hwm:
+                    hwm = max(hwm, mid) + ID_BLOCK
+            put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, hwm]))
+        ready_prefix, message_prefix, pkeys = q.ready_prefix, q.message_prefix, q.pkeys
+        encode = records.encode_message
+        rkeys = []
+        written = []
+        total = 0
+        mid = first
+        for (fid, offset, length), prio in zip(refs, prios, strict=True):
+            id_bytes = _U64(mid)
+            mid += 1
+            pkey = pkeys.get(prio)
+            rkey = ready_prefix + (q.priority_key(prio) if pkey is None else pkey) + id_bytes
+            put(rkey, b"")
+            rkeys.append(rkey)
+            mkey = message_prefix + id_bytes
+            record = encode(_READY, prio, fid, offset, length, 0, 0, now, 0, None)
+            put(mkey, record)
+            written.append((mkey, record))
+            total += length
+        # Records are appended in order: each segment's last one is its end.
+        segs: dict[int, list[int]] = {}
+        if refs[0].file_id == refs[-1].file_id:  # the usual batch: one segment
+            last = refs[-1]
+            segs[last.file_id] = [total + FRAME_SIZE * n, n, last.offset + FRAME_SIZE + last.length]
+        else:
+            for fid, offset, length in refs:
+                frame = FRAME_SIZE + length
+                seg = segs.get(fid)
+                if seg is None:
+                    segs[fid] = [frame, 1, offset + frame]
+                else:
+                    seg[0] += frame
+                    seg[1] += 1
+                    seg[2] = offset + frame
+        c = q.counts
+        counts = [c[0] + n, c[1], c[2], c[3], c[4] + total]
+        put(q.counts_key, records.encode_counts(counts))
+        segments = self.segments
+        new_segs = []
+        for fid, (dbytes, dcount, end) in segs.items():
+            old = segments.get(fid)
+            seg = ([dbytes, dcount, end] if old is None
+                   else [old[0] + dbytes, old[1] + dcount, max(old[2], end)])
+            put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
+            new_segs.append((fid, seg))
+        self._write_hot(batch)
+        cache = self._records
+        cache.update(written)
+        if len(cache) > RECORD_CACHE:
+            self._trim_records()
+        q.counts = counts
+        for fid, seg in new_segs:
+            segments[fid] = seg
+        self._id_hwm = hwm
+        q.heads.added(rkeys)
+        if self.waiters:
+            self.ready.notify_all()
+        return list(range(first, first + n))
+
+    def deliver_one(self, q: QueueState, ready_key: bytes, mid: int,
+                    rec: records.MessageRecord, deadline_us: int) -> None:
+        """ready -> in_flight for one message: the hot path of ``Queue.pop`` (lock held).
+
+        The batch :func:`states.deliver` plus :meth:`commit` would write, built
+        directly (a test compares the two byte for byte).
+        """
+        rec.state = _INFLIGHT
+        rec.attempts += 1
+        rec.deliveries += 1
+        rec.when_us = deadline_us
+        batch = new_batch()
+        batch.delete(ready_key)
+        id_bytes = _U64(mid)
+        batch.put(q.inflight_prefix + _U64(deadline_us) + id_bytes, b"")
+        mkey = q.message_prefix + id_bytes
+        record = rec.encode()
+        batch.put(mkey, record)
+        c = q.counts
+        counts = [c[0] - 1, c[1], c[2] + 1, c[3], c[4]]
+        batch.put(q.counts_key, records.encode_counts(counts))
+        self._write_hot(batch)
+        self._cache_record(mkey, rec)  # decoded: the ack needs no decode
+        q.counts = counts
+        if deadline_us < q.next_event_us:
+            q.next_event_us = deadline_us
+        if deadline_us < q.time_floor_us:
+            q.time_floor_us = deadline_us
+
+    def deliver_many(self, q: QueueState, ready_keys: Sequence[bytes],
+                     recs: Sequence[records.MessageRecord], deadline_us: int) -> None:
+        """ready -> in_flight for several messages: the hot path of ``Queue.pop_many``
+        (lock held). What :func:`states.deliver` for each plus :meth:`commit`
+        would write (a test compares the two byte for byte). The records stay
+        decoded in the record cache, for the acks.
+        """
+        batch = new_batch()
+        put = batch.put
+        inflight = q.inflight_prefix + _U64(deadline_us)
+        message_prefix = q.message_prefix
+        delivered = []
+        for rkey, rec in zip(ready_keys, recs, strict=True):
+            rec.state = _INFLIGHT
+            rec.attempts += 1
+            rec.deliveries += 1
+            rec.when_us = deadline_us
+            batch.delete(rkey)
+            id_bytes = rkey[-8:]  # every index key ends with the id
+            put(inflight + id_bytes, b"")
+            mkey = message_prefix + id_bytes
+            put(mkey, rec.encode())
+            delivered.append((mkey, rec))
+        k = len(delivered)
+        c = q.counts
+        counts = [c[0] - k, c[1], c[2] + k, c[3], c[4]]
+        put(q.counts_key, records.encode_counts(counts))
+        self._write_hot(batch)
+        cache = self._records
+        cache.update(delivered)
+        if len(cache) > RECORD_CACHE:
+            self._trim_records()
+        q.counts = counts
+        if deadline_us < q.next_event_us:
+            q.next_event_us = deadline_us
+        if deadline_us < q.time_floor_us:
+            q.time_floor_us = deadline_us
+
+    def remove_many(self, q: QueueState, mids: Sequence[int],
+                    recs: Sequence[records.MessageRecord]) -> None:
+        """Delete several in-flight messages: the hot path of ``Queue.ack_many`` (lock
+        held). What :func:`states.remove` for each plus :meth:`commit` would
+        write (a test compares the two byte for byte).
+        """
+        batch = new_batch()
+        delete = batch.delete
+        inflight, message_prefix = q.inflight_prefix, q.message_prefix
+        qid = q.qid
+        cache = self._records
+        total = 0
+        segs: dict[int, list[int]] = {}
+        for mid, rec in zip(mids, recs, strict=True):
+            id_bytes = _U64(mid)
+            delete(inflight + _U64(rec.when_us) + id_bytes)
+            if rec.digest is not None:
+                delete(keys.dedup_key(qid, rec.digest))
+            if rec.expires_us:
+                delete(keys.expiry_key(qid, rec.expires_us, mid))
+            mkey = message_prefix + id_bytes
+            delete(mkey)
+            cache.pop(mkey, None)  # before the write: a failed one only costs a read
+            length = rec.length
+            total += length
+            seg = segs.get(rec.file_id)
+            if seg is None:
+                segs[rec.file_id] = [FRAME_SIZE + length, 1]
+            else:
+                seg[0] += FRAME_SIZE + length
+                seg[1] += 1
+        k = len(recs)
+        c = q.counts
+        counts = [c[0], c[1], c[2] - k, c[3], c[4] - total]
+        batch.put(q.counts_key, records.encode_counts(counts))
+        segments = self.segments
+        new_segs = []
+        for fid, (dbytes, dcount) in segs.items():
+            old = segments.get(fid)
+            seg = [-dbytes, -dcount, 0] if old is None else [old[0] - dbytes, old[1] - dcount,
+                                                             old[2]]
+            batch.put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
+            new_segs.append((fid, seg))
+        self._write_hot(batch)
+        q.counts = counts
+        for fid, seg in new_segs:
+            segments[fid] = seg
+
+    def remove_one(self, q: QueueState, mid: int, rec: records.MessageRecord) -> None:
+        """Delete one in-flight message: the hot path of ``Queue.ack`` (lock held).
+
+        The batch :func:`states.remove` plus :meth:`commit` would write, built
+        directly (a test compares the two byte for byte).
+        """
+        batch = new_batch()
+        id_bytes = _U64(mid)
+        batch.delete(q.inflight_prefix + _U64(rec.when_us) + id_bytes)
+        if rec.digest is not None:
+            batch.delete(keys.dedup_key(q.qid, rec.digest))
+        if rec.expires_us:
+            batch.delete(keys.expiry_key(q.qid, rec.expires_us, mid))
+        mkey = q.message_prefix + id_bytes
+        batch.delete(mkey)
+        length = rec.length
+        c = q.counts
+        counts = [c[0], c[1], c[2] - 1, c[3], c[4] - length]
+        batch.put(q.counts_key, records.encode_counts(counts))
+        fid = rec.file_id
+        frame = FRAME_SIZE + length
+        old = self.segments.get(fid)
+        seg = [-frame, -1, 0] if old is None else [old[0] - frame, old[1] - 1, old[2]]
+        batch.put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
+        self._write_hot(batch)
+        self._records.pop(mkey, None)
+        q.counts = counts
+        self.segments[fid] = seg
+
+    def _cache_record(self, key: bytes, value: bytes | records.MessageRecord) -> None:
+        cache = self._records
+        cache[key] = value
+        if len(cache) > RECORD_CACHE:
+            self._trim_records()
+
+    def _trim_records(self) -> None:
+        # Keep the newer half. (Deleting the oldest key one at a time would
+        # cost O(n) each: a dict's iterator skips every slot deleted before.)
+        cache = self._records
+        newer = list(islice(cache.items(), RECORD_CACHE // 2, None))
+        cache.clear()
+        cache.update(newer)
+
+    def message_record(self, key: bytes) -> records.MessageRecord | None:
+        """The message record at ``key`` (the record cache, else RocksDB), the caller's to change.
+
+        A decoded record in the cache is handed over (removed), never shared:
+        the caller changes it in place and commits it, or drops it.
+        """
+        value = self._records.get(key)
+        if value is None:
+            raw = self.meta.get(key)
+            return None if raw is None else records.MessageRecord.decode(raw)
+        if type(value) is bytes:
+            return records.MessageRecord.decode(value)
+        del self._records[key]
+        return value  # type: ignore[return-value]
+
+    def _write_hot(self, batch: Batch) -> None:
+        """The tail every hot-path batch shares with :meth:`commit`: the synced mark."""
+        synced = self.payload.synced_position()
+        if synced is not self._synced_mark:
+            batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *synced]))
+        self.meta.write(batch)
+        self._synced_mark = synced
+        self.syncer.wrote()
+
+    def records_of(self, q: QueueState, index_keys: list[bytes]) -> list[records.MessageRecord]:
+        """The message records the index keys of ``q`` name, in order."""
+        if len(index_keys) == 1:  # a multi-get costs several times a get
+            key = index_keys[0]  # it ends with the id, as a message key does
+            rec = self.message_record(q.message_prefix + key[-8:])
+            if rec is None:
+                raise missing_record(q, keys.trailing_id(key))
+            return [rec]
+        # From the record cache where it has them (a decoded one is handed over),
+        # the rest from one multi-get.
+        prefix = q.message_prefix
+        cache = self._records
+        decode = records.MessageRecord.decode
+        out: list[Any] = []
+        missing: list[int] = []  # positions in out still to read
+        for key in index_keys:
+            mkey = prefix + key[-8:]
+            value = cache.get(mkey)
+            if value is None:
+                missing.append(len(out))
+                out.append(mkey)
+            elif type(value) is bytes:
+                out.append(decode(value))
+            else:
+                del cache[mkey]
+                out.append(value)
+        if missing:
+            raws = (self.meta.multi_get([out[i] for i in missing]) if len(missing) > 1
+                    else [self.meta.get(out[missing[0]])])
+            for i, raw in zip(missing, raws, strict=True):
+                if raw is None:
+                    raise missing_record(q, keys.trailing_id(index_keys[i]))
+                out[i] = decode(raw)
+        return out
+
+
+def missing_record(q: QueueState, mid: int) -> StorageError:
+    return StorageError(f"index of queue {q.name!r} names message {mid} but its record is "
+                        "missing; run `qstore check`")
