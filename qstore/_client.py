@@ -10,7 +10,6 @@ own. A client is for one thread at a time (open one per thread).
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket
 import ssl
@@ -30,23 +29,16 @@ _TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 _RECV = 256 * 1024
 
 
-class _Link:
+class _Link(base.LinkSettings):
     """One socket to the server, opened on first use and after a drop."""
 
     def __init__(self, address: Address, token: str | None, timeout: float, keep_leases: bool,
                  ssl_context: ssl.SSLContext | None, server_hostname: str | None) -> None:
-        self.address = address
-        self._token = token
-        self.timeout = timeout
-        self._keep = keep_leases
-        self._ssl = ssl_context
-        self._hostname = server_hostname
+        super().__init__(address, token, timeout, keep_leases, ssl_context, server_hostname)
         self._sock: socket.socket | None = None
         self._in = bytearray()  # bytes read and not yet cut into frames
         self._kernel_timeout = False  # the timeout is SO_RCVTIMEO/SO_SNDTIMEO, not Python's
         self._timeout_now = -1.0
-        self._ids = itertools.count(1)
-        self.welcome: dict[str, Any] = {}
 
     def _open(self) -> None:
         a = self.address

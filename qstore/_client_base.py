@@ -6,16 +6,33 @@ encode a request or decode a result differently.
 
 from __future__ import annotations
 
+import itertools
 import ssl
 from collections.abc import Iterable
 from typing import Any
 
 from . import _wire as wire
+from ._address import Address
 from ._errors import InvalidArgument
 from ._message import Message
 from ._net_errors import AuthenticationFailed, ProtocolError
 
 DEFAULT_TIMEOUT = 30.0
+
+
+class LinkSettings:
+    """What a client's connection to the server is opened with (sync and asyncio)."""
+
+    def __init__(self, address: Address, token: str | None, timeout: float, keep_leases: bool,
+                 ssl_context: ssl.SSLContext | None, server_hostname: str | None) -> None:
+        self.address = address
+        self._token = token
+        self.timeout = timeout
+        self._keep = keep_leases
+        self._ssl = ssl_context
+        self._hostname = server_hostname
+        self._ids = itertools.count(1)  # request ids
+        self.welcome: dict[str, Any] = {}  # the server's handshake answer
 
 
 def hello(token: str | None, keep_leases: bool) -> bytes:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import os
 import ssl
 from collections.abc import Iterable, Sequence
@@ -28,21 +27,14 @@ from ._net_errors import ConnectionLost
 __all__ = ["AsyncClient", "AsyncQueue", "connect"]
 
 
-class _Link:
+class _Link(base.LinkSettings):
     def __init__(self, address: Address, token: str | None, timeout: float, keep_leases: bool,
                  ssl_context: ssl.SSLContext | None, server_hostname: str | None) -> None:
-        self.address = address
-        self._token = token
-        self.timeout = timeout
-        self._keep = keep_leases
-        self._ssl = ssl_context
-        self._hostname = server_hostname
+        super().__init__(address, token, timeout, keep_leases, ssl_context, server_hostname)
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._waiting: dict[int, asyncio.Future[Any]] = {}
-        self._ids = itertools.count(1)
         self._opening = asyncio.Lock()
-        self.welcome: dict[str, Any] = {}
 
     async def _open(self) -> None:
         a = self.address

@@ -179,7 +179,8 @@ def test_store_on_a_disk_with_no_byte_free_opens_to_ack_and_compact(small_disk: 
         assert view.queue("q").get(next(iter(kept))).payload == b"after"
 
 
-def test_close_after_a_metadata_failure_releases_the_store(small_disk: str) -> None:
+def _full_without_reserve(small_disk: str) -> tuple[str, qstore.Store, dict[int, bytes]]:
+    """A store on a disk filled until a push failed, its space reserve gone."""
     path = os.path.join(small_disk, "s")
     store = qstore.open(path, compactor=False, segment_max_bytes=4 * SEGMENT)
     q = store.create_queue("q")
@@ -187,6 +188,11 @@ def test_close_after_a_metadata_failure_releases_the_store(small_disk: str) -> N
     os.unlink(os.path.join(path, RESERVE_NAME))
     _fill(os.path.join(small_disk, "filler"))
     _push_until_full(q, b"small ", kept)
+    return path, store, kept
+
+
+def test_close_after_a_metadata_failure_releases_the_store(small_disk: str) -> None:
+    path, store, kept = _full_without_reserve(small_disk)
     # Closing cuts the active segment's preallocated tail, which gives RocksDB
     # the room to reopen and make everything durable: nothing to report.
     store.close()
@@ -196,13 +202,7 @@ def test_close_after_a_metadata_failure_releases_the_store(small_disk: str) -> N
 
 def test_close_that_cannot_reopen_the_metadata_raises_but_unlocks(
         small_disk: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = os.path.join(small_disk, "s")
-    store = qstore.open(path, compactor=False, segment_max_bytes=4 * SEGMENT)
-    q = store.create_queue("q")
-    kept: dict[int, bytes] = {q.push(b"first"): b"first"}
-    os.unlink(os.path.join(path, RESERVE_NAME))
-    _fill(os.path.join(small_disk, "filler"))
-    _push_until_full(q, b"small ", kept)
+    path, store, kept = _full_without_reserve(small_disk)
     with monkeypatch.context() as mp:
         def refuse(self: MetaDB, *, create: bool) -> None:
             raise qstore.StorageError("cannot open metadata (test)")

@@ -9,7 +9,12 @@ assert that it changed nothing.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
 from dataclasses import astuple, dataclass
+from pathlib import Path
 from typing import Any
 
 import qstore
@@ -86,3 +91,36 @@ def store_view(store: qstore.Store, ids: list[str]) -> dict[str, Any]:
             out["messages"][item] = [m.state, m.attempts, m.payload.hex()]
     out["peek"] = [m.id for m in store.queue("a").peek(100)]
     return out
+
+
+def count_lines(path: Path) -> int:
+    """Lines of a child's journal so far (0 before it exists)."""
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def kill_when_journaled(proc: subprocess.Popen[bytes], journal: Path, lines: int,
+                        extra_wait: float = 0.0) -> None:
+    """SIGKILL ``proc`` once its journal holds ``lines`` lines (then ``extra_wait`` s more).
+
+    A real process harness: it polls the journal the child writes. The child
+    must still be running when it is killed (its stderr says why if not).
+    """
+    try:
+        give_up = time.monotonic() + 60.0
+        while count_lines(journal) < lines and proc.poll() is None \
+                and time.monotonic() < give_up:
+            time.sleep(0.002)
+        time.sleep(extra_wait)
+        assert proc.poll() is None, proc.stderr.read().decode()  # type: ignore[union-attr]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()

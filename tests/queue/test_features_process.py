@@ -17,10 +17,8 @@ from __future__ import annotations
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +28,7 @@ import qstore
 from tests.conftest import FakeClock
 
 from . import _features_kill_child as child
-from ._support import assert_consistent
+from ._support import assert_consistent, kill_when_journaled
 
 HERE = Path(__file__).resolve().parent
 CHILD = HERE / "_features_kill_child.py"
@@ -121,22 +119,7 @@ def test_ttl_and_aging_keep_their_meaning_across_sigkill(tmp_path: Path, mode: s
             [sys.executable, str(CHILD), store_path, str(journal_path), mode,
              f"{mode}-{kill}-{rng.random()}", repr(start)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            give_up = time.monotonic() + 60.0
-            while (proc.poll() is None and time.monotonic() < give_up and
-                   (journal_path.read_bytes().count(b"\n") if journal_path.exists() else 0)
-                   < target):
-                time.sleep(0.002)  # a real process harness: poll the journal
-            assert proc.poll() is None, proc.stderr.read().decode()  # type: ignore[union-attr]
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
-            assert proc.returncode == -signal.SIGKILL
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            if proc.stderr is not None:
-                proc.stderr.close()
+        kill_when_journaled(proc, journal_path, target)
         journal = read_journal(journal_path)
         # Reopen at the child's last time, or later (some TTLs ran out meanwhile, some
         # messages gained levels, some leases ran out).

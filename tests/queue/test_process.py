@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import qstore
 from qstore.meta import keys
 from tests.conftest import FakeClock
 
-from ._support import assert_consistent, dump, store_view
+from ._support import assert_consistent, count_lines, dump, kill_when_journaled, store_view
 
 HERE = Path(__file__).resolve().parent
 KILL_CHILD = HERE / "_kill_child.py"
@@ -230,13 +229,6 @@ def journal_lines(path: Path) -> list[list[str]]:
     return [line.split() for line in data.decode().split("\n")[:-1]]
 
 
-def count_lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
-
-
 def self_checked(payload: bytes) -> bool:
     core, tag = payload[:-16], payload[-16:]
     return len(payload) >= 16 and hashlib.blake2b(core, digest_size=16).digest() == tag
@@ -307,22 +299,8 @@ def test_sigkill_loses_nothing_that_returned(tmp_path: Path, mode: str) -> None:
             [sys.executable, str(KILL_CHILD), store_path, str(journal), mode,
              f"{mode}-{kill}-{rng.random()}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            give_up = time.monotonic() + 60.0
-            while (count_lines(journal) < target and proc.poll() is None
-                   and time.monotonic() < give_up):
-                time.sleep(0.002)  # a real process harness: poll the journal
-            time.sleep(rng.choice([0.0, 0.0, rng.uniform(0.0, 0.01)]))
-            assert proc.poll() is None, proc.stderr.read().decode()  # type: ignore[union-attr]
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
-            assert proc.returncode == -signal.SIGKILL
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            if proc.stderr is not None:
-                proc.stderr.close()
+        kill_when_journaled(proc, journal, target,
+                            extra_wait=rng.choice([0.0, 0.0, rng.uniform(0.0, 0.01)]))
         assert count_lines(journal) > start
         check_after_crash(store_path, journal)
     # Finally, the store drains cleanly: every lease taken by a killed child runs out.
