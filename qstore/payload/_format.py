@@ -16,8 +16,12 @@ the body, so a damaged length is caught as well as a damaged body.
 from __future__ import annotations
 
 import struct
-import zlib
 from typing import NamedTuple, Protocol
+
+try:  # ISA-L's CRC-32: zlib's polynomial and values, several times faster on 1 KiB
+    from isal.isal_zlib import crc32 as crc32
+except ImportError:  # pragma: no cover - a platform with no isal wheel
+    from zlib import crc32 as crc32
 
 MAGIC = b"QSTSEG\r\n"  # never change: 8 bytes; \r\n catches text-mode mangling
 FORMAT_VERSION = 1  # never change the meaning of 1
@@ -84,7 +88,7 @@ def parse_segment_name(name: str) -> int | None:
 
 def encode_header(file_id: int) -> bytes:
     head = HEADER.pack(MAGIC, FORMAT_VERSION, file_id, 0)[: HEADER_SIZE - 4]
-    return head + LENGTH.pack(zlib.crc32(head))
+    return head + LENGTH.pack(crc32(head))
 
 
 def header_problem(data: bytes, file_id: int) -> str | None:
@@ -94,7 +98,7 @@ def header_problem(data: bytes, file_id: int) -> str | None:
     magic, version, stored_id, crc = HEADER.unpack_from(data)
     if magic != MAGIC:
         return BAD_MAGIC
-    if zlib.crc32(data[: HEADER_SIZE - 4]) != crc:
+    if crc32(data[: HEADER_SIZE - 4]) != crc:
         return BAD_HEADER_CRC
     if version != FORMAT_VERSION:
         return BAD_VERSION
@@ -103,11 +107,27 @@ def header_problem(data: bytes, file_id: int) -> str | None:
     return None
 
 
+SEEDS: dict[int, int] = {}  # body length -> CRC-32 of its 4 length bytes (see length_seed)
+
+
+def length_seed(n: int) -> int:
+    """The CRC-32 of the 4 length bytes of an ``n``-byte body: where a record's CRC starts.
+
+    Kept per length (bounded), so a record's CRC is one call over its body.
+    """
+    seed = SEEDS.get(n)
+    if seed is None:
+        if len(SEEDS) >= 4096:
+            SEEDS.clear()
+        seed = SEEDS[n] = crc32(LENGTH.pack(n))
+    return seed
+
+
 def record_crc(length_bytes: bytes, body: bytes | memoryview) -> int:
-    return zlib.crc32(body, zlib.crc32(length_bytes))
+    return crc32(body, crc32(length_bytes))
 
 
 def encode_frame(body: bytes) -> bytes:
     """The 8-byte frame header for ``body`` (the body itself is written after it)."""
-    length_bytes = LENGTH.pack(len(body))
-    return FRAME.pack(len(body), zlib.crc32(body, zlib.crc32(length_bytes)))
+    n = len(body)
+    return FRAME.pack(n, crc32(body, length_seed(n)))

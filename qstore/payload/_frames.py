@@ -8,29 +8,18 @@ CRC call per body and a few numpy copies, never one Python object per body.
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 
 from .._fs import Buffer
 from . import _format as fmt
 
-_seeds: dict[int, int] = {}  # body length -> CRC-32 of its 4 length bytes
-
-
-def _seed(n: int) -> int:
-    seed = _seeds.get(n)
-    if seed is None:
-        if len(_seeds) > 4096:
-            _seeds.clear()
-        seed = _seeds[n] = zlib.crc32(fmt.LENGTH.pack(n))
-    return seed
+_seed = fmt.length_seed
 
 
 def record_crcs(data: Buffer, starts: np.ndarray, lens: np.ndarray) -> list[int]:
     """The record CRC (length bytes, then body) of each body ``data[start:start+len]``."""
     view = memoryview(data)
-    crc32 = zlib.crc32
+    crc32 = fmt.crc32
     if len(lens) and lens.min() == lens.max():  # one length for all: one seed
         size = int(lens[0])
         seed = _seed(size)

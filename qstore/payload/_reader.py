@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from . import _format as fmt
 from ._format import Located, PayloadRef
 
 _REMAP_TRIES = 10
+_FRAME_UNPACK, _SEEDS, _crc32 = fmt.FRAME.unpack_from, fmt.SEEDS, fmt.crc32
 
 
 def frame_problem(view: memoryview, offset: int, length: int, bound: int) -> str | None:
@@ -33,11 +33,13 @@ def frame_problem(view: memoryview, offset: int, length: int, bound: int) -> str
     end = offset + fmt.FRAME_SIZE + length
     if offset < fmt.HEADER_SIZE or end > bound:
         return fmt.OUT_OF_BOUNDS
-    stored, crc = fmt.FRAME.unpack_from(view, offset)
+    stored, crc = _FRAME_UNPACK(view, offset)
     if stored != length:
         return fmt.BAD_LENGTH
-    if zlib.crc32(view[offset + fmt.FRAME_SIZE : end],
-                  zlib.crc32(view[offset : offset + 4])) != crc:
+    seed = _SEEDS.get(length)  # the CRC of the length bytes, which equal ``length`` here
+    if seed is None:
+        seed = fmt.length_seed(length)
+    if _crc32(view[offset + fmt.FRAME_SIZE : end], seed) != crc:
         return fmt.BAD_CRC
     return None
 

@@ -12,7 +12,6 @@ import contextlib
 import errno
 import mmap
 import os
-import zlib
 from collections.abc import Sequence
 
 from .._fs import Buffer, complete_write, fsync_dir, write_at
@@ -27,7 +26,7 @@ from ._format import PayloadRef
 # the segment is sealed and cut back to its data end.
 GROW_STEP = 8 * 1024 * 1024
 
-_FRAME_PACK, _LENGTH_PACK, _crc32 = fmt.FRAME.pack, fmt.LENGTH.pack, zlib.crc32
+_FRAME_PACK, _crc32, _length_seed = fmt.FRAME.pack, fmt.crc32, fmt.length_seed
 
 __all__ = ["GROW_STEP", "NEW_SUFFIX", "SegmentWriter", "create_segment_file"]
 
@@ -150,7 +149,7 @@ class SegmentWriter:
         for body in bodies:
             n = len(body)
             if n != size:  # the CRC of the 4 length bytes, once per run of one size
-                size, seed = n, _crc32(_LENGTH_PACK(n))
+                size, seed = n, _length_seed(n)
             parts.append(_FRAME_PACK(n, _crc32(body, seed)))  # fmt.encode_frame
             parts.append(body)
             refs.append(PayloadRef(fid, pos, n))
@@ -179,7 +178,7 @@ class SegmentWriter:
         """One record: a copy into the map, else one pwritev call (space must be reserved)."""
         pos = self.end
         n = len(body)
-        frame = _FRAME_PACK(n, _crc32(body, _crc32(_LENGTH_PACK(n))))  # fmt.encode_frame
+        frame = _FRAME_PACK(n, _crc32(body, _length_seed(n)))  # fmt.encode_frame
         total = fmt.FRAME_SIZE + n
         m = self._map
         if m is not None and pos + total <= len(m):

@@ -81,6 +81,27 @@ def test_frame_crc_covers_the_length_bytes_then_the_body(body: bytes) -> None:
     assert fmt.record_crc(length_bytes, body) == zlib.crc32(length_bytes + body)
 
 
+@given(body=st.binary(max_size=4096), head=st.binary(max_size=8), cut=st.integers(0, 64))
+@settings(max_examples=200, deadline=None)
+def test_the_crc_in_use_gives_zlibs_values_chained_and_on_memoryviews(
+        body: bytes, head: bytes, cut: int) -> None:
+    # The payload CRC is ISA-L's where installed: it must equal zlib's for every
+    # input, seeded (chained) as records are, and on slices of a map's view.
+    seed = zlib.crc32(head)
+    view = memoryview(b"\0" * cut + body)[cut:]
+    assert fmt.crc32(view, fmt.crc32(head)) == zlib.crc32(body, seed)
+    assert fmt.length_seed(len(body)) == zlib.crc32(struct.pack("<I", len(body)))
+
+
+def test_isal_is_the_crc_in_use_and_the_length_seed_cache_stays_bounded() -> None:
+    import isal.isal_zlib
+    assert fmt.crc32 is isal.isal_zlib.crc32  # installed by the project: the fast path
+    fmt.SEEDS.clear()
+    for n in range(5000):
+        assert fmt.length_seed(n) == zlib.crc32(struct.pack("<I", n))
+    assert 0 < len(fmt.SEEDS) <= 4096
+
+
 def test_all_zero_frame_is_never_a_valid_record() -> None:
     # Recovery relies on this to tell preallocated zeros from an empty record.
     assert fmt.encode_frame(b"") == b"\x00\x00\x00\x00" + struct.pack("<I", 0x2144DF1C)
