@@ -34,9 +34,21 @@ _U64 = keys.U64.pack
 
 ID_BLOCK = 4096  # ids reserved per M"id_hwm" write; a restart skips the unused rest
 # Message records this process wrote last, kept encoded (or decoded, by a pop,
-# for its ack) so that a pop or an ack of a recent message reads no record from
-# RocksDB. Bounded: about 150 bytes each.
+# for its ack; or as the fields a push gave, see Pushed) so that a pop or an
+# ack of a recent message reads no record from RocksDB. Bounded: about 150
+# bytes each.
 RECORD_CACHE = 65_536
+
+# A plain push's record in the cache: (priority, file_id, offset, length,
+# enqueued_at), the fields it was encoded from. A pop builds its MessageRecord
+# from them: cheaper than decoding the bytes.
+Pushed = tuple["int | str", int, int, int, float]
+_MR = records.MessageRecord
+
+
+def _from_push(p: Pushed) -> records.MessageRecord:
+    """The record a plain push wrote (ready, no attempts, delay, digest or TTL)."""
+    return _MR(_READY, p[0], p[1], p[2], p[3], 0, 0, p[4], 0, None)
 
 
 class HotPaths:
@@ -56,7 +68,7 @@ class HotPaths:
     # message key -> its record as last committed by this process (see commit):
     # encoded, or decoded (a pop leaves the record it delivered, for the ack);
     # message_record() hands a decoded one over rather than share it.
-    _records: dict[bytes, bytes | records.MessageRecord]
+    _records: dict[bytes, bytes | records.MessageRecord | Pushed]
 
     def alloc_id(self, txn: Txn) -> int:
         """A new message id; ``txn`` carries the id high-water mark when it moves."""
@@ -104,7 +116,7 @@ class HotPaths:
         batch.put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
         self._write_hot(batch)
         cache = self._records
-        cache[mkey] = record
+        cache[mkey] = (prio, fid, offset, length, now)
         if len(cache) > RECORD_CACHE:
             self._trim_records()
         q.counts = counts
@@ -184,7 +196,7 @@ class HotPaths:
         ready_prefix, message_prefix, pkeys = q.ready_prefix, q.message_prefix, q.pkeys
         encode = records.encode_message
         rkeys = []
-        written = []
+        written: list[tuple[bytes, Pushed]] = []
         total = 0
         mid = first
         for (fid, offset, length), prio in zip(refs, prios, strict=True):
@@ -197,7 +209,7 @@ class HotPaths:
             mkey = message_prefix + id_bytes
             record = encode(_READY, prio, fid, offset, length, 0, 0, now, 0, None)
             put(mkey, record)
-            written.append((mkey, record))
+            written.append((mkey, (prio, fid, offset, length, now)))
             total += length
         # Records are appended in order: each segment's last one is its end.
         segs: dict[int, list[int]] = {}
@@ -383,7 +395,7 @@ class HotPaths:
         q.counts = counts
         self.segments[fid] = seg
 
-    def _cache_record(self, key: bytes, value: bytes | records.MessageRecord) -> None:
+    def _cache_record(self, key: bytes, value: bytes | records.MessageRecord | Pushed) -> None:
         cache = self._records
         cache[key] = value
         if len(cache) > RECORD_CACHE:
@@ -407,6 +419,8 @@ class HotPaths:
         if value is None:
             raw = self.meta.get(key)
             return None if raw is None else records.MessageRecord.decode(raw)
+        if type(value) is tuple:
+            return _from_push(value)
         if type(value) is bytes:
             return records.MessageRecord.decode(value)
         del self._records[key]
@@ -442,6 +456,8 @@ class HotPaths:
             if value is None:
                 missing.append(len(out))
                 out.append(mkey)
+            elif type(value) is tuple:
+                out.append(_from_push(value))
             elif type(value) is bytes:
                 out.append(decode(value))
             else:

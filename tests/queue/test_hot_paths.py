@@ -124,6 +124,9 @@ def test_the_record_cache_stays_bounded_and_right(tmp_path: Any, monkeypatch: An
         ids = [q.push(b"m%d" % i, i % 3) for i in range(30)]
         cache = s.core._records
         assert 4 <= len(cache) <= 8
+        for key, value in cache.items():  # a push keeps its fields beside the bytes
+            assert isinstance(value, tuple)
+            assert s.core.meta.get(key) == _hot._from_push(value).encode()
         popped = q.pop_many(30, lease=10.0)
         assert sorted(m.id for m in popped) == ids
         for m in popped[::2]:
@@ -134,6 +137,9 @@ def test_the_record_cache_stays_bounded_and_right(tmp_path: Any, monkeypatch: An
         m = q.pop(lease=10.0)  # a single pop leaves its record decoded in the cache
         assert m is not None
         for key, value in s.core._records.items():
-            encoded = value if isinstance(value, bytes) else value.encode()
+            if isinstance(value, tuple):
+                encoded = _hot._from_push(value).encode()
+            else:
+                encoded = value if isinstance(value, bytes) else value.encode()
             assert s.core.meta.get(key) == encoded  # nothing cached differs from the database
         assert s.check().ok
