@@ -134,6 +134,8 @@ def message_problem(rec: records.MessageRecord, priority_type: str | None) -> st
             return f"field {name} is {v!r:.30}, not an unsigned integer"
     if rec.digest is not None and (type(rec.digest) is not bytes or len(rec.digest) != 16):
         return f"dedup digest is not 16 bytes: {rec.digest!r:.60}"
+    if rec.reason is not None and type(rec.reason) is not str:
+        return f"dead-letter reason is {rec.reason!r:.30}, not a str"
     if rec.expires_us and rec.state == records.DEAD:
         return "a dead letter has an expiry time (dead letters do not expire)"
     if priority_type == "int" and (type(rec.priority) is not int

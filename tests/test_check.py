@@ -14,6 +14,7 @@ from qstore._check import check_path
 from qstore.cli import main
 from qstore.meta import MetaDB, keys, new_batch, records
 from qstore.payload import _format as fmt
+from qstore.spark._scan import checked_records
 from tests.conftest import FakeClock
 
 SEGMENT_MAX = 4096
@@ -416,3 +417,26 @@ def test_dead_letter_with_an_expiry_time_and_bad_totals_record_are_findings(
     bad = next(f for f in report.findings if f.kind == "bad_record")
     assert "dead letter has an expiry time" in bad.detail
     assert any("E record" in f.detail for f in report.findings)
+
+
+def test_a_dead_letter_reason_that_is_not_a_str_is_a_finding_and_the_data_source_skips_it(
+        tmp_path: Any, clock: FakeClock) -> None:
+    path = str(tmp_path / "store")
+    ids = _ttl_store(path, clock)
+    key = keys.message_key(1, ids["dead"])
+    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
+    try:
+        raw = meta.get(key)
+    finally:
+        meta.close()
+    assert raw is not None
+    rec = records.MessageRecord.decode(raw)
+    rec.reason = 7  # type: ignore[assignment]
+    damaged = rec.encode()
+    write_meta(path, puts={key: damaged})
+    bad = [f for f in check_path(path).findings if f.kind == "bad_record"]
+    assert [(f.message_id, "dead-letter reason is 7, not a str" in f.detail) for f in bad] == \
+        [(ids["dead"], True)]
+    good_ids, rows, skipped = checked_records([key, key], [raw, damaged], "int")
+    assert good_ids == [ids["dead"]] and len(rows) == 1
+    assert [b.message_id for b in skipped] == [ids["dead"]]

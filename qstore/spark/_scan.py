@@ -51,6 +51,9 @@ BASE_FIELDS = (
     pa.field("offset", pa.int64()),
     pa.field("length", pa.int64()),  # payload bytes, without the 8-byte frame
     pa.field("dedup_digest", pa.binary()),  # 16 bytes; null unless pushed on a dedup queue
+    pa.field("expires_at", pa.float64()),  # when the TTL runs out; null: no TTL
+    pa.field("aged", pa.int64()),  # priority levels gained by aging
+    pa.field("dead_reason", pa.string()),  # why a dead letter is one, when not its attempts
 )
 PAYLOAD_FIELD = pa.field("payload", pa.binary())
 PROBLEM_FIELD = pa.field("problem", pa.string())  # null: the reference resolves to an intact record
@@ -169,7 +172,7 @@ class _BatchBuilder:
         cols = [list(c) for c in zip(*rows, strict=True)]
         (_, state, prio, file_id, offset, length, attempts, deliveries, enqueued, when,
          digest) = cols[:11]
-        expires = cols[11] if len(cols) > 11 else None
+        expires = cols[11] if len(cols) > 11 else None  # version 2 fields, when any row has them
         try:
             state_names = [_STATE_BY_CODE[s] for s in state]
         except (KeyError, TypeError):
@@ -194,6 +197,7 @@ class _BatchBuilder:
             pa.array(offset, pa.int64()),
             pa.array(length, pa.int64()),
             pa.array(digest, pa.binary()),
+            *self._version_2(n, cols),
         ]
         if self.payload:
             bodies, problems = self._payloads(file_id, offset, length)
@@ -206,6 +210,17 @@ class _BatchBuilder:
             columns.append(pa.array(self._index_ok(ids, state, prio, when, digest, expires),
                                     pa.bool_()))
         return pa.RecordBatch.from_arrays(columns, schema=self.schema)
+
+    @staticmethod
+    def _version_2(n: int, cols: list[list[Any]]) -> list[pa.Array]:
+        """The expires_at, aged and dead_reason columns (null, 0, null for version 1 rows)."""
+        if len(cols) == 11:
+            return [pa.nulls(n, pa.float64()), pa.array([0] * n, pa.int64()),
+                    pa.nulls(n, pa.string())]
+        expires, aged, reason = cols[11], cols[12], cols[13]
+        return [pa.array([e / 1e6 if e else None for e in expires], pa.float64()),
+                pa.array(aged, pa.int64()),
+                pa.array(reason, pa.string())]
 
     def _priorities(self, prio: list[Any], ids: list[int]) -> tuple[pa.Array, pa.Array]:
         n = len(prio)
@@ -385,6 +400,8 @@ def _columns_ok(rows: list[tuple[Any, ...]], priority_type: str | None) -> bool:
     if len(cols) == 14 and any(e and s == records.DEAD for s, e in zip(state, cols[11],
                                                                         strict=True)):
         return False  # a dead letter with an expiry time: the row check names it
+    if len(cols) == 14 and set(map(type, cols[13])) - {str, type(None)}:
+        return False  # a reason that is not a str: the row check names it
     types = set(map(type, prio))
     if not any(types <= allowed for allowed in _PRIORITY_TYPES[priority_type]):
         return False

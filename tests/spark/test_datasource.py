@@ -14,6 +14,7 @@ from pyspark.sql.pandas.types import to_arrow_schema
 import qstore
 from qstore.spark._datasource import QStoreReader, ReadSettings, spark_schema
 from qstore.spark._scan import message_schema, scan_snapshot
+from tests.conftest import FakeClock
 
 from .conftest import Snap
 
@@ -120,3 +121,26 @@ def test_plain_scan_gives_the_same_table_as_spark(spark: Any, clean_snap: Snap) 
     assert _rows(plain) == _rows(reader.load(clean_snap.path).toArrow())
     assert set(plain["problem"].to_pylist()) == {None}
     assert set(plain["index_ok"].to_pylist()) == {True}
+
+
+def test_ttl_aging_and_dead_reason_columns(spark: Any, tmp_path: Any) -> None:
+    clock = FakeClock()
+    with qstore.open(str(tmp_path / "s"), clock=clock, compactor=False) as s:
+        q = s.create_queue("q", on_expire="dead", aging=10.0, aging_cap=5)
+        plain = q.push(b"plain", 1)
+        lives = q.push(b"ttl", 2, ttl=100.0)
+        dies = q.push(b"expires", 3, ttl=5.0)
+        clock.advance(25.0)  # two aging rounds; the 5 s TTL runs out
+        assert q.stats().dead == 1
+        want = {m: q.get(m) for m in (plain, lives, dies)}
+        s.snapshot(str(tmp_path / "snap"))
+    rows = {r["id"]: r for r in spark.read.format("qstore").load(str(tmp_path / "snap")).collect()}
+    for mid, m in want.items():
+        r = rows[mid]
+        assert r["expires_at"] == (pytest.approx(m.expires_at) if m.expires_at else None)
+        assert r["dead_reason"] == m.dead_reason
+        assert r["priority_int"] == m.priority
+    assert rows[lives]["expires_at"] == pytest.approx(1_700_000_100.0)
+    assert rows[dies]["dead_reason"] == "expired" and rows[dies]["state"] == "dead"
+    assert rows[plain]["aged"] == rows[lives]["aged"] == 2  # 25 s at 10 s a level
+    assert rows[plain]["priority_int"] == 3 and rows[plain]["expires_at"] is None
