@@ -136,6 +136,34 @@ def read_part(part: FilePart, columns: list[str]) -> Iterator[pa.RecordBatch]:
             f.close()
 
 
+def run_part(staging: str, spec_json: str, part_json: str) -> tuple[int, str]:
+    """One task of the direct path: read the part's row groups, stage its files;
+    returns (partition id, the summary as JSON)."""
+    spec = LoadSpec.from_json(spec_json)
+    (part,) = parts_from_json("[" + part_json + "]")
+    plan = read_plan(staging, part.pid) or PartitionPlan(part.pid, 0, 0, [])
+    summary = load_partition(read_part(part, spec.columns()), spec, plan, staging, _attempt())
+    return part.pid, json.dumps(summary)
+
+
+def run_parts(sc: Any, staging: str, spec: LoadSpec, parts: list[FilePart]) -> list[str]:
+    """Run every part as one Spark task of a plain RDD job; the summaries, as JSON.
+
+    A job over a Python data source costs a planning round trip to a Python
+    worker on top of the tasks (about 0.06 s a job here, measured): an RDD of
+    the parts' descriptions, one per partition, goes straight to the tasks.
+    """
+    spec_json = spec.to_json()
+    items = [json.dumps([p.pid, p.rows, [[f, list(ix)] for f, ix in p.groups]]) for p in parts]
+
+    def task(it: Iterator[str]) -> Iterator[tuple[int, str]]:
+        for text in it:
+            yield run_part(staging, spec_json, text)
+
+    done = sc.parallelize(items, len(items)).mapPartitions(task).collect()
+    return [summary for _, summary in done]
+
+
 class _TaskPartition(InputPartition):
     def __init__(self, part: FilePart) -> None:
         super().__init__(part.pid)
