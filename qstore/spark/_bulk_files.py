@@ -4,8 +4,10 @@ When the source is Parquet files on a filesystem every executor mounts (the
 store must be on one anyway), Spark need not decode the rows in the JVM and
 hand them to Python: each task reads its own row groups with pyarrow, straight
 into the Arrow batches :func:`~._bulk.load_partition` works on, and Spark moves
-one small summary row per task. Measured here, the JVM's decoding and
-hand-over was the largest cost of the write pass (docs/backfill.md).
+one small summary per task. The tasks run as a plain RDD job (:func:`run_parts`);
+the data source below runs them where there are no RDDs (Spark Connect).
+Measured here, the JVM's decoding and hand-over was the largest cost of the
+write pass (docs/backfill.md).
 
 The driver plans from the files' footers alone: the rows of every row group
 are known exactly, so there is no counting pass. Partitions are runs of
