@@ -6,11 +6,17 @@ with frames, the furthest record end), each segment id known from any side
 the file is there and its header intact, it is not shorter than the data the
 metadata refers to, its ``S`` record equals the recount, and a file that
 nothing references or accounts for is an orphan.
+
+The single checks are small functions of plain values (``header_finding``,
+``manifest_truncation``, ``orphan_exempt``, ``orphan``, ``unlisted``,
+``record_mismatch``, ``end_past_manifest``) that the Spark audit's driver
+(``qstore/spark/_audit_checks.py``) calls too: one implementation, the same
+findings in the same words.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from . import _check_report as k
 from ._check_files import SegmentFiles
@@ -59,6 +65,70 @@ def check_segments(meta: MetaDB, files: SegmentFiles, recount: Mapping[int, list
     return findings
 
 
+# -- one segment's checks, shared with the Spark audit (qstore/spark/_audit_checks.py) --
+# Each takes plain values (sizes, lengths, the S record, the recount) and returns
+# the finding, or None: the integrity check and the audit report the same problem
+# in the same words.
+
+
+def header_finding(fid: int, problem: str | None) -> Finding | None:
+    """A damaged header (``problem`` from ``payload.header_problem``)."""
+    if problem is None:
+        return None
+    return Finding(k.BAD_SEGMENT_HEADER, file_id=fid, offset=0, detail=problem)
+
+
+def manifest_truncation(fid: int, size: int, length: int) -> Finding | None:
+    """The file is shorter than the data length a snapshot's manifest lists."""
+    if size >= length:
+        return None
+    return Finding(k.SEGMENT_TRUNCATED, file_id=fid, offset=size,
+                   detail=f"file has {size} bytes, the manifest says {length}")
+
+
+def orphan_exempt(fid: int, data: int, active_id: int | None, copying_output: int | None,
+                  deleting_sources: Collection[int] = ()) -> bool:
+    """Files that may be unaccounted for: the active segment (a fresh one has no
+    ``S`` record yet), a file of no more than a header, the output of a compaction
+    pass still copying, the sources of one deleting them."""
+    return (fid in (active_id, copying_output) or data <= fmt.HEADER_SIZE
+            or fid in deleting_sources)
+
+
+def orphan(fid: int, size: int, note: str = "") -> Finding:
+    return Finding(k.ORPHAN_SEGMENT, file_id=fid, detail=(
+        f"{size} bytes that no message references and no S record accounts for{note}"))
+
+
+def unlisted(fid: int, count: int) -> Finding:
+    return Finding(k.UNLISTED_SEGMENT, file_id=fid, detail=(
+        f"{count} messages reference it but MANIFEST.json does not list it"))
+
+
+def record_mismatch(fid: int, stored: tuple[int, int, int] | None, count: int, nbytes: int,
+                    where: str = "", offset: int | None = None) -> Finding | None:
+    """The ``S`` record's live count and bytes against the recount (``where``: what the
+    caller can say about the difference)."""
+    live_bytes, live_count = stored[:2] if stored is not None else (0, 0)
+    if (live_bytes, live_count) == (nbytes, count):
+        return None
+    return Finding(k.SEGMENT_RECORD_MISMATCH, file_id=fid, offset=offset, detail=(
+        f"S record says {live_count} live records / {live_bytes} bytes, recount finds "
+        f"{count} / {nbytes}" + ("" if stored is not None else " (no S record)") + where))
+
+
+def end_past_manifest(fid: int, end: int, length: int) -> Finding | None:
+    if end <= length:
+        return None
+    return Finding(k.SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
+        f"S record's data end {end} is past the manifest length {length}"))
+
+
+def found(*maybe: Finding | None) -> list[Finding]:
+    """The findings among ``maybe`` (the builders above return None for no problem)."""
+    return [f for f in maybe if f is not None]
+
+
 def _check_one(fid: int, files: SegmentFiles, stored: tuple[int, int, int] | None,
                counted: list[int], active_id: int | None, phase: str, output: int | None,
                sources: list[int]) -> list[Finding]:
@@ -77,41 +147,31 @@ def _check_one(fid: int, files: SegmentFiles, stored: tuple[int, int, int] | Non
             out.append(Finding(k.MISSING_SEGMENT, file_id=fid,
                                detail=f"no file {fmt.segment_name(fid)}; " + ", ".join(why)))
     else:
-        problem = files.header_problem(fid)
-        if problem is not None:
-            out.append(Finding(k.BAD_SEGMENT_HEADER, file_id=fid, offset=0, detail=problem))
-        truncated = False
-        if lengths is not None and listed and size < lengths[fid]:
-            truncated = True
-            out.append(Finding(k.SEGMENT_TRUNCATED, file_id=fid, offset=size, detail=(
-                f"file has {size} bytes, the manifest says {lengths[fid]}")))
+        out += found(header_finding(fid, files.header_problem(fid)))
+        truncated = None
+        if lengths is not None and listed:
+            truncated = manifest_truncation(fid, size, lengths[fid])
+            out += found(truncated)
         end = stored[2] if stored is not None else 0
-        if not truncated and end > size:
+        if truncated is None and end > size:
             out.append(Finding(k.SEGMENT_TRUNCATED, file_id=fid, offset=size, detail=(
                 f"file has {size} bytes, its S record says the data ends at {end}")))
-        elif stored is not None and listed and lengths is not None and end > lengths[fid]:
-            out.append(Finding(k.SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
-                f"S record's data end {end} is past the manifest length {lengths[fid]}")))
+        elif stored is not None and listed and lengths is not None:
+            out += found(end_past_manifest(fid, end, lengths[fid]))
         data = lengths[fid] if lengths is not None and listed else size
-        exempt = (fid == active_id or data <= fmt.HEADER_SIZE
-                  or (phase == COPYING and fid == output)
-                  or (phase == DELETING and fid in sources))
+        exempt = orphan_exempt(fid, data, active_id, output if phase == COPYING else None,
+                               sources if phase == DELETING else ())
         if count == 0 and stored is None and not exempt:
-            out.append(Finding(k.ORPHAN_SEGMENT, file_id=fid, detail=(
-                f"{size} bytes that no message references and no S record accounts for")))
+            out.append(orphan(fid, size))
         if lengths is not None and not listed and count:
-            out.append(Finding(k.UNLISTED_SEGMENT, file_id=fid, detail=(
-                f"{count} messages reference it but MANIFEST.json does not list it")))
+            out.append(unlisted(fid, count))
     if phase == COPYING and fid == output and count:
         out.append(Finding(k.BAD_COMPACTION_RECORD, file_id=fid, detail=(
             f"{count} messages refer to the output of a pass still copying")))
     if stored is not None and stored[0] < 0:
         return out  # an S record that does not decode: reported already
-    live_bytes, live_count, end = stored if stored is not None else (0, 0, 0)
-    if (live_bytes, live_count) != (nbytes, count):
-        out.append(Finding(k.SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
-            f"S record says {live_count} live records / {live_bytes} bytes, recount finds "
-            f"{count} / {nbytes}" + ("" if stored is not None else " (no S record)"))))
+    out += found(record_mismatch(fid, stored, count, nbytes))
+    end = stored[2] if stored is not None else 0
     if stored is not None and max_end > end:
         out.append(Finding(k.SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
             f"messages refer to records up to offset {max_end}, past the S record's data "

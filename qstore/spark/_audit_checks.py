@@ -16,18 +16,16 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .. import _check_segments as segs
 from .._check_report import (
     BAD_RECORD,
-    BAD_SEGMENT_HEADER,
     COUNTER_MISMATCH,
     MISSING_SEGMENT,
     ORPHAN_QUEUE_KEYS,
-    ORPHAN_SEGMENT,
     SEGMENT_RECORD_MISMATCH,
-    SEGMENT_TRUNCATED,
-    UNLISTED_SEGMENT,
     Finding,
 )
+from .._check_segments import found
 from .._message import SegmentStats
 from ..meta import keys, records
 from ..payload import _format as fmt
@@ -233,45 +231,34 @@ def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]],
             findings.append(Finding(MISSING_SEGMENT, file_id=fid, detail=(
                 f"listed in MANIFEST.json ({length} bytes) but absent from payload/; "
                 f"{count} messages reference it")))
-        if present and fid in facts.headers:
-            findings.append(Finding(BAD_SEGMENT_HEADER, file_id=fid, offset=0,
-                                    detail=facts.headers[fid]))
-        if listed and present and facts.files[fid] < length:
-            findings.append(Finding(SEGMENT_TRUNCATED, file_id=fid, offset=facts.files[fid],
-                                    detail=(f"file has {facts.files[fid]} bytes, the manifest "
-                                            f"says {length}")))
-        unaccounted = (count == 0 and stored is None and fid != facts.active_id
-                       and length > fmt.HEADER_SIZE)  # a header-only file holds nothing
-        if present and unaccounted and fid != facts.compaction_output:
-            findings.append(Finding(ORPHAN_SEGMENT, file_id=fid, detail=(
-                f"{facts.files[fid]} bytes that no message references and no S record "
-                "accounts for" + ("" if listed else "; not listed in MANIFEST.json"))))
+        if present:
+            findings += found(segs.header_finding(fid, facts.headers.get(fid)))
+        if listed and present:
+            findings += found(segs.manifest_truncation(fid, facts.files[fid], length))
+        unaccounted = count == 0 and stored is None and not segs.orphan_exempt(
+            fid, length, facts.active_id, facts.compaction_output)
+        if present and unaccounted:
+            findings.append(segs.orphan(fid, facts.files[fid],
+                                        "" if listed else "; not listed in MANIFEST.json"))
         elif present and not listed and count:
-            findings.append(Finding(UNLISTED_SEGMENT, file_id=fid, detail=(
-                f"{count} messages reference it but MANIFEST.json does not list it")))
+            findings.append(segs.unlisted(fid, count))
         live_bytes, live_count, end = stored if stored is not None else (0, 0, 0)
-        if (live_bytes, live_count) != (frame_bytes, count):
-            where, at = "", None
-            if live_bytes > frame_bytes and present:
-                # Live bytes no message references: name the ranges they can lie in.
-                gaps = unreferenced_ranges(runs, fid, min(end or length, length,
-                                                          facts.files[fid]))
-                if gaps:
-                    at = gaps[0][0]
-                    total = sum(b - a for a, b in gaps)
-                    shown = ", ".join(f"[{a}, {b})" for a, b in gaps[:MAX_RANGES])
-                    more = f" and {len(gaps) - MAX_RANGES} more" if len(gaps) > MAX_RANGES else ""
-                    exact = ("exactly the difference" if total == live_bytes - frame_bytes
-                             else "acked records' garbage included")
-                    where = (f"; {total} bytes no message references, at {shown}{more} "
-                             f"({exact})")
-            findings.append(Finding(SEGMENT_RECORD_MISMATCH, file_id=fid, offset=at, detail=(
-                f"S record says {live_count} live records / {live_bytes} bytes, recount "
-                f"finds {count} / {frame_bytes}" + ("" if stored is not None
-                                                    else " (no S record)") + where)))
-        if stored is not None and listed and end > length:
-            findings.append(Finding(SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
-                f"S record's data end {end} is past the manifest length {length}")))
+        where, at = "", None
+        if live_bytes > frame_bytes and present and (live_bytes, live_count) != (frame_bytes,
+                                                                                 count):
+            # Live bytes no message references: name the ranges they can lie in.
+            gaps = unreferenced_ranges(runs, fid, min(end or length, length, facts.files[fid]))
+            if gaps:
+                at = gaps[0][0]
+                total = sum(b - a for a, b in gaps)
+                shown = ", ".join(f"[{a}, {b})" for a, b in gaps[:MAX_RANGES])
+                more = f" and {len(gaps) - MAX_RANGES} more" if len(gaps) > MAX_RANGES else ""
+                exact = ("exactly the difference" if total == live_bytes - frame_bytes
+                         else "acked records' garbage included")
+                where = f"; {total} bytes no message references, at {shown}{more} ({exact})"
+        findings += found(segs.record_mismatch(fid, stored, count, frame_bytes, where, at))
+        if stored is not None and listed:
+            findings += found(segs.end_past_manifest(fid, end, length))
         if stored is not None and not listed and not present and count == 0:
             findings.append(Finding(SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
                 "S record for a segment that does not exist")))

@@ -454,15 +454,25 @@ class _Job:
 
     def _write_files(self, selected: Any, files: list[FilePart], spec: LoadSpec, staging: str,
                      plans: dict[int, PartitionPlan]) -> _ingest.StagedJob:
-        """The writing pass of the direct path: one summary row per task."""
+        """The writing pass of the direct path: one summary per task.
+
+        A plain RDD job of the parts (measured in the same warm session, 1,000,000
+        rows: median 1.56 s against 2.39 s through the data source, whose job also
+        plans in a Python worker; and a first job in a fresh session 3.4 s against
+        7-10 s). Spark Connect has no RDDs: there the data source runs the tasks.
+        """
         import json
 
-        from ._bulk_files import FILES, parts_to_json
+        from ._bulk_files import FILES, parts_to_json, run_parts
 
-        rows = (self.spark.read.format(FILES).option("staging", staging)
-                .option("spec", spec.to_json()).option("parts", parts_to_json(files))
-                .load().collect())
-        tasks = [json.loads(r["summary"]) for r in rows]
+        sc = _context(self.spark)
+        if sc is not None:
+            tasks = [json.loads(t) for t in run_parts(sc, staging, spec, files)]
+        else:  # Spark Connect: no RDDs, the data source runs the same tasks
+            rows = (self.spark.read.format(FILES).option("staging", staging)
+                    .option("spec", spec.to_json()).option("parts", parts_to_json(files))
+                    .load().collect())
+            tasks = [json.loads(r["summary"]) for r in rows]
         return self._staged(selected, tasks, staging, spec, plans)
 
     def _staged(self, selected: Any, tasks: list[dict[str, Any]], staging: str, spec: LoadSpec,
@@ -528,6 +538,14 @@ def _paths(source: Any) -> list[str] | None:
             isinstance(s, (str, os.PathLike)) for s in source):
         return [os.fspath(s) for s in source]
     return None
+
+
+def _context(spark: Any) -> Any:
+    """The session's SparkContext, or None (Spark Connect has none)."""
+    try:
+        return spark.sparkContext
+    except Exception:
+        return None
 
 
 def _cores(spark: Any) -> int:

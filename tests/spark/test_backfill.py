@@ -725,10 +725,24 @@ def test_ttl_column_loads_expiring_messages_and_the_audit_checks_the_expiry_inde
 # -- the direct path for Parquet files ---------------------------------------------
 
 
+@pytest.mark.parametrize("runner", ["rdd", "data source"])
 def test_parquet_files_are_read_by_the_tasks_in_file_then_row_order(
-        spark: Any, tmp_path: Path) -> None:
+        spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runner: str) -> None:
     """Files in name order, row groups split across tasks; the same messages as Spark's
-    reader loads (the DataFrame of the same files), rejects included."""
+    reader loads (the DataFrame of the same files), rejects included. The tasks run as
+    an RDD job, or (Spark Connect, no SparkContext) through the data source."""
+    from qstore.spark import _bulk_files, backfill
+
+    calls = []
+    real_run_parts = _bulk_files.run_parts
+
+    def run_parts(*args: Any) -> list[str]:
+        calls.append(len(args[3]))
+        return real_run_parts(*args)
+
+    monkeypatch.setattr(_bulk_files, "run_parts", run_parts)
+    if runner == "data source":
+        monkeypatch.setattr(backfill, "_context", lambda spark: None)
     src = tmp_path / "src"
     src.mkdir()
     rows = []
@@ -744,6 +758,7 @@ def test_parquet_files_are_read_by_the_tasks_in_file_then_row_order(
     result = run_backfill(str(src), into=store, queue="q", priority_col="prio", spark=spark)
     assert [name for name, _ in result.phases] == ["plan", "write", "commit"]
     assert result.partitions >= 2  # at least one task per core
+    assert calls == ([result.partitions] if runner == "rdd" else [])
     assert (result.rows, result.loaded, result.rejected) == (121, 119, 2)
     in_order = [(b, p) for _, bodies, prios in sorted(rows) for b, p in zip(bodies, prios,
                                                                            strict=True)]

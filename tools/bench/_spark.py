@@ -9,7 +9,15 @@ real, incompressible data, so Spark and the backfill can split it across the
 cores, where the 64 repeated payload variants would otherwise shrink into one
 tiny dictionary-encoded row group read by one task) into a fresh store;
 ``push_many`` pushes the same rows in batches of 1,000 into another fresh
-store, in the same process. The audit runs on a
+store, in the same process.
+
+Fairness. The warm-up backfill reads a file of one row group per core, so
+that every Python worker the timed job uses has started and imported qstore
+(a warm-up of one task left the second worker cold: about 0.9 s of the
+timed 200,000-row job here was that worker starting). Dirty pages are written
+back (``os.sync()``, untimed) before each timed part, so that neither side
+pays for the writeback of what was written before it (the source file, the
+other side's store): up to 2 GB at ``--full``. The audit runs on a
 snapshot of the backfilled store; the scan is
 ``qstore.spark._scan.scan_snapshot`` of the same snapshot, the plain
 single-process Python scan (records only, as docs/spark.md measures it).
@@ -49,6 +57,7 @@ def measure_spark(path: str, p: Params) -> list[Metric]:
                              "priority": pa.array([pr for _, pr in items], pa.int64())}), source,
                    **PARQUET)
 
+    os.sync()  # the source file's pages: written back before, not during, push_many
     with qstore.open(os.path.join(path, "pushed"), compactor=False) as store:
         q = store.create_queue("q")
         started = time.perf_counter()
@@ -60,11 +69,14 @@ def measure_spark(path: str, p: Params) -> list[Metric]:
     spark = get_session("local[2]", "qstore-bench", fast_start=True)
     try:
         # Warm up, untimed: the first job of a session starts the Python workers
-        # and the JVM compiles its hot code (10 s and more here, once).
+        # and the JVM compiles its hot code (10 s and more here, once). One row
+        # group per core: one task each, so every worker starts now.
+        cores = max(1, int(spark.sparkContext.defaultParallelism))
         warm = os.path.join(path, "warm.parquet")
         pq.write_table(pa.table({"payload": pa.array([b for b, _ in items[:WARM]], pa.binary()),
                                  "priority": pa.array([pr for _, pr in items[:WARM]],
-                                                      pa.int64())}), warm)
+                                                      pa.int64())}), warm,
+                       row_group_size=-(-WARM // cores))
         run_backfill(warm, into=os.path.join(path, "warm"), queue="q", priority_col="priority",
                      spark=spark)
         with qstore.open(os.path.join(path, "warm"), compactor=False) as store:
@@ -72,6 +84,7 @@ def measure_spark(path: str, p: Params) -> list[Metric]:
         run_audit(os.path.join(path, "warm-snapshot"), out=os.path.join(path, "warm-audit"),
                   spark=spark, quiet=True)
         into = os.path.join(path, "loaded")
+        os.sync()  # push_many's store: written back before, not during, the backfill
         started = time.perf_counter()
         result = run_backfill(source, into=into, queue="q", priority_col="priority", spark=spark)
         backfill_s = time.perf_counter() - started
