@@ -297,7 +297,7 @@ class Check:
         """A finding, or a note if the message was already moved aside for it."""
         kind = k.REASON_KINDS.get(problem, k.BAD_RECORD)
         counts = self.damage_by_segment.setdefault(rec.file_id, [0, 0])
-        if rec.state == records.DEAD and (rec.reason or "").startswith(records.DAMAGED_REASON):
+        if records.set_aside(rec.state, rec.reason):
             counts[0] += 1
             self.notes.append(Finding(k.DAMAGED_SET_ASIDE, queue=name, message_id=mid,
                                       file_id=rec.file_id, offset=rec.offset, detail=(

@@ -117,6 +117,14 @@ def record_mismatch(fid: int, stored: tuple[int, int, int] | None, count: int, n
         f"{count} / {nbytes}" + ("" if stored is not None else " (no S record)") + where))
 
 
+def end_past_file(fid: int, size: int, end: int) -> Finding | None:
+    """The file is shorter than the data its ``S`` record says it holds: it was cut."""
+    if end <= size:
+        return None
+    return Finding(k.SEGMENT_TRUNCATED, file_id=fid, offset=size, detail=(
+        f"file has {size} bytes, its S record says the data ends at {end}"))
+
+
 def end_past_manifest(fid: int, end: int, length: int) -> Finding | None:
     if end <= length:
         return None
@@ -154,8 +162,7 @@ def _check_one(fid: int, files: SegmentFiles, stored: tuple[int, int, int] | Non
             out += found(truncated)
         end = stored[2] if stored is not None else 0
         if truncated is None and end > size:
-            out.append(Finding(k.SEGMENT_TRUNCATED, file_id=fid, offset=size, detail=(
-                f"file has {size} bytes, its S record says the data ends at {end}")))
+            out += found(end_past_file(fid, size, end))
         elif stored is not None and listed and lengths is not None:
             out += found(end_past_manifest(fid, end, lengths[fid]))
         data = lengths[fid] if lengths is not None and listed else size

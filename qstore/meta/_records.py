@@ -28,6 +28,12 @@ EXPIRED_REASON = "expired"  # the reason of a message moved to the dead letters 
 # The reason of a message moved to the dead letters because its payload bytes
 # are damaged: this prefix, then what is wrong ("damaged payload: bad CRC").
 DAMAGED_REASON = "damaged payload"
+
+
+def set_aside(state: object, reason: object) -> bool:
+    """Whether a message in ``state`` with dead-letter ``reason`` was moved to the dead
+    letters because its payload is damaged (its damage is then a note, not a finding)."""
+    return state == DEAD and isinstance(reason, str) and reason.startswith(DAMAGED_REASON)
 # Value of the M"format" key. 2: the dedup namespaces and dead letters without a
 # dedup key (qstore/_migrate.py). A read-write open migrates 1 to 2; a read-only
 # open reads both; any other value is refused.

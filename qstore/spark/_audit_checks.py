@@ -233,8 +233,10 @@ def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]],
                 f"{count} messages reference it")))
         if present:
             findings += found(segs.header_finding(fid, facts.headers.get(fid)))
+        truncated = None
         if listed and present:
-            findings += found(segs.manifest_truncation(fid, facts.files[fid], length))
+            truncated = segs.manifest_truncation(fid, facts.files[fid], length)
+            findings += found(truncated)
         unaccounted = count == 0 and stored is None and not segs.orphan_exempt(
             fid, length, facts.active_id, facts.compaction_output)
         if present and unaccounted:
@@ -257,7 +259,9 @@ def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]],
                          else "acked records' garbage included")
                 where = f"; {total} bytes no message references, at {shown}{more} ({exact})"
         findings += found(segs.record_mismatch(fid, stored, count, frame_bytes, where, at))
-        if stored is not None and listed:
+        if stored is not None and truncated is None and present and end > facts.files[fid]:
+            findings += found(segs.end_past_file(fid, facts.files[fid], end))  # as the check
+        elif stored is not None and listed:
             findings += found(segs.end_past_manifest(fid, end, length))
         if stored is not None and not listed and not present and count == 0:
             findings.append(Finding(SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(

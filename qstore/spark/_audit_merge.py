@@ -38,15 +38,17 @@ class MessageFacts:
     runs: pa.Table
     ready: list[dict[str, Any]]  # per (queue, priority): ready messages, oldest enqueue time
     attempts: dict[int, dict[int, int]]  # qid -> attempts -> messages
+    notes: list[Finding]  # damage of messages already set aside (damaged_set_aside)
 
 
 def merge(table: pa.Table) -> MessageFacts:
     """Add up the facts of every task (``table`` has the schema of ``qstore_audit``)."""
     rows = {kind: table.filter(pc.equal(table["row"], kind)) for kind in (
         src.FINDING, src.COUNT, src.SEGMENT, src.RUN, src.SIZE, src.SIZE_BUCKET, src.INDEX,
-        src.READY, src.ATTEMPTS)}
-    findings = [Finding(r["kind"], r["queue"], r["message_id"], r["file_id"], r["offset"],
-                        r["detail"]) for r in rows[src.FINDING].to_pylist()]
+        src.READY, src.ATTEMPTS, src.NOTE)}
+    findings, notes = ([Finding(r["kind"], r["queue"], r["message_id"], r["file_id"], r["offset"],
+                                r["detail"]) for r in rows[kind].to_pylist()]
+                       for kind in (src.FINDING, src.NOTE))
     queues: dict[int, list[int]] = {}
     messages = 0
     for r in rows[src.COUNT].to_pylist():
@@ -68,7 +70,7 @@ def merge(table: pa.Table) -> MessageFacts:
         per[r["bucket"]] = per.get(r["bucket"], 0) + r["n"]
     return MessageFacts(findings, messages, queues, segments,
                         _sizes(rows[src.SIZE], rows[src.SIZE_BUCKET]), index, rows[src.RUN],
-                        _ready(rows[src.READY]), attempts)
+                        _ready(rows[src.READY]), attempts, notes)
 
 
 def _ready(table: pa.Table) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from .._check_report import BAD_RECORD, MESSAGE_WITHOUT_QUEUE, REASON_KINDS
+from .._check_report import BAD_RECORD, DAMAGED_SET_ASIDE, MESSAGE_WITHOUT_QUEUE, REASON_KINDS
 from .._errors import InvalidArgument
 from ..meta import keys, records
 from ..payload import _format as fmt
@@ -45,8 +45,9 @@ from ._datasource import RangePartition, spark_schema
 from ._scan import BATCH_ROWS, checked_records
 from ._snapshot_view import ScanRange, Snapshot, plan_ranges
 
-FINDING, COUNT, SEGMENT, RUN, SIZE, SIZE_BUCKET, INDEX, READY, ATTEMPTS = (
-    "finding", "count", "segment", "run", "size", "size_bucket", "index", "ready", "attempts")
+FINDING, COUNT, SEGMENT, RUN, SIZE, SIZE_BUCKET, INDEX, READY, ATTEMPTS, NOTE = (
+    "finding", "count", "segment", "run", "size", "size_bucket", "index", "ready", "attempts",
+    "note")
 STATE_NAMES = records.STATE_NAMES
 INDEX_KINDS = {records.READY: keys.READY, records.DELAYED: keys.DELAYED,
                records.INFLIGHT: keys.INFLIGHT, records.DEAD: keys.DEAD}
@@ -171,8 +172,8 @@ class _RangeAudit:
         self.attempts: dict[int, int] = {}  # attempts -> messages
 
     def _finding(self, kind: str, mid: int | None, detail: str, file_id: int | None = None,
-                 offset: int | None = None) -> None:
-        self.findings.append({"row": FINDING, "kind": kind, "queue": self.queue, "qid": self.qid,
+                 offset: int | None = None, row: str = FINDING) -> None:
+        self.findings.append({"row": row, "kind": kind, "queue": self.queue, "qid": self.qid,
                               "message_id": mid, "file_id": file_id, "offset": offset,
                               "detail": detail})
 
@@ -187,10 +188,19 @@ class _RangeAudit:
         (_, state, prio, file_id, offset, length, attempts, _, enqueued, when,
          digest) = cols[:11]
         expires = np.array(cols[11], np.uint64) if len(cols) > 11 else None
+        reasons = cols[13] if len(cols) > 11 else None
         for i, problem in enumerate(self.snap.check_refs(file_id, offset, length)):  # type: ignore[arg-type]
-            if problem is not None:
-                self._finding(REASON_KINDS.get(problem, BAD_RECORD), ids[i], problem,
-                              file_id[i], offset[i])
+            if problem is None:
+                continue
+            kind = REASON_KINDS.get(problem, BAD_RECORD)
+            if records.set_aside(state[i], None if reasons is None else reasons[i]):
+                # As the integrity check: moved to the dead letters for this damage
+                # already (by a pop or a repair), a note, not a finding.
+                self._finding(DAMAGED_SET_ASIDE, ids[i], f"{kind}: {problem}; in the dead "
+                              f"letters with reason {reasons[i]!r}",  # type: ignore[index]
+                              file_id[i], offset[i], row=NOTE)
+            else:
+                self._finding(kind, ids[i], problem, file_id[i], offset[i])
         if self.info is None:
             for i, mid in enumerate(ids):
                 self._finding(MESSAGE_WITHOUT_QUEUE, mid, "its queue id has no Q record",

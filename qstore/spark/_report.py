@@ -104,6 +104,12 @@ def render_text(summary: dict[str, Any]) -> str:
             ex = examples.get(kind)
             hint = f"  e.g. {_where(ex)}: {ex['detail']}" if ex else ""
             lines.append(f"    {kind:<24} {n:>8,}{hint}"[:160])
+    notes = summary.get("notes", {"total": 0, "examples": []})
+    if notes["total"]:
+        lines.append(f"  notes: {notes['total']:,} damaged payloads already set aside in the "
+                     "dead letters (not findings)")
+        lines += [f"    {n['kind']}: {_where(n)}: {n['detail']}"[:160]
+                  for n in notes["examples"][:5]]
     outs = summary.get("outputs", {})
     if outs:
         lines.append(f"  wrote {', '.join(outs.values())}")
@@ -157,6 +163,17 @@ def render_html(summary: dict[str, Any]) -> str:
         f"<th>p90</th><th>p99</th><th>max</th><th>total</th></tr>{sizes}</table>")
     more = (f"<p>Showing {MAX_EXAMPLES} of {found['total']:,}; every finding is in "
             "findings.parquet.</p>" if found["total"] > MAX_EXAMPLES else "")
+    notes = summary.get("notes", {"total": 0, "examples": []})
+    note_rows = "".join(
+        f"<tr><td>{e(str(n.get('queue') or ''))}</td><td class=n>{_cell(n.get('message_id'))}"
+        f"</td><td class=n>{_cell(n.get('file_id'))}</td><td class=n>{_cell(n.get('offset'))}"
+        f"</td><td>{e(n['detail'])}</td></tr>" for n in notes["examples"])
+    notes_html = "" if not notes["total"] else (
+        f"<h2>Notes: {notes['total']:,} damaged payloads already set aside</h2>"
+        "<p>Moved to the dead letters for their damage (by a pop or <code>qstore check "
+        "--repair</code>); the bytes are kept as they are. Not findings.</p>"
+        "<table><tr><th>queue</th><th>message</th><th>segment</th><th>offset</th>"
+        f"<th>detail</th></tr>{note_rows}</table>")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>qstore audit</title>
 <style>
@@ -173,7 +190,7 @@ audited {_when(summary['audited_at'])} in {summary['seconds']:.1f} s.
 {summary['messages']['total']:,} messages, {summary['disk']['segments']} segments
 ({_size(summary['disk']['bytes'])}, {summary['disk']['garbage_ratio']:.1%} garbage).</p>
 {verdict}
-{findings_html}{more}
+{findings_html}{more}{notes_html}
 <h2>Queues (recount; oldest ready: its age when the snapshot was taken)</h2>
 {queues_html}
 <h2>Attempts per message</h2>

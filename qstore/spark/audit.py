@@ -135,6 +135,7 @@ class _Passes:
     ready: list[dict[str, Any]]  # per (queue, priority): ready, oldest enqueue time
     attempts: dict[str, dict[int, int]]  # queue -> attempts -> messages
     runs: Any  # pyarrow.Table of the runs of records per segment (offset, end)
+    notes: list[Finding]  # damage already set aside (damaged_set_aside), not findings
 
 
 def _spark_passes(spark: Any, path: str, facts: MetaFacts) -> _Passes:
@@ -149,7 +150,7 @@ def _spark_passes(spark: Any, path: str, facts: MetaFacts) -> _Passes:
     attempts = {facts.queues[qid]: a for qid, a in got.attempts.items() if qid in facts.queues}
     return _Passes(findings + index_findings, got.messages, got.segments, queues,
                    got.sizes[:MAX_SIZE_GROUPS], len(got.sizes) > MAX_SIZE_GROUPS, index,
-                   got.ready, attempts, got.runs)
+                   got.ready, attempts, got.runs, got.notes)
 
 
 def _dedup(findings: list[Finding]) -> list[Finding]:
@@ -217,6 +218,7 @@ def _partitions(spark: Any, messages: int) -> int:
 def _assemble(facts: MetaFacts, p: _Passes, started: float
               ) -> tuple[dict[str, Any], list[Finding]]:
     seg_findings, segments = checks.check_segments(facts, p.segments, p.runs)
+    seg_findings, notes = _set_aside_segments(seg_findings, p.findings, p.notes)
     counter_findings, queues = checks.check_counters(facts, p.queues)
     findings = sorted([*p.findings, *seg_findings, *counter_findings, *facts.orphan_queue_keys,
                        *facts.bad_records],
@@ -254,6 +256,12 @@ def _assemble(facts: MetaFacts, p: _Passes, started: float
             "by_kind": by_kind,
             "examples": [dataclasses.asdict(f) for f in _examples(findings)],
         },
+        # Damage already dealt with: messages moved to the dead letters for it, and
+        # segment damage that touches only those (as `qstore check` reports them).
+        "notes": {
+            "total": len(notes),
+            "examples": [dataclasses.asdict(f) for f in notes[:MAX_EXAMPLES]],
+        },
         "messages": {"total": p.messages, "by_state": by_state,
                      "without_queue": p.messages - sum(by_state.values()),
                      "bytes": sum(c[4] for c in p.queues.values())},
@@ -268,6 +276,24 @@ def _assemble(facts: MetaFacts, p: _Passes, started: float
         "ready_depth_truncated": len(p.ready) > MAX_SIZE_GROUPS,
     }
     return summary, findings
+
+
+def _set_aside_segments(seg_findings: list[Finding], message_findings: list[Finding],
+                        notes: list[Finding]) -> tuple[list[Finding], list[Finding]]:
+    """Segment damage (missing, truncated, bad header) that only messages already set
+    aside meet becomes a note, as in the integrity check (``_check.Check.run``)."""
+    aside = {n.file_id for n in notes}
+    not_aside = {f.file_id for f in message_findings if f.message_id is not None}
+    kept = []
+    notes = sorted(notes, key=Finding.sort_key)
+    for f in seg_findings:
+        if f.kind in kinds.SEGMENT_DAMAGE and f.file_id in aside and f.file_id not in not_aside:
+            notes.append(Finding(kinds.DAMAGED_SET_ASIDE, file_id=f.file_id, offset=f.offset,
+                                 detail=f"{f.kind}: {f.detail}; every message damaged by it "
+                                 "was moved to the dead letters"))
+        else:
+            kept.append(f)
+    return kept, notes
 
 
 def _examples(findings: list[Finding]) -> list[Finding]:

@@ -249,3 +249,49 @@ def test_expiry_index_missing_extra_and_mismatched_keys_are_findings(
               if f["kind"] == "stray_index_key"]
     assert all(f["detail"].startswith("expiry index: ") for f in strays)
     assert result.summary["queues"]["q"]["index"]["expiry"] == {"keys": 6, "expected": 6}
+
+
+def test_damage_already_set_aside_is_a_note_as_in_the_check(spark: Any, tmp_path: Any) -> None:
+    """A segment cut inside a message, and a flipped byte in another: after a repair has
+    moved both messages' damage to the dead letters, the audit is clean and names the
+    damage as notes, as ``store.check()`` does; before it, both are findings."""
+    clock = FakeClock()
+    path = str(tmp_path / "s")
+    with qstore.open(path, clock=clock, compactor=False) as store:
+        q = store.create_queue("q")
+        ids = q.push_many([b"%03d" % i * 30 for i in range(6)])
+        recs = {mid: store.core.message_record(keys.message_key(q._q.qid, mid)) for mid in ids}
+        fid = recs[ids[0]].file_id  # type: ignore[union-attr]
+        cut_at = recs[ids[5]].offset + 5  # type: ignore[union-attr]
+        flip_at = recs[ids[1]].offset + 20  # type: ignore[union-attr]
+        store.core.payload.seal()
+    seg = os.path.join(path, "payload", segment_name(fid))
+    with open(seg, "r+b") as f:
+        f.truncate(cut_at)
+        f.seek(flip_at)
+        byte = f.read(1)
+        f.seek(flip_at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    def audit(name: str) -> AuditResult:
+        with qstore.open(path, clock=clock, compactor=False) as store:
+            snap = store.snapshot(str(tmp_path / name))
+        return run_audit(snap, spark=spark, out=str(tmp_path / f"{name}-out"), quiet=True)
+
+    before = audit("before")
+    assert before.exit_code == 1
+    assert {(f["kind"], f["message_id"]) for f in before.summary["findings"]["examples"]} >= {
+        ("crc_mismatch", ids[1]), ("out_of_bounds", ids[5])}
+    with qstore.open(path, clock=clock, compactor=False) as store:
+        report = store.check(repair=True)
+        assert report.ok
+        check_notes = sorted((n.message_id or 0, n.file_id) for n in report.notes)
+    after = audit("after")
+    assert (after.exit_code, after.findings) == (0, 0), after.summary["findings"]["examples"]
+    notes = after.summary["notes"]
+    assert notes["total"] == len(check_notes) == 3
+    assert sorted((n["message_id"] or 0, n["file_id"]) for n in notes["examples"]) == \
+        check_notes == sorted([(0, fid), (ids[1], fid), (ids[5], fid)])
+    assert all(n["kind"] == "damaged_set_aside" for n in notes["examples"])
+    assert "notes: 3 damaged payloads already set aside" in after.text
+    assert "Notes: 3 damaged payloads already set aside" in _read(after.paths["report"])
