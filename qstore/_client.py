@@ -36,7 +36,8 @@ class _Link(base.LinkSettings):
                  ssl_context: ssl.SSLContext | None, server_hostname: str | None) -> None:
         super().__init__(address, token, timeout, keep_leases, ssl_context, server_hostname)
         self._sock: socket.socket | None = None
-        self._in = bytearray()  # bytes read and not yet cut into frames
+        self._in = bytearray(_RECV)  # the read buffer: bytes _start:_end are unread
+        self._start = self._end = 0
         self._kernel_timeout = False  # the timeout is SO_RCVTIMEO/SO_SNDTIMEO, not Python's
         self._timeout_now = -1.0
 
@@ -63,7 +64,7 @@ class _Link(base.LinkSettings):
                 sock.settimeout(None)
                 self._kernel_timeout = True
             self._sock = sock
-            self._in = bytearray()
+            self._start = self._end = 0
             self._timeout_now = -1.0
             self._set_timeout(self.timeout)
             sock.sendall(base.hello(self._token, self._keep))
@@ -90,21 +91,50 @@ class _Link(base.LinkSettings):
             sock.settimeout(seconds)
         self._timeout_now = seconds
 
-    def _take(self, n: int) -> bytes:
-        buf, sock = self._in, self._sock
+    def _fill(self, need: int) -> int:
+        """Read until the buffer holds ``need`` bytes from ``_start``; returns ``_start``.
+
+        The socket reads straight into one reusable buffer (``recv_into``): no
+        new bytes object per read and no copy to cut a frame out. A frame
+        larger than the buffer grows it for as long as it is being read.
+        """
+        buf, sock, start, end = self._in, self._sock, self._start, self._end
         assert sock is not None
-        while len(buf) < n:
-            chunk = sock.recv(max(_RECV, n - len(buf)))
-            if not chunk:
-                raise EOFError("connection closed by the server")
-            buf += chunk
-        out = bytes(buf[:n])
-        del buf[:n]
-        return out
+        if start + need > len(buf):  # move what is buffered to the front, grow if needed
+            size = max(_RECV, need)
+            if size != len(buf) or start:
+                fresh = bytearray(size)
+                fresh[:end - start] = buf[start:end]
+                self._in = buf = fresh
+                start, end = 0, end - start
+                self._start, self._end = start, end
+        with memoryview(buf) as view:
+            while end - start < need:
+                got = sock.recv_into(view[end:])
+                if not got:
+                    raise EOFError("connection closed by the server")
+                end += got
+                self._end = end
+        return start
 
     def _read(self) -> Any:
-        (n,) = wire.LENGTH.unpack(self._take(4))
-        return wire.unpack(self._take(n))
+        """The next frame's value."""
+        start, end = self._start, self._end
+        if end - start < 4:
+            start = self._fill(4)
+        (n,) = wire.LENGTH.unpack_from(self._in, start)
+        if self._end - start < 4 + n:
+            start = self._fill(4 + n)
+        stop = start + 4 + n
+        with memoryview(self._in) as view:
+            value = wire.unpack(view[start + 4:stop])
+        if stop == self._end:  # the usual case: nothing left over, read from the front
+            self._start = self._end = 0
+            if len(self._in) > _RECV:
+                self._in = bytearray(_RECV)  # a big frame's buffer is not kept
+        else:
+            self._start = stop
+        return value
 
     def call(self, op: str, args: dict[str, Any], wait: float = 0.0) -> Any:
         if self._sock is None:
@@ -170,7 +200,9 @@ class _Link(base.LinkSettings):
         return out
 
     def close(self) -> None:
-        self._in = bytearray()
+        self._start = self._end = 0
+        if len(self._in) > _RECV:
+            self._in = bytearray(_RECV)
         if self._sock is not None:
             self._sock.close()
             self._sock = None

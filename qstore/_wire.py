@@ -49,7 +49,7 @@ def pack(value: Any) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
-def unpack(body: bytes) -> Any:
+def unpack(body: bytes | memoryview) -> Any:
     """The value of a frame body; raises ProtocolError on anything malformed."""
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)

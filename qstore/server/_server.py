@@ -247,6 +247,11 @@ class Server:
         """Run every request read since the last round, then write the answers."""
         self._round_due = False
         reqs, self._inbox = self._inbox, []
+        if len(reqs) == 1:  # the common case under light load: nothing to group or gather
+            self._dispatch(*reqs[0])
+            if self._waiting.count:
+                self._arm_due()
+            return
         if any(r[0].closed for r in reqs):  # read, never started: those clients see
             for r in reqs:                    # ConnectionLost; no lease goes to a dead link
                 if r[0].closed:
@@ -327,9 +332,9 @@ class Server:
             if result is None and op == "pop" and args.get("wait"):
                 self._park(conn, rid, op, args, started)
                 continue
-            self._send(conn, wire.pack([rid, wire.OK, result]))
             if self.metrics:
                 self.metrics.request(op, time.perf_counter() - started, True)
+            self._send(conn, wire.pack([rid, wire.OK, result]))
 
     def _submit(self, fn: Any) -> asyncio.Future[Any]:
         assert self._thread is not None
@@ -344,8 +349,18 @@ class Server:
         kept = args
         if op in wire.QUEUE_OPS:
             leases = conn.leases
-            if op in _POPS:
+            if op in _POPS and args.get("wait"):
                 kept = dict(args)  # queue_op consumes its args; a parked pop needs them
+            if self._inline:  # no closure, no future: the store call is microseconds
+                try:
+                    result = queue_op(store, leases, op, args)
+                except Exception as exc:  # the request's own error
+                    conn.settled()
+                    self._reply_error(conn, rid, op, started, exc)
+                    return
+                conn.settled()
+                self._answer(conn, rid, op, kept, started, result)
+                return
 
             def run() -> Any:
                 return queue_op(store, leases, op, args)
@@ -390,17 +405,17 @@ class Server:
         if result is PARK:
             self._park(conn, rid, op, args, started)
             return
-        self._send(conn, wire.pack([rid, wire.OK, result]))
-        if self.metrics:
+        if self.metrics:  # counted before the answer: a client that reads it sees the count
             self.metrics.request(op, time.perf_counter() - started, True)
+        self._send(conn, wire.pack([rid, wire.OK, result]))
 
     def _reply_error(self, conn: Connection, rid: int, op: str, started: float,
                      exc: BaseException) -> None:
         if not isinstance(exc, QStoreError):
             log.error("request %s failed", op, exc_info=exc)
-        self._send(conn, wire.pack([rid, wire.ERR, wire.encode_error(exc)]))
         if self.metrics:
             self.metrics.request(op, time.perf_counter() - started, False)
+        self._send(conn, wire.pack([rid, wire.ERR, wire.encode_error(exc)]))
 
     # -- waiting pops -----------------------------------------------------------------
 
@@ -433,9 +448,9 @@ class Server:
     def _answer_empty(self, w: Waiter) -> None:
         self._waiting.remove(w)
         w.done = True
-        self._send(w.conn, wire.pack([w.rid, wire.OK, [] if w.op == "pop_many" else None]))
         if self.metrics:
             self.metrics.request(w.op, time.perf_counter() - w.started, True)
+        self._send(w.conn, wire.pack([w.rid, wire.OK, [] if w.op == "pop_many" else None]))
         self._update_listening()
 
     def _update_listening(self) -> None:
@@ -502,9 +517,9 @@ class Server:
             elif got is not None:
                 self._waiting.remove(w)
                 w.done = True
-                self._send(w.conn, wire.pack([w.rid, wire.OK, got]))
                 if self.metrics:
                     self.metrics.request(w.op, time.perf_counter() - w.started, True)
+                self._send(w.conn, wire.pack([w.rid, wire.OK, got]))
             elif w.expired:
                 self._answer_empty(w)
         self._update_listening()

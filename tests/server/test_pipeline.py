@@ -72,3 +72,24 @@ def test_a_thousand_pipelined_pops_and_acks_consume_each_message_once(
             pipe.queue("m").ack(m)
         assert pipe.execute() == [None] * 1000
         assert q.stats().total == 0
+
+
+def test_answers_larger_than_the_read_buffer_arrive_whole_between_small_ones(
+        server: ServerProcess) -> None:
+    # The sync client reads into one reusable 256 KiB buffer: a bigger frame grows
+    # it while it is read, small frames before and after share a read with it.
+    big = bytes(range(256)) * (3 * 1024 + 7)  # about 769 KiB, no repeating 256 KiB block
+    with qstore.connect(server.address) as client:
+        q = client.create_queue("big")
+        small_id = q.push(b"small")
+        big_id = q.push(big)
+        with client.pipeline() as pipe:
+            p = pipe.queue("big")
+            p.get(small_id)
+            p.get(big_id)
+            p.get(small_id)
+            p.get(big_id)
+        got = [m.payload for m in pipe.results]
+        assert got == [b"small", big, b"small", big]
+        assert q.get(big_id).payload == big  # a direct call after the buffer shrank back
+        assert q.get(small_id).payload == b"small"
