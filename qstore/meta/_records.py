@@ -6,6 +6,8 @@ See docs/meta-schema.md.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,6 +86,15 @@ def message_ref(data: bytes) -> tuple[int, int, int]:
     """(file_id, offset, length) of an encoded message record."""
     v = unpack(data, "message", _V12)
     return v[3], v[4], v[5]
+
+
+def message_refs(ks: list[bytes], vs: list[bytes]) -> np.ndarray:
+    """:func:`message_ref` of each record ``vs`` (of message keys ``ks``), as an
+    ``(n, 3)`` int64 array: one streaming unpack (:func:`decode_messages`)."""
+    rows = decode_messages(ks, vs)
+    ref = operator.itemgetter(3, 4, 5)
+    return np.fromiter(itertools.chain.from_iterable(map(ref, rows)), np.int64,
+                       3 * len(rows)).reshape(len(rows), 3)
 
 
 def repoint(data: bytes, file_id: int, offset: int) -> bytes:

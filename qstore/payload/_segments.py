@@ -546,7 +546,6 @@ class SegmentSet:
             self._next_id += 1
         return fid
 
-    @_os_errors("copy")
     def copy_live(
         self,
         file_id: int,
@@ -554,14 +553,33 @@ class SegmentSet:
         progress: Callable[[int], None] | None = None,
         damaged: list[tuple[PayloadRef, str]] | None = None,
     ) -> dict[PayloadRef, PayloadRef]:
-        """Copy the records of ``refs`` into new sealed segment ``file_id``, fsynced.
+        """:meth:`copy_records` of ``refs``; returns old -> new refs."""
+        n = len(refs)
+        table = np.fromiter(itertools.chain.from_iterable(refs), np.int64, 3 * n).reshape(n, 3)
+        news = self.copy_records(file_id, table, progress, damaged).tolist()
+        return dict(zip(refs, map(PayloadRef, itertools.repeat(file_id, n), news,
+                                  table[:, 2].tolist()), strict=True))
+
+    @_os_errors("copy")
+    def copy_records(
+        self,
+        file_id: int,
+        table: np.ndarray,
+        progress: Callable[[int], None] | None = None,
+        damaged: list[tuple[PayloadRef, str]] | None = None,
+    ) -> np.ndarray:
+        """Copy records into new sealed segment ``file_id``, fsynced; returns their new offsets.
+
+        ``table`` is an ``(n, 3)`` int64 array of references (file id, offset,
+        length), best sorted by file id and offset; the result holds the offset
+        in ``file_id`` of each, in the same order (lengths do not change).
 
         Every source record is CRC-checked as it is read: damage raises
         :class:`Corruption` and the output is removed; unless ``damaged`` is a
         list, then a damaged record is copied as it is (zero-filled past the end
         of its source), so it stays damaged and is never returned as data, and
-        ``(ref, reason)`` is appended to ``damaged``. Returns old -> new refs,
-        in the order of ``refs``; ``progress(nbytes)`` follows the bytes written.
+        ``(ref, reason)`` is appended to ``damaged``. ``progress(nbytes)``
+        follows the bytes written.
 
         A record is copied unchanged, frame and all (its CRC covers its length
         and body, not its offset), straight from the source's memory map, so
@@ -577,8 +595,7 @@ class SegmentSet:
         out = SegmentWriter(path, file_id, fmt.HEADER_SIZE, fmt.HEADER_SIZE)
         sink = _CopySink(out, _Flusher(out.fileno()), progress)
         views: dict[int, memoryview] = {}
-        n = len(refs)
-        table = np.fromiter(itertools.chain.from_iterable(refs), np.int64, 3 * n).reshape(n, 3)
+        n = len(table)
         fids, offsets, lengths = table[:, 0], table[:, 1], table[:, 2]
         sizes = lengths + fmt.FRAME_SIZE
         try:
@@ -591,7 +608,9 @@ class SegmentSet:
                     # A stale map (the active segment grew since it was taken): remap once.
                     view = self._source_view(fid, views, fresh=True)
                     if not frames_intact(view, offs, lens, len(view)):
-                        sink.add_checked(view, refs[a:b], fid, self._path(fid), damaged)
+                        refs = list(map(PayloadRef, itertools.repeat(fid, b - a),
+                                        offs.tolist(), lens.tolist()))
+                        sink.add_checked(view, refs, self._path(fid), damaged)
                         continue
                 sink.add_runs(view, offs, offs + sizes[a:b])
             sink.finish()
@@ -609,9 +628,8 @@ class SegmentSet:
         with self._lock:
             self._readers[file_id] = reader
         # Every record is copied whole (a damaged one padded to its size), in order.
-        news = (np.cumsum(sizes) - sizes + fmt.HEADER_SIZE).tolist()
-        return dict(zip(refs, map(PayloadRef, itertools.repeat(file_id, n), news,
-                                  lengths.tolist()), strict=True))
+        news: np.ndarray = np.cumsum(sizes) - sizes + fmt.HEADER_SIZE
+        return news
 
     def _source_view(
         self, file_id: int, views: dict[int, memoryview], fresh: bool = False
@@ -740,9 +758,9 @@ class _CopySink:
                 s += _COPY_BYTES
             self.add(view[s:e])
 
-    def add_checked(self, view: memoryview, refs: Sequence[PayloadRef], fid: int, path: str,
+    def add_checked(self, view: memoryview, refs: Sequence[PayloadRef], path: str,
                     damaged: list[tuple[PayloadRef, str]] | None) -> None:
-        """The records of ``refs`` (all in segment ``fid``), checked one at a time.
+        """The records of ``refs`` (all in the segment at ``path``), checked one at a time.
 
         A damaged record raises :class:`Corruption`, or, when ``damaged`` is a
         list, is reported there and copied as it is, zero-filled past the end
