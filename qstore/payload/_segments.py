@@ -750,13 +750,33 @@ class _CopySink:
         if not len(starts):
             return
         brk = np.flatnonzero(starts[1:] != ends[:-1]) + 1
-        run_starts = starts[np.r_[0, brk]].tolist()
-        run_ends = ends[np.r_[brk - 1, len(ends) - 1]].tolist()
-        for s, e in zip(run_starts, run_ends, strict=True):
-            while e - s > _COPY_BYTES:  # long runs go out in pieces, for the progress reports
-                self.add(view[s: s + _COPY_BYTES])
-                s += _COPY_BYTES
-            self.add(view[s:e])
+        run_starts = starts[np.r_[0, brk]]
+        run_ends = ends[np.r_[brk - 1, len(ends) - 1]]
+        if int((run_ends - run_starts).max()) > _COPY_BYTES:
+            # Long runs go out in pieces of _COPY_BYTES, for the progress reports.
+            cuts = [np.arange(s, e, _COPY_BYTES) for s, e in
+                    zip(run_starts.tolist(), run_ends.tolist(), strict=True)]
+            run_starts = np.concatenate(cuts)
+            run_ends = np.minimum(run_starts + _COPY_BYTES,
+                                  np.repeat(run_ends, [len(c) for c in cuts]))
+        self.add_many([view[s:e] for s, e in
+                       zip(run_starts.tolist(), run_ends.tolist(), strict=True)],
+                      np.cumsum(run_ends - run_starts))
+
+    def add_many(self, pieces: list[memoryview], ends: np.ndarray) -> None:
+        """:meth:`add` of each of ``pieces``, whose sizes sum to ``ends[i]`` up to
+        piece ``i``: the same writes, without a call per piece."""
+        start, n = 0, len(pieces)
+        while start < n:
+            before = int(ends[start - 1]) if start else 0
+            # Up to the piece that fills the write's bytes, or its count of pieces.
+            full = int(np.searchsorted(ends, before + _COPY_BYTES - self._bytes)) + 1
+            stop = min(n, full, start + _COPY_PIECES - len(self._pieces))
+            self._pieces.extend(pieces[start:stop])
+            self._bytes += int(ends[stop - 1]) - before
+            if len(self._pieces) >= _COPY_PIECES or self._bytes >= _COPY_BYTES:
+                self._write()
+            start = stop
 
     def add_checked(self, view: memoryview, refs: Sequence[PayloadRef], path: str,
                     damaged: list[tuple[PayloadRef, str]] | None) -> None:
