@@ -536,8 +536,7 @@ class Compactor:
         offsets = news.tolist()
         fids, frames = live.refs[:, 0], live.refs[:, 2] + _FRAME_SIZE
         # The new record of each message as the scan saw it, encoded outside the lock.
-        encoded = [repoint(value, output, offset)
-                   for value, offset in zip(scanned, offsets, strict=True)]
+        encoded = records.repoint_many(scanned, output, offsets)
         old_refs: list[list[int]] | None = None  # made when a chunk has to compare
         moved = 0
         for start in range(0, len(mkeys), REPOINT_CHUNK):
@@ -551,8 +550,7 @@ class Compactor:
                     txn.set_end(output, output_end)
                 put = txn.put_record
                 if live.mark is not None and core.meta.write_mark() == live.mark:
-                    for key, value in zip(mkeys[start:stop], encoded[start:stop], strict=True):
-                        put(key, value)
+                    txn.put_records(mkeys[start:stop], encoded[start:stop])
                     chosen: slice | list[int] = slice(start, stop)
                 else:
                     live.mark = None
