@@ -151,44 +151,51 @@ def test_changes_raced_against_any_chunk_are_never_undone(
     mp = pytest.MonkeyPatch()
     with tempfile.TemporaryDirectory() as tmp, mp.context() as m:
         store, q, ids = setup(os.path.join(tmp, "store"), FakeClock())
-        held = {msg.id: msg for msg in q.pop_many(N, lease=30.0)}
-        model = {mid: "leased" for mid in ids}
-        m.setattr(_compact, "REPOINT_CHUNK", CHUNK)
+        try:
+            check_race(store, q, ids, plan, m)
+        finally:
+            store.close()
 
-        def act(index: int, what: str) -> None:
-            mid = ids[index]
-            if model[mid] != "leased" or what == "none":
-                return
-            if what == "ack":
-                q.ack(held[mid])
-                model[mid] = "gone"
-            elif what == "nack":
-                q.nack(held[mid], delay=600.0)
-                model[mid] = "delayed"
-            else:
-                held[mid] = q.extend(held[mid], lease=300.0)
 
-        actions: dict[int, list[tuple[int, str]]] = {}
-        for at, index, what in plan:
-            actions.setdefault(at, []).append((index, what))
-        act_at(m, {at: (lambda todo=todo: [act(i, w) for i, w in todo])
-                   for at, todo in actions.items()})
+def check_race(store: qstore.Store, q: qstore.Queue, ids: list[int],
+           plan: list[tuple[int, int, str]], m: pytest.MonkeyPatch) -> None:
+    held = {msg.id: msg for msg in q.pop_many(N, lease=30.0)}
+    model = {mid: "leased" for mid in ids}
+    m.setattr(_compact, "REPOINT_CHUNK", CHUNK)
 
-        result = compact_all(store)
+    def act(index: int, what: str) -> None:
+        mid = ids[index]
+        if model[mid] != "leased" or what == "none":
+            return
+        if what == "ack":
+            q.ack(held[mid])
+            model[mid] = "gone"
+        elif what == "nack":
+            q.nack(held[mid], delay=600.0)
+            model[mid] = "delayed"
+        else:
+            held[mid] = q.extend(held[mid], lease=300.0)
 
-        live = [mid for mid in ids if model[mid] != "gone"]
-        assert result.messages_moved <= N
-        for i, mid in enumerate(ids):
-            if model[mid] == "gone":
-                with pytest.raises(qstore.MessageNotFound):
-                    q.get(mid)
-            else:
-                assert q.get(mid).payload == body(i, 1000)
-        stats = q.stats()
-        assert stats.total == len(live)
-        assert stats.delayed == sum(model[mid] == "delayed" for mid in live)
-        assert stats.in_flight == sum(model[mid] == "leased" for mid in live)
-        # Every surviving message now lives in the output (nothing was left behind).
-        assert {s.file_id for s in store.stats().segments if s.live_count} <= {
-            result.output, store.core.payload.active_id}
-        store.close()
+    actions: dict[int, list[tuple[int, str]]] = {}
+    for at, index, what in plan:
+        actions.setdefault(at, []).append((index, what))
+    act_at(m, {at: (lambda todo=todo: [act(i, w) for i, w in todo])
+               for at, todo in actions.items()})
+
+    result = compact_all(store)
+
+    live = [mid for mid in ids if model[mid] != "gone"]
+    assert result.messages_moved <= N
+    for i, mid in enumerate(ids):
+        if model[mid] == "gone":
+            with pytest.raises(qstore.MessageNotFound):
+                q.get(mid)
+        else:
+            assert q.get(mid).payload == body(i, 1000)
+    stats = q.stats()
+    assert stats.total == len(live)
+    assert stats.delayed == sum(model[mid] == "delayed" for mid in live)
+    assert stats.in_flight == sum(model[mid] == "leased" for mid in live)
+    # Every surviving message now lives in the output (nothing was left behind).
+    assert {s.file_id for s in store.stats().segments if s.live_count} <= {
+        result.output, store.core.payload.active_id}
