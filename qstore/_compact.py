@@ -18,9 +18,12 @@ finishes or rolls it back):
 4. ``repoint``: in chunks of :data:`REPOINT_CHUNK` messages, each one batch
    under the writer lock, a message's reference moves to the copy only if the
    message still exists and still points at the old bytes (compare-and-set):
-   an ack, nack, purge or dead-lettering racing the pass is never undone. The
-   first chunk's batch also moves the record to ``repointing``, so from then
-   on the output is never discarded.
+   an ack, nack, purge or dead-lettering racing the pass is never undone.
+   While the metadata's write mark shows that nothing but the pass wrote
+   since the scan's view, every record is still as scanned and a chunk
+   writes without reading them again (see _repoint). The first chunk's batch
+   also moves the record to ``repointing``, so from then on the output is
+   never discarded.
 5. ``delete``: a sync makes the new references durable, the record moves to
    ``deleting``, the sources (now unreferenced) are unlinked, and the record
    is removed. Every payload read happens under the writer lock, so once the
