@@ -18,9 +18,12 @@ finishes or rolls it back):
 4. ``repoint``: in chunks of :data:`REPOINT_CHUNK` messages, each one batch
    under the writer lock, a message's reference moves to the copy only if the
    message still exists and still points at the old bytes (compare-and-set):
-   an ack, nack, purge or dead-lettering racing the pass is never undone. The
-   first chunk's batch also moves the record to ``repointing``, so from then
-   on the output is never discarded.
+   an ack, nack, purge or dead-lettering racing the pass is never undone.
+   While the metadata's write mark shows that nothing but the pass wrote
+   since the scan's view, every record is still as scanned and a chunk
+   writes without reading them again (see _repoint). The first chunk's batch
+   also moves the record to ``repointing``, so from then on the output is
+   never discarded.
 5. ``delete``: a sync makes the new references durable, the record moves to
    ``deleting``, the sources (now unreferenced) are unlinked, and the record
    is removed. Every payload read happens under the writer lock, so once the
@@ -41,6 +44,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import numpy as np
 
 from ._core import Core
 from ._errors import InvalidArgument, StorageError, StoreClosed
@@ -91,10 +96,22 @@ class CompactionResult:
     seconds: float
 
 
-# A message the scan found in a source: where its payload is, its key, and
-# its record as scanned (the compare-and-set compares against it). A plain
-# tuple, one per message of the sources (see _cyclic_gc_paused).
-_Live = tuple[PayloadRef, bytes, bytes]
+_SCAN_CHUNK = 8192  # message records decoded at a time by the scan
+
+
+@dataclass
+class _Live:
+    """The messages whose payload is in the sources, in (file id, offset) order.
+
+    Parallel columns, not an object per message (see _cyclic_gc_paused).
+    """
+
+    keys: list[bytes]
+    values: list[bytes]  # each record as scanned: the compare-and-set compares against it
+    refs: np.ndarray  # (n, 3) int64: file id, offset, length of each payload
+    # The metadata's write mark (MetaDB.write_mark) when the scan's view was
+    # taken, moved on past the pass's own writes; None once anything else wrote.
+    mark: tuple[int, int] | None
 
 
 class _Cancelled(Exception):
@@ -369,16 +386,19 @@ class Compactor:
         self, sources: list[int], progress: Callable[[int, int], None] | None
     ) -> tuple[int | None, int, int, int, list[tuple[int, int]]]:
         core = self._core
+        # Record the durable mark (M synced) the seal moved now, not from the
+        # background sync in the middle of the pass: any write after the scan's
+        # view makes every repoint chunk read its records again (see _repoint).
+        core.syncer.sync_now()
         live = self._scan_live(sources)
-        if not live:
+        if not live.keys:
             # Everything in the sources was acked since they were chosen.
             return None, 0, 0, 0, self._delete_dead_segments()
-        refs = [item[0] for item in live]
-        total = sum(ref.length for ref in refs) + _FRAME_SIZE * len(refs)
+        total = int(live.refs[:, 2].sum()) + _FRAME_SIZE * len(live.keys)
         output = core.payload.reserve_file_id()
-        self._write_record(COPYING, output, sources)
+        self._write_record(COPYING, output, sources, live)
         try:
-            mapping = self._copy(output, refs, total, progress)
+            news = self._copy(output, live.refs, total, progress)
             _step("copied")
         except BaseException as exc:
             if isinstance(exc, Exception):  # not a (simulated) crash: roll back now
@@ -389,7 +409,7 @@ class Compactor:
             raise
         written = core.payload.segment_size(output)
         try:
-            moved = self._repoint(live, refs, mapping, output, written, sources)
+            moved = self._repoint(live, news, output, written, sources)
             # Make the new references durable before the old bytes can go.
             core.syncer.sync_now()
             _step("repointed")
@@ -412,37 +432,72 @@ class Compactor:
         _step("done")
         return output, moved, total, written, deleted
 
-    def _scan_live(self, sources: list[int]) -> list[_Live]:
+    def _scan_live(self, sources: list[int]) -> _Live:
         """Every message whose payload is in ``sources``, in (file id, offset) order.
 
         A point-in-time scan of the metadata, outside the writer lock. Pushes
         only ever go to the active segment, so no message can come to point
         into a source after the scan; anything acked, nacked or moved since is
-        caught by the compare-and-set of the repoint.
+        caught by the compare-and-set of the repoint. The scan's iterator (its
+        view) is made under the writer lock, together with the write mark
+        that tells the repoint whether anything was written since.
         """
-        wanted = set(sources)
-        live: list[_Live] = []
-        append, message_ref, ref = live.append, records.message_ref, PayloadRef
-        # rocksdict's own item iterator: a third of the cost of stepping one by
-        # hand, which matters when the store holds millions of messages.
-        items = self._core.meta.items(keys.MESSAGE, keys.prefix_end(keys.MESSAGE))
+        meta = self._core.meta
+        wanted = np.array(sources, np.int64)
+        live = _Live([], [], np.empty((0, 3), np.int64), None)
+        tables = [live.refs]
+        ks: list[bytes] = []
+        vs: list[bytes] = []
+
+        def keep() -> None:
+            refs = records.message_refs(ks, vs)
+            inside = np.isin(refs[:, 0], wanted)
+            if inside.all():
+                live.keys.extend(ks)
+                live.values.extend(vs)
+                tables.append(refs)
+            elif inside.any():
+                rows = np.flatnonzero(inside).tolist()
+                live.keys.extend([ks[i] for i in rows])
+                live.values.extend([vs[i] for i in rows])
+                tables.append(refs[inside])
+            ks.clear()
+            vs.clear()
+
+        with self._core.lock:
+            live.mark = meta.write_mark()
+            items = meta.scan(keys.MESSAGE, keys.prefix_end(keys.MESSAGE))
+            first = next(items, None)  # makes the iterator: its view is of this moment
         try:
+            if first is not None:
+                ks.append(first[0])
+                vs.append(first[1])
             for key, value in items:
-                fid, offset, length = message_ref(value)
-                if fid in wanted:
-                    append((ref(fid, offset, length), key, value))
+                ks.append(key)
+                vs.append(value)
+                if len(ks) >= _SCAN_CHUNK:
+                    keep()
+            if ks:
+                keep()
         finally:
             items.close()  # a live iterator would keep RocksDB's LOCK after close()
-        live.sort()
+        live.refs = np.concatenate(tables)
+        order = np.lexsort((live.refs[:, 1], live.refs[:, 0]))
+        if not np.array_equal(order, np.arange(len(order))):
+            rows = order.tolist()
+            live.keys = [live.keys[i] for i in rows]
+            live.values = [live.values[i] for i in rows]
+            live.refs = live.refs[order]
         return live
 
     def _copy(
         self,
         output: int,
-        refs: list[PayloadRef],
+        refs: np.ndarray,
         total: int,
         progress: Callable[[int, int], None] | None,
-    ) -> dict[PayloadRef, PayloadRef]:
+    ) -> np.ndarray:
+        """Copy the payloads ``refs`` into segment ``output``; returns their new offsets."""
         done = 0
 
         def on_copy(nbytes: int) -> None:
@@ -454,34 +509,41 @@ class Compactor:
                 progress(done, total)
 
         damaged: list[tuple[PayloadRef, str]] = []
-        mapping = self._core.payload.copy_live(output, refs, on_copy, damaged)
+        news = self._core.payload.copy_records(output, refs, on_copy, damaged)
         for ref, reason in damaged:
             # Copied as it is (still damaged): the pass must not fail on it forever.
             # A pop moves the message to the dead letters; `qstore check` names it.
             log.error("compaction: the record at %s is damaged (%s); copied as it is to "
                       "segment %d", ref, reason, output)
-        return mapping
+        return news
 
     def _repoint(
         self,
-        live: list[_Live],
-        refs: list[PayloadRef],
-        mapping: dict[PayloadRef, PayloadRef],
+        live: _Live,
+        news: np.ndarray,
         output: int,
         output_end: int,
         sources: list[int],
     ) -> int:
-        """Move each message still at its old bytes to the copy; returns how many moved."""
+        """Move each message still at its old bytes to the copy; returns how many moved.
+
+        Under the writer lock, a chunk whose write mark is still the one the
+        pass left (nothing but the pass itself wrote since the scan's view)
+        holds every message as scanned: its new records go in as they are.
+        Once anything else wrote, every later chunk reads its records again
+        and compares them with the scan (the compare-and-set).
+        """
         core = self._core
         repoint, message_ref = records.repoint, records.message_ref
-        # The new record of each message as the scan saw it, encoded outside the
-        # lock; under it, a record found byte-for-byte unchanged takes it as is.
-        news = [mapping[ref] for ref in refs]
-        encoded = [repoint(scanned, new.file_id, new.offset)
-                   for (_, _, scanned), new in zip(live, news, strict=True)]
+        mkeys, scanned = live.keys, live.values
+        offsets = news.tolist()
+        fids, frames = live.refs[:, 0], live.refs[:, 2] + _FRAME_SIZE
+        # The new record of each message as the scan saw it, encoded outside the lock.
+        encoded = records.repoint_many(scanned, output, offsets)
+        old_refs: list[list[int]] | None = None  # made when a chunk has to compare
         moved = 0
-        for start in range(0, len(live), REPOINT_CHUNK):
-            stop = min(start + REPOINT_CHUNK, len(live))
+        for start in range(0, len(mkeys), REPOINT_CHUNK):
+            stop = min(start + REPOINT_CHUNK, len(mkeys))
             with core.lock:
                 txn = Txn()
                 txn.cache_records = False
@@ -489,44 +551,48 @@ class Compactor:
                     txn.put(keys.COMPACTION_KEY,
                             records.encode_compaction(REPOINTING, output, sources))
                     txn.set_end(output, output_end)
-                chunk = live[start:stop]
-                raws = core.meta.multi_get([key for _, key, _ in chunk])
                 put = txn.put_record
-                released: dict[int, list[int]] = {}
-                n = nbytes = 0
-                for (old, key, scanned), value, new, raw in zip(
-                        chunk, encoded[start:stop], news[start:stop], raws, strict=True):
-                    if raw != scanned:
-                        if raw is None:
-                            continue  # acked, purged, or its queue deleted since the scan
-                        # Changed since the scan (nacked, leased, dead-lettered...):
-                        # move it only if it still points at the bytes copied.
-                        if message_ref(raw) != old:
-                            continue
-                        value = repoint(raw, new.file_id, new.offset)
-                    put(key, value)
-                    frame = _FRAME_SIZE + old[2]
-                    entry = released.get(old[0])
-                    if entry is None:
-                        entry = released[old[0]] = [0, 0]
-                    entry[0] -= frame
-                    entry[1] -= 1
-                    nbytes += frame
-                    n += 1
-                # The counters Txn.live would keep, summed per segment.
-                for fid, (db, dn) in released.items():
-                    txn.segment_delta(fid, db, dn)
-                txn.segment_delta(output, nbytes, n)
+                if live.mark is not None and core.meta.write_mark() == live.mark:
+                    txn.put_records(mkeys[start:stop], encoded[start:stop])
+                    chosen: slice | list[int] = slice(start, stop)
+                else:
+                    live.mark = None
+                    if old_refs is None:
+                        old_refs = live.refs.tolist()
+                    raws = core.meta.multi_get(mkeys[start:stop])
+                    chosen = []
+                    for i, raw in zip(range(start, stop), raws, strict=True):
+                        value = encoded[i]
+                        if raw != scanned[i]:
+                            if raw is None:
+                                continue  # acked, purged, or its queue deleted since the scan
+                            # Changed since the scan (nacked, leased, dead-lettered...):
+                            # move it only if it still points at the bytes copied.
+                            if list(message_ref(raw)) != old_refs[i]:
+                                continue
+                            value = repoint(raw, output, offsets[i])
+                        put(mkeys[i], value)
+                        chosen.append(i)
+                n = _count_moves(txn, fids[chosen], frames[chosen], output)
                 core.commit(txn)
+                if live.mark is not None:
+                    live.mark = core.meta.write_mark()
             moved += n
             _step("repointed_chunk")
         return moved
 
     # -- the compaction record ------------------------------------------------
 
-    def _write_record(self, phase: str, output: int, sources: list[int]) -> None:
-        self._core.write_synced([(keys.COMPACTION_KEY,
-                                  records.encode_compaction(phase, output, sources))])
+    def _write_record(self, phase: str, output: int, sources: list[int],
+                      live: _Live | None = None) -> None:
+        """Write the record; ``live``'s write mark moves past it if nothing else wrote."""
+        core = self._core
+        with core.lock:
+            unchanged = live is not None and core.meta.write_mark() == live.mark
+            core.write_synced([(keys.COMPACTION_KEY,
+                                records.encode_compaction(phase, output, sources))])
+            if live is not None:
+                live.mark = core.meta.write_mark() if unchanged else None
 
     def _clear_record(self) -> None:
         self._core.write_synced(deletes=[keys.COMPACTION_KEY])
@@ -572,6 +638,21 @@ def _cyclic_gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def _count_moves(txn: Txn, fids: np.ndarray, frames: np.ndarray, output: int) -> int:
+    """Count records of segments ``fids`` (``frames`` bytes each) moved to ``output``.
+
+    The counters Txn.live would keep, summed per segment; returns how many.
+    """
+    segs, which = np.unique(fids, return_inverse=True)
+    nbytes = np.zeros(len(segs), np.int64)
+    np.add.at(nbytes, which, frames)
+    counts = np.bincount(which, minlength=len(segs))
+    for fid, b, c in zip(segs.tolist(), nbytes.tolist(), counts.tolist(), strict=True):
+        txn.segment_delta(fid, -b, -c)
+    txn.segment_delta(output, int(nbytes.sum()), len(fids))
+    return len(fids)
 
 
 def _garbage(size: int, live: int) -> float:

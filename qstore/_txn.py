@@ -115,6 +115,13 @@ class Txn:
         self.batch.put(key, value)
         self.records.append((key, value))
 
+    def put_records(self, keys: list[bytes], values: list[bytes]) -> None:
+        """:meth:`put_record` of each pair (compaction's repoints): one call for a chunk."""
+        put = self.batch.put
+        for key, value in zip(keys, values, strict=True):
+            put(key, value)
+        self.records.extend(zip(keys, values, strict=True))
+
     def delete_record(self, key: bytes) -> None:
         self.batch.delete(key)
         self.records.append((key, None))

@@ -170,6 +170,7 @@ class MetaDB:
         # or None. Cleared by a successful reopen().
         self.failed: StorageError | None = None
         self._scratch: str | None = None  # a read-only open's private copy (see _open)
+        self._opens = 1  # this handle's open count (see write_mark)
         self._db = self._open(create=not readonly)
         self._wopts = WriteOptions()
         self._wopts_sync = WriteOptions()
@@ -216,6 +217,8 @@ class MetaDB:
             self.failed = exc
             self._db = _Unavailable(exc)  # type: ignore[assignment]
             raise
+        finally:
+            self._opens += 1
         self.failed = None
 
     def _open_copy(self, path: str) -> Rdict:
@@ -235,6 +238,20 @@ class MetaDB:
             return value
         except Exception as exc:
             raise _read_error(self.path, exc) from None
+
+    def write_mark(self) -> tuple[int, int]:
+        """A value that changes with every write to the database (and every reopen).
+
+        RocksDB's latest sequence number, which every batch that changes
+        something moves on. Two equal marks taken under the writer lock mean
+        nothing was written in between: the compactor reads again only the
+        records of a pass that something may have changed (qstore/_compact.py).
+        """
+        try:
+            seq: int = self._db.latest_sequence_number()
+        except Exception as exc:
+            raise _read_error(self.path, exc) from None
+        return self._opens, seq
 
     def multi_get(self, keys: list[bytes]) -> list[bytes | None]:
         try:
@@ -273,7 +290,8 @@ class MetaDB:
         except Exception as exc:  # the database is unavailable (closed, a failed reopen)
             raise StorageError(f"metadata read failed: {exc}") from None
 
-    def scan(self, lo: bytes, hi: bytes, limit: int | None = None) -> Iterator[tuple[bytes, bytes]]:
+    def scan(self, lo: bytes, hi: bytes,
+             limit: int | None = None) -> Generator[tuple[bytes, bytes], None, None]:
         """(key, value) for lo <= key < hi in order, from a point-in-time iterator."""
         ro = ReadOptions()
         ro.set_iterate_upper_bound(hi)  # NOT set_iterate_lower_bound: it sets the upper one

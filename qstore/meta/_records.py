@@ -6,6 +6,8 @@ See docs/meta-schema.md.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -90,6 +92,131 @@ def message_ref(data: bytes) -> tuple[int, int, int]:
     """(file_id, offset, length) of an encoded message record."""
     v = unpack(data, "message", _V12)
     return v[3], v[4], v[5]
+
+
+def message_refs(ks: list[bytes], vs: list[bytes]) -> np.ndarray:
+    """:func:`message_ref` of each record ``vs`` (of message keys ``ks``), as an
+    ``(n, 3)`` int64 array, read in bulk (see :func:`_fields`).
+
+    A record that is not laid out as this module writes them is decoded by
+    msgpack instead, so that a damaged one raises an error naming its key.
+    """
+    flat, starts = _joined(vs)
+    at = _fields(flat, starts)
+    refs = None if at is None else [_uints(flat, at[k]) for k in (3, 4, 5)]
+    if refs is None or any(r is None for r in refs):
+        rows = decode_messages(ks, vs)
+        ref = operator.itemgetter(3, 4, 5)
+        return np.fromiter(itertools.chain.from_iterable(map(ref, rows)), np.int64,
+                           3 * len(rows)).reshape(len(rows), 3)
+    return np.stack(cast(list[np.ndarray], refs), axis=1)
+
+
+def repoint_many(vs: list[bytes], file_id: int, offsets: list[int]) -> list[bytes]:
+    """:func:`repoint` of each record ``vs`` to ``(file_id, offsets[i])``: the same bytes.
+
+    The two fields are replaced in place in the encoded record (found in bulk,
+    see :func:`_fields`); the fields around them are not decoded. A record
+    laid out otherwise goes through :func:`repoint`.
+    """
+    flat, starts = _joined(vs)
+    at = _fields(flat, starts)
+    if at is None:
+        return [repoint(v, file_id, o) for v, o in zip(vs, offsets, strict=True)]
+    head = (at[3] - starts).tolist()  # the record up to file_id
+    tail = (at[5] - starts).tolist()  # from length on
+    fid = _pack(file_id)
+    return [v[:a] + fid + _pack(o) + v[b:]
+            for v, a, o, b in zip(vs, head, offsets, tail, strict=True)]
+
+
+# -- reading fields of many encoded records at once (numpy) --
+#
+# The width of a msgpack object from its first byte, for the kinds a message
+# record holds: ints, nil, floats, str (priorities, reasons) and bin (digests).
+# 0: a kind records never hold; str 8/16 and bin 8/16 are read from their length.
+_WIDTH = np.zeros(256, np.int64)
+_WIDTH[0x00:0x80] = 1  # positive fixint
+_WIDTH[0xE0:0x100] = 1  # negative fixint
+_WIDTH[0xA0:0xC0] = np.arange(1, 33)  # fixstr of 0..31 bytes
+_WIDTH[0xC0] = 1  # nil
+for _tag, _w in ((0xCA, 5), (0xCB, 9), (0xCC, 2), (0xCD, 3), (0xCE, 5), (0xCF, 9),
+                 (0xD0, 2), (0xD1, 3), (0xD2, 5), (0xD3, 9)):
+    _WIDTH[_tag] = _w
+_LEN8 = (0xC4, 0xD9)  # bin 8, str 8: a one-byte length follows the tag
+_LEN16 = (0xC5, 0xDA)  # bin 16, str 16: a two-byte length
+_UINT_BYTES = ((0xCC, 1), (0xCD, 2), (0xCE, 4), (0xCF, 8))
+
+
+def _joined(vs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """The records back to back as one byte array, and where each starts."""
+    flat = np.frombuffer(b"".join(vs), np.uint8)
+    lens = np.fromiter(map(len, vs), np.int64, len(vs))
+    return flat, np.cumsum(lens) - lens
+
+
+def _fields(flat: np.ndarray, starts: np.ndarray) -> list[np.ndarray] | None:
+    """Where each field of each message record starts (``[k][i]``: field ``k`` of record ``i``).
+
+    The records are walked a field at a time, all together. None unless every
+    record is a version 1 array of 11 fields or a version 2 array of 14 whose
+    fields are of the kinds above and end exactly where the record does (so a
+    damaged or unknown record is left to msgpack).
+    """
+    size = len(flat)
+    if not len(starts) or size == 0:
+        return None
+    ends = np.r_[starts[1:], size]
+    if int((ends - starts).min()) < 2:
+        return None
+    head, version = flat[starts], flat[starts + 1]
+    v2 = head == 0x9E
+    if not np.all(((head == 0x9B) & (version == RECORD_VERSION))
+                  | (v2 & (version == RECORD_VERSION_2))):
+        return None
+    fields = []
+    pos = starts + 1
+    last = size - 1
+    for k in range(14 if v2.any() else 11):
+        has = v2 if k >= 11 else None  # rows that hold field k
+        tag = flat[np.minimum(pos, last)]
+        width = _WIDTH[tag]
+        for tags, extra in ((_LEN8, 1), (_LEN16, 2)):
+            var = np.isin(tag, tags)
+            if var.any():
+                at = np.minimum(pos + 1, last)
+                n = flat[at].astype(np.int64)
+                if extra == 2:
+                    n = n * 256 + flat[np.minimum(pos + 2, last)]
+                width = np.where(var, 1 + extra + n, width)
+        if has is not None:
+            width = np.where(has, width, 0)
+            if np.any(has & ((width == 0) | (pos >= ends))):
+                return None
+        elif np.any((width == 0) | (pos >= ends)):
+            return None
+        fields.append(pos)
+        pos = pos + width
+    if not np.array_equal(pos, ends):
+        return None
+    return fields
+
+
+def _uints(flat: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
+    """The non-negative ints that start at ``pos``; None if one is another kind."""
+    tag = flat[pos].astype(np.int64)
+    out = np.where(tag < 0x80, tag, -1)
+    for t, n in _UINT_BYTES:
+        rows = np.flatnonzero(tag == t)
+        if len(rows):
+            at = pos[rows] + 1
+            value = np.zeros(len(rows), np.int64)
+            for i in range(n):
+                value = (value << 8) | flat[at + i]
+            out[rows] = value
+    if (out < 0).any():  # another kind, or past int64 (never a file id, offset or length)
+        return None
+    return out
 
 
 def repoint(data: bytes, file_id: int, offset: int) -> bytes:

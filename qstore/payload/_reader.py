@@ -15,10 +15,13 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from .._errors import Corruption
 from .._fs import calls as fcalls
 from . import _format as fmt
 from ._format import Located, PayloadRef
+from ._frames import record_crcs
 
 _REMAP_TRIES = 10
 _FRAME_UNPACK, _SEEDS, _crc32 = fmt.FRAME.unpack_from, fmt.SEEDS, fmt.crc32
@@ -49,6 +52,30 @@ def check_frames(view: memoryview, offsets: Sequence[int], lengths: Sequence[int
     """:func:`frame_problem` of each ``(offset, length)``: the batch form."""
     check = frame_problem
     return [check(view, off, n, bound) for off, n in zip(offsets, lengths, strict=True)]
+
+
+def frames_intact(view: memoryview, offsets: np.ndarray, lengths: np.ndarray,
+                  bound: int) -> bool:
+    """True when :func:`frame_problem` finds every ``(offset, length)`` intact: the bulk form.
+
+    The same checks (bounds, stored length, CRC over the length bytes and the
+    body) for many records at once: the frame headers are gathered with one
+    numpy index, and the CRCs are one ``zlib.crc32`` call per body with no
+    Python per record around it (about a third of the cost of the loop). It
+    says only whether all are intact: on False, ask :func:`frame_problem`
+    which are not and why.
+    """
+    if len(offsets) == 0:
+        return True
+    ends = offsets + lengths + fmt.FRAME_SIZE
+    if int(offsets.min()) < fmt.HEADER_SIZE or int(ends.max()) > bound:
+        return False
+    data = np.frombuffer(view, np.uint8)
+    heads = data[offsets[:, None] + np.arange(fmt.FRAME_SIZE)].view("<u4")  # (k, 2): length, crc
+    if not np.array_equal(heads[:, 0], lengths):
+        return False
+    crcs: list[int] = heads[:, 1].tolist()
+    return record_crcs(view, offsets + fmt.FRAME_SIZE, lengths) == crcs
 
 
 @dataclass(frozen=True)

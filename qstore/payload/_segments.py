@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import threading
@@ -11,12 +12,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
+import numpy as np
+
 from .._errors import Corruption, PayloadTooLarge, StorageError
 from .._fs import calls as fcalls
 from .._fs import fsync_dir, write_file_durably
 from . import _format as fmt
 from ._format import Located, PayloadRef
-from ._reader import ScanError, SegmentReader, frame_problem, is_zero_from
+from ._reader import ScanError, SegmentReader, frame_problem, frames_intact, is_zero_from
 from ._views import create_views_lock, no_view_opening, viewing
 from ._writer import NEW_SUFFIX, SegmentWriter, create_segment_file
 
@@ -543,7 +546,6 @@ class SegmentSet:
             self._next_id += 1
         return fid
 
-    @_os_errors("copy")
     def copy_live(
         self,
         file_id: int,
@@ -551,89 +553,83 @@ class SegmentSet:
         progress: Callable[[int], None] | None = None,
         damaged: list[tuple[PayloadRef, str]] | None = None,
     ) -> dict[PayloadRef, PayloadRef]:
-        """Copy the records of ``refs`` into new sealed segment ``file_id``, fsynced.
+        """:meth:`copy_records` of ``refs``; returns old -> new refs."""
+        n = len(refs)
+        table = np.fromiter(itertools.chain.from_iterable(refs), np.int64, 3 * n).reshape(n, 3)
+        news = self.copy_records(file_id, table, progress, damaged).tolist()
+        return dict(zip(refs, map(PayloadRef, itertools.repeat(file_id, n), news,
+                                  table[:, 2].tolist()), strict=True))
+
+    @_os_errors("copy")
+    def copy_records(
+        self,
+        file_id: int,
+        table: np.ndarray,
+        progress: Callable[[int], None] | None = None,
+        damaged: list[tuple[PayloadRef, str]] | None = None,
+    ) -> np.ndarray:
+        """Copy records into new sealed segment ``file_id``, fsynced; returns their new offsets.
+
+        ``table`` is an ``(n, 3)`` int64 array of references (file id, offset,
+        length), best sorted by file id and offset; the result holds the offset
+        in ``file_id`` of each, in the same order (lengths do not change).
 
         Every source record is CRC-checked as it is read: damage raises
         :class:`Corruption` and the output is removed; unless ``damaged`` is a
         list, then a damaged record is copied as it is (zero-filled past the end
         of its source), so it stays damaged and is never returned as data, and
-        ``(ref, reason)`` is appended to ``damaged``. Returns old -> new refs,
-        in the order of ``refs``; ``progress(nbytes)`` follows the bytes written.
+        ``(ref, reason)`` is appended to ``damaged``. ``progress(nbytes)``
+        follows the bytes written.
 
         A record is copied unchanged, frame and all (its CRC covers its length
-        and body, not its offset), straight from the source's memory map; records
-        that lie back to back in a source go out as one piece of a ``pwritev``,
-        and the output is synced in the background as it grows (see _Flusher).
+        and body, not its offset), straight from the source's memory map, so
+        record ``i`` lands at the header plus the sizes of the records before
+        it. The references into one source are checked together
+        (:func:`frames_intact`); only a source where one is not intact is
+        checked again a record at a time, to say which and why. Records that
+        lie back to back in a source go out as one piece of a ``pwritev``, and
+        the output is synced in the background as it grows (see _Flusher).
         """
         path = self._path(file_id)
         create_segment_file(path, file_id)
         out = SegmentWriter(path, file_id, fmt.HEADER_SIZE, fmt.HEADER_SIZE)
-        flusher = _Flusher(out.fileno())
-        mapping: dict[PayloadRef, PayloadRef] = {}
+        sink = _CopySink(out, _Flusher(out.fileno()), progress)
         views: dict[int, memoryview] = {}
-        pieces: list[memoryview] = []
-        frame_size, check = fmt.FRAME_SIZE, frame_problem
+        n = len(table)
+        fids, offsets, lengths = table[:, 0], table[:, 1], table[:, 2]
+        sizes = lengths + fmt.FRAME_SIZE
         try:
-            pos = fmt.HEADER_SIZE  # end of the output data so far, pieces included
-            run_fid, run_start, run_end = -1, 0, 0  # back-to-back records being gathered
-            view = memoryview(b"")
-            view_end = 0
-            for ref in refs:
-                fid, off, length = ref
-                end = off + frame_size + length
-                if fid != run_fid or off != run_end or run_end - run_start >= _COPY_BYTES:
-                    if run_end > run_start:
-                        pieces.append(view[run_start:run_end])
-                    if len(pieces) >= _COPY_PIECES or pos - out.end >= _COPY_BYTES:
-                        _write_pieces(out, pieces, progress)
-                        pieces = []
-                        flusher.wrote_up_to(out.end)
-                    if fid != run_fid:
-                        view = views.get(fid) or self._source_view(fid, views)
-                        view_end = len(view)
-                    run_fid, run_start = fid, off
-                problem = check(view, off, length, view_end)
-                if problem is not None:
+            cuts = (np.flatnonzero(fids[1:] != fids[:-1]) + 1).tolist()
+            for a, b in itertools.pairwise([0, *cuts, n] if n else []):
+                fid = int(fids[a])
+                offs, lens = offsets[a:b], lengths[a:b]
+                view = views.get(fid) or self._source_view(fid, views)
+                if not frames_intact(view, offs, lens, len(view)):
                     # A stale map (the active segment grew since it was taken): remap once.
                     view = self._source_view(fid, views, fresh=True)
-                    view_end = len(view)
-                    problem = check(view, off, length, view_end)
-                    if problem is not None:
-                        if damaged is None:
-                            raise Corruption(self._path(fid), off, problem)
-                        damaged.append((ref, problem))
-                        if end > view_end:  # the bytes are not all there: pad them
-                            if off > run_start:
-                                pieces.append(view[run_start:off])
-                            kept = bytes(view[min(off, view_end):view_end])
-                            pieces.append(memoryview(kept + bytes(end - off - len(kept))))
-                            run_fid = -1  # the next record starts a new run
-                            mapping[ref] = PayloadRef(file_id, pos, length)
-                            pos += end - off
-                            run_start = run_end = 0
-                            continue
-                run_end = end
-                mapping[ref] = PayloadRef(file_id, pos, length)
-                pos += end - off
-            if run_end > run_start:
-                pieces.append(view[run_start:run_end])
-            _write_pieces(out, pieces, progress)
-            flusher.finish()
+                    if not frames_intact(view, offs, lens, len(view)):
+                        refs = list(map(PayloadRef, itertools.repeat(fid, b - a),
+                                        offs.tolist(), lens.tolist()))
+                        sink.add_checked(view, refs, self._path(fid), damaged)
+                        continue
+                sink.add_runs(view, offs, offs + sizes[a:b])
+            sink.finish()
             out.finish()  # fsyncs and closes
             fsync_dir(self.directory)
             reader = SegmentReader(path, file_id)
         except BaseException:
-            flusher.abandon()
+            sink.abandon()
             out.abandon()
             with contextlib.suppress(OSError):  # the caller retries by name (delete)
                 fcalls.unlink(path)
             raise
         finally:
-            pieces.clear()
             views.clear()
         with self._lock:
             self._readers[file_id] = reader
-        return mapping
+        # Every record is copied whole (a damaged one padded to its size), in order.
+        news: np.ndarray = np.cumsum(sizes) - sizes + fmt.HEADER_SIZE
+        return news
 
     def _source_view(
         self, file_id: int, views: dict[int, memoryview], fresh: bool = False
@@ -736,6 +732,94 @@ class SegmentSet:
                 for reader in self._readers.values():
                     reader.close()
                 self._readers.clear()
+
+
+class _CopySink:
+    """copy_live's output: pieces of checked records gathered into pwritev calls."""
+
+    def __init__(self, out: SegmentWriter, flusher: _Flusher,
+                 progress: Callable[[int], None] | None) -> None:
+        self._out = out
+        self._flusher = flusher
+        self._progress = progress
+        self._pieces: list[memoryview] = []
+        self._bytes = 0  # in _pieces
+
+    def add_runs(self, view: memoryview, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Records ``view[starts[i]:ends[i]]``, checked; back-to-back ones become one piece."""
+        if not len(starts):
+            return
+        brk = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+        run_starts = starts[np.r_[0, brk]]
+        run_ends = ends[np.r_[brk - 1, len(ends) - 1]]
+        if int((run_ends - run_starts).max()) > _COPY_BYTES:
+            # Long runs go out in pieces of _COPY_BYTES, for the progress reports.
+            cuts = [np.arange(s, e, _COPY_BYTES) for s, e in
+                    zip(run_starts.tolist(), run_ends.tolist(), strict=True)]
+            run_starts = np.concatenate(cuts)
+            run_ends = np.minimum(run_starts + _COPY_BYTES,
+                                  np.repeat(run_ends, [len(c) for c in cuts]))
+        self.add_many([view[s:e] for s, e in
+                       zip(run_starts.tolist(), run_ends.tolist(), strict=True)],
+                      np.cumsum(run_ends - run_starts))
+
+    def add_many(self, pieces: list[memoryview], ends: np.ndarray) -> None:
+        """:meth:`add` of each of ``pieces``, whose sizes sum to ``ends[i]`` up to
+        piece ``i``: the same writes, without a call per piece."""
+        start, n = 0, len(pieces)
+        while start < n:
+            before = int(ends[start - 1]) if start else 0
+            # Up to the piece that fills the write's bytes, or its count of pieces.
+            full = int(np.searchsorted(ends, before + _COPY_BYTES - self._bytes)) + 1
+            stop = min(n, full, start + _COPY_PIECES - len(self._pieces))
+            self._pieces.extend(pieces[start:stop])
+            self._bytes += int(ends[stop - 1]) - before
+            if len(self._pieces) >= _COPY_PIECES or self._bytes >= _COPY_BYTES:
+                self._write()
+            start = stop
+
+    def add_checked(self, view: memoryview, refs: Sequence[PayloadRef], path: str,
+                    damaged: list[tuple[PayloadRef, str]] | None) -> None:
+        """The records of ``refs`` (all in the segment at ``path``), checked one at a time.
+
+        A damaged record raises :class:`Corruption`, or, when ``damaged`` is a
+        list, is reported there and copied as it is, zero-filled past the end
+        of the source.
+        """
+        bound = len(view)
+        for ref in refs:
+            off, length = ref.offset, ref.length
+            end = off + fmt.FRAME_SIZE + length
+            problem = frame_problem(view, off, length, bound)
+            if problem is not None:
+                if damaged is None:
+                    raise Corruption(path, off, problem)
+                damaged.append((ref, problem))
+                if end > bound:  # the bytes are not all there: pad them
+                    kept = bytes(view[min(off, bound):bound])
+                    self.add(memoryview(kept + bytes(end - off - len(kept))))
+                    continue
+            self.add(view[off:end])
+
+    def add(self, piece: memoryview) -> None:
+        self._pieces.append(piece)
+        self._bytes += len(piece)
+        if len(self._pieces) >= _COPY_PIECES or self._bytes >= _COPY_BYTES:
+            self._write()
+
+    def _write(self) -> None:
+        _write_pieces(self._out, self._pieces, self._progress)
+        self._pieces = []
+        self._bytes = 0
+        self._flusher.wrote_up_to(self._out.end)
+
+    def finish(self) -> None:
+        self._write()
+        self._flusher.finish()
+
+    def abandon(self) -> None:
+        self._pieces = []
+        self._flusher.abandon()
 
 
 class _Flusher:
