@@ -52,9 +52,10 @@ log = logging.getLogger("qstore")
 _READY, _INFLIGHT = records.READY, records.INFLIGHT
 _U64 = keys.U64.pack
 
-# Metadata views a read-only open takes at most while compactions delete the
-# segments the previous one referred to (each attempt costs about 2 ms).
-VIEW_ATTEMPTS = 5
+# Metadata views a read-only open takes at most while the writer flushes (and
+# deletes log files) or compacts (and deletes the segments the previous view
+# referred to); each attempt costs about 2 ms.
+VIEW_ATTEMPTS = 8
 
 # Store directories open read-write in this process, by (st_dev, st_ino). RocksDB's
 # LOCK file stops other processes, but within one process it only compares path
@@ -80,6 +81,12 @@ def _release_writer(key: tuple[int, int] | None) -> None:
 
 
 LOST_METADATA = "metadata is missing or empty next to existing payload segments"
+
+
+def _raced_writer(exc: StorageError | Corruption) -> bool:
+    """Whether a read-only open failed on a file the writer removed meanwhile (a log
+    file, or a table file a compaction replaced: RocksDB calls that corruption)."""
+    return getattr(exc, "errno", None) == errno.ENOENT or "No such file" in str(exc)
 
 
 def _segment_files(payload_dir: str) -> list[str]:
@@ -438,18 +445,37 @@ class Core(HotPaths):
             self._pin_view(meta_path)
 
     def _pin_view(self, meta_path: str) -> None:
-        """Open the metadata view and pin every segment it refers to (views lock held)."""
+        """Open the metadata view and pin every segment it refers to (views lock held).
+
+        RocksDB's read-only open reads the writer's live files: a flush or a
+        compaction that deletes a log or table file between the open's reading
+        of the manifest and its opening of the file fails the open ("No such
+        file"), or leaves it without the flushed keys (then no format key: it
+        looks like lost metadata). Both are a race with the writer, not damage:
+        the open is tried again, and only a failure that persists is reported.
+        """
         try:
             for attempt in range(VIEW_ATTEMPTS):
-                self.meta = MetaDB(meta_path, readonly=True, store_path=self.path)
+                last = attempt == VIEW_ATTEMPTS - 1
+                try:
+                    self.meta = MetaDB(meta_path, readonly=True, store_path=self.path)
+                except (StorageError, Corruption) as exc:
+                    if last or not _raced_writer(exc):
+                        raise
+                    continue
                 try:
                     self._load()
                     missing = self.payload.pin(
                         fid for fid, (_, count, _) in sorted(self.segments.items()) if count)
+                except Corruption as exc:
+                    self.meta.close()
+                    if last or exc.reason != LOST_METADATA:
+                        raise
+                    continue
                 except BaseException:
                     self.meta.close()
                     raise
-                if not missing or attempt == VIEW_ATTEMPTS - 1:
+                if not missing or last:
                     # Still missing with fresh metadata: damage, which reads report.
                     return
                 self.meta.close()

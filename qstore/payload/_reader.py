@@ -60,7 +60,7 @@ def frames_intact(view: memoryview, offsets: np.ndarray, lengths: np.ndarray,
 
     The same checks (bounds, stored length, CRC over the length bytes and the
     body) for many records at once: the frame headers are gathered with one
-    numpy index, and the CRCs are one ``zlib.crc32`` call per body with no
+    numpy index, and the CRCs are one CRC call per body with no
     Python per record around it (about a third of the cost of the loop). It
     says only whether all are intact: on False, ask :func:`frame_problem`
     which are not and why.

@@ -15,8 +15,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+from typing import Any
+
+import pytest
 
 import qstore
+from qstore import _core
+from qstore._errors import Corruption, StorageError
 
 KEPT = 40
 VIEWS = 200
@@ -98,3 +103,33 @@ def test_a_views_check_is_clean_after_the_writer_deleted_what_it_pinned(store_pa
             assert vq.stats().in_flight == len(kept)
             assert [vq.get(m).payload for m in kept] == [b"kept %03d " % i * 10
                                                          for i in range(20)]
+
+
+def test_a_view_opens_again_when_its_open_raced_the_writer(store_path: str,
+                                                          monkeypatch: Any) -> None:
+    """A read-only open that met a file the writer just removed is tried again; a
+    failure that persists is reported, and damage is never retried away."""
+    with qstore.open(store_path, compactor=False) as store:
+        store.create_queue("q").push(b"x")
+    real = _core.MetaDB
+    failures: list[Exception] = []
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop(0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_core, "MetaDB", flaky)
+    gone = "IO error: No such file or directory while reading: meta/000017.log"
+    failures[:] = [StorageError(gone), Corruption("meta", 0, "000009.sst: No such file or "
+                                                             "directory")]
+    with qstore.open(store_path, readonly=True) as view:
+        assert view.queue("q").stats().ready == 1
+    assert failures == []
+    failures[:] = [StorageError(gone)] * _core.VIEW_ATTEMPTS
+    with pytest.raises(StorageError, match="No such file"):
+        qstore.open(store_path, readonly=True)
+    failures[:] = [StorageError("IO error: Permission denied")]  # not a race: no retry
+    with pytest.raises(StorageError, match="Permission denied"):
+        qstore.open(store_path, readonly=True)
+    assert failures == []
