@@ -197,6 +197,8 @@ def netns() -> Iterator[str]:
     why = _netns_available()
     if why is not None:
         pytest.skip(f"a worker in its own network namespace {why}")
+    # Left behind by a run that was killed: remove both before making them again.
+    subprocess.run(["ip", "link", "del", "qsveth0"], capture_output=True, check=False)
     subprocess.run(["ip", "netns", "del", NETNS], capture_output=True, check=False)
     steps = [
         ["ip", "netns", "add", NETNS],
