@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from . import _client_base as base
 from . import _wire as wire
 from ._address import Address, parse_address
+from ._check_report import CheckReport
 from ._compact import CompactionResult
 from ._errors import QStoreError
 from ._message import Message, QueueStats, StoreStats
@@ -402,6 +403,11 @@ class Client:
     def snapshot(self, dest: str) -> str:
         """A snapshot taken by the server at ``dest`` (a path on the server's machine)."""
         return str(self._link.call("snapshot", {"dest": os.path.abspath(dest)}, wait=3600.0))
+
+    def check(self, *, repair: bool = False) -> CheckReport:
+        """The integrity check, run by the server on its store (``Store.check``);
+        ``repair=True`` repairs what it can first (docs/check.md)."""
+        return wire.decode_check(self._link.call("check", {"repair": repair}, wait=3600.0))
 
     def ping(self) -> None:
         self._link.call("ping", {})

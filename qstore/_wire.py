@@ -21,6 +21,7 @@ import msgpack
 
 from . import _errors as errors
 from . import _net_errors as net_errors
+from ._check_report import CheckReport, Finding
 from ._compact import CompactionResult
 from ._message import Message, QueueStats, SegmentStats, StoreStats
 
@@ -102,6 +103,23 @@ def encode_compaction(r: CompactionResult) -> dict[str, Any]:
 def decode_compaction(v: dict[str, Any]) -> CompactionResult:
     fields: dict[str, Any] = {k: tuple(x) if isinstance(x, list) else x for k, x in v.items()}
     return CompactionResult(**fields)
+
+
+def _findings(fs: tuple[Finding, ...]) -> list[list[Any]]:
+    return [[f.kind, f.queue, f.message_id, f.file_id, f.offset, f.detail] for f in fs]
+
+
+def encode_check(r: CheckReport) -> dict[str, Any]:
+    return {"findings": _findings(r.findings), "notes": _findings(r.notes),
+            "repairs": _findings(r.repairs), "queues": r.queues, "messages": r.messages,
+            "segments": r.segments, "payload_bytes": r.payload_bytes}
+
+
+def decode_check(v: dict[str, Any]) -> CheckReport:
+    def findings(rows: list[list[Any]]) -> tuple[Finding, ...]:
+        return tuple(Finding(*row) for row in rows)
+    return CheckReport(findings(v["findings"]), findings(v["notes"]), v["queues"],
+                       v["messages"], v["segments"], v["payload_bytes"], findings(v["repairs"]))
 
 
 # -- errors -------------------------------------------------------------------

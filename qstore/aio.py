@@ -20,6 +20,7 @@ from typing import Any
 from . import _client_base as base
 from . import _wire as wire
 from ._address import Address, parse_address
+from ._check_report import CheckReport
 from ._compact import CompactionResult
 from ._message import Message, QueueStats, StoreStats
 from ._net_errors import ConnectionLost
@@ -226,6 +227,10 @@ class AsyncClient:
         if max_bytes is not None:
             args["max_bytes"] = max_bytes
         return wire.decode_compaction(await self._link.call("compact", args, wait=3600.0))
+
+    async def check(self, *, repair: bool = False) -> CheckReport:
+        return wire.decode_check(await self._link.call("check", {"repair": repair},
+                                                       wait=3600.0))
 
     async def snapshot(self, dest: str) -> str:
         return str(await self._link.call("snapshot", {"dest": os.path.abspath(dest)},

@@ -25,7 +25,7 @@ from rich.table import Table
 from . import _errors as errors
 from . import server
 from ._check import check_path
-from ._cli_target import open_target
+from ._cli_target import is_address, open_target
 from ._demo import run_demo
 from ._errors import EXIT_FOUND, exit_code
 from ._snapshot import MANIFEST
@@ -320,34 +320,41 @@ def audit(snapshot_path: str, master: str | None, out_dir: str | None) -> None:
 @click.option("--repair", is_flag=True, help=(
     "Move messages with damaged payloads to the dead letters and rebuild counters, "
     "index keys and segment records from the message records; print what was done. "
-    "Opens STORE read-write (stop its server first). Deletes no payload."))
-def check(store_path: str, repair: bool) -> None:
+    "Goes through the server that owns STORE, else opens it read-write. Deletes no "
+    "payload."))
+@token_file_option
+def check(store_path: str, repair: bool, token_file: str | None) -> None:
     """Check the integrity of STORE or of a snapshot, in this process.
 
     Reads every message record and payload (references, frames, CRCs), every
     index key, the queue counters and the segment records, and the segment
     files; prints a summary line and a table of findings (docs/check.md).
     Opens the store read-only, so it works while a writer runs; with
-    --repair, read-write, and the report is that of a check after the repair.
+    --repair, through the server that owns the store (STORE/qstore.sock, or
+    STORE given as unix:// or tcp://), else read-write here, and the report
+    is that of a check after the repair.
 
     Exit codes: 0 clean (after --repair: nothing left), 1 findings, 2 not a
     store or snapshot (or --repair on a snapshot), 3 --repair on a store
-    another process (a server) has open, 5 the check could not run (for
-    example metadata missing next to payload segments).
+    another process without a server has open, 5 the check could not run
+    (for example metadata missing next to payload segments).
     """
     if repair:
         if os.path.exists(os.path.join(store_path, MANIFEST)):
             err.print("[red]error:[/red] a snapshot is never changed: --repair takes a store")
             sys.exit(errors.EXIT_USAGE)
-        if not os.path.isdir(os.path.join(store_path, "meta")):
+        if not is_address(store_path) and not os.path.isdir(os.path.join(store_path, "meta")):
             with _exit_codes():
                 check_path(store_path)  # the error a plain check gives (exit 2 or 5)
-        with _store(store_path) as store, _exit_codes():
+        with _target(store_path, token_file) as store, _exit_codes():
             report = store.check(repair=True)
         for entry in report.repairs:
             out.print(f"repaired: {entry}", markup=False, highlight=False, soft_wrap=True)
         if not report.repairs:
             out.print("repaired: nothing to repair", markup=False, highlight=False)
+    elif is_address(store_path):  # a server's address: its store, checked by the server
+        with _target(store_path, token_file) as store, _exit_codes():
+            report = store.check()
     else:
         with _exit_codes():
             report = check_path(store_path)

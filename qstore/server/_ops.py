@@ -233,6 +233,8 @@ def store_op(store: Store, op: str, args: dict[str, Any]) -> Any:
             return wire.encode_compaction(store.compact(**args))
         if op == "snapshot":
             return store.snapshot(**args)
+        if op == "check":
+            return wire.encode_check(store.check(**args))
         if op == "ping":
             return None
     except TypeError as exc:

@@ -46,7 +46,7 @@ from ._worker import InlineStore, StoreThread
 
 log = logging.getLogger("qstore.server")
 
-SLOW_OPS = frozenset({"compact", "snapshot"})
+SLOW_OPS = frozenset({"compact", "snapshot", "check"})
 _POPS = frozenset({"pop", "pop_many"})
 _Request = tuple[Connection, int, str, dict[str, Any], float]
 

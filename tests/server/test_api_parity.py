@@ -15,9 +15,9 @@ import pytest
 import qstore
 import qstore.aio
 
-# Embedded-only: the core is in-process, check reads the files, close is the
+# Embedded-only: the core is in-process; close is the
 # store's own (the clients have close() too, with the same signature).
-EMBEDDED_ONLY = {"core", "check"}
+EMBEDDED_ONLY = {"core"}
 CLIENT_ONLY = {"ping"}
 SYNC_CLIENT_ONLY = CLIENT_ONLY | {"pipeline"}  # asyncio tasks pipeline on their own
 # The embedded compact takes the compactor's keywords (threshold, max_bytes,

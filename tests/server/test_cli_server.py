@@ -69,3 +69,36 @@ def test_a_stale_socket_file_is_ignored(tmp_path: Any) -> None:
     assert os.path.exists(os.path.join(store, "qstore.sock"))
     r = _run("pop", store, "q")
     assert r.exit_code == 0 and "x" in r.output, r.output
+
+
+def test_check_and_repair_of_a_served_store_go_through_its_server(server: ServerProcess) -> None:
+    store = server.store
+    with qstore.connect(store) as client:
+        q = client.create_queue("jobs")
+        q.push_many([b"fine %02d " % i * 8 for i in range(5)])
+        bad = q.push(b"DAMAGE-ME " * 8)
+        assert client.check().ok
+    for name in os.listdir(os.path.join(store, "payload")):  # flip a byte of its body
+        path = os.path.join(store, "payload", name)
+        with open(path, "r+b") as f:
+            data = f.read()
+            at = data.find(b"DAMAGE-ME")
+            if at >= 0:
+                f.seek(at)
+                f.write(b"X")
+    r = _run("check", store)  # plain: a read-only view beside the server
+    assert r.exit_code == 1 and "crc_mismatch" in r.output, r.output
+    with qstore.connect(store) as client:
+        report = client.check()  # the server's own check, over the wire
+        assert [(f.kind, f.queue, f.message_id) for f in report.findings] == [
+            ("crc_mismatch", "jobs", bad)]
+    r = _run("check", "--repair", store)  # through the server: the store stays served
+    assert r.exit_code == 0, r.output
+    assert f"repaired: moved_aside: message {bad} in 'jobs'" in r.output
+    assert "note: damaged_set_aside" in r.output
+    with qstore.connect(store) as client:
+        report = client.check()
+        assert report.ok and [n.message_id for n in report.notes] == [bad]
+        assert client.queue("jobs").stats().dead == 1
+    r = _run("check", server.address)  # an address: the server checks its store
+    assert r.exit_code == 0 and "note: damaged_set_aside" in r.output, r.output
