@@ -38,7 +38,7 @@ QUEUE_OPS = frozenset({
 })
 STORE_OPS = frozenset({
     "create_queue", "configure_queue", "queues", "delete_queue", "store_stats", "compact",
-    "snapshot", "ping",
+    "snapshot", "ping", "check",
 })
 
 _packer = msgpack.Packer(use_bin_type=True)

@@ -28,6 +28,7 @@ import math
 import os
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -352,14 +353,7 @@ class Server:
             if op in _POPS and args.get("wait"):
                 kept = dict(args)  # queue_op consumes its args; a parked pop needs them
             if self._inline:  # no closure, no future: the store call is microseconds
-                try:
-                    result = queue_op(store, leases, op, args)
-                except Exception as exc:  # the request's own error
-                    conn.settled()
-                    self._reply_error(conn, rid, op, started, exc)
-                    return
-                conn.settled()
-                self._answer(conn, rid, op, kept, started, result)
+                self._run_inline(conn, rid, op, kept, started, queue_op, store, leases, op, args)
                 return
 
             def run() -> Any:
@@ -377,17 +371,22 @@ class Server:
                               InvalidArgument(f"unknown operation {op!r}"))
             return
         if self._inline:
-            try:
-                result = run()
-            except Exception as exc:  # the request's own error
-                conn.settled()
-                self._reply_error(conn, rid, op, started, exc)
-                return
-            conn.settled()
-            self._answer(conn, rid, op, kept, started, result)
+            self._run_inline(conn, rid, op, kept, started, run)
             return
         fut = self._submit(run)
         fut.add_done_callback(lambda f: self._settled(conn, rid, op, kept, started, f))
+
+    def _run_inline(self, conn: Connection, rid: int, op: str, kept: dict[str, Any],
+                    started: float, fn: Callable[..., Any], *fn_args: Any) -> None:
+        """Run a store call on the loop's thread and answer it (durability interval/none)."""
+        try:
+            result = fn(*fn_args)
+        except Exception as exc:  # the request's own error
+            conn.settled()
+            self._reply_error(conn, rid, op, started, exc)
+            return
+        conn.settled()
+        self._answer(conn, rid, op, kept, started, result)
 
     def _settled(self, conn: Connection, rid: int, op: str, args: dict[str, Any],
                  started: float, fut: asyncio.Future[Any]) -> None:
