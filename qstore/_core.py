@@ -154,8 +154,7 @@ def require_store(path: str) -> None:
 class Writing:
     """The writer-lock context of one core (a class: cheaper than a generator per call).
 
-    In ``durability="always"`` leaving it waits until the changes made inside
-    are on stable storage (group commit, see _durability.py).
+    Durability ``none`` and ``interval``; ``always`` uses :class:`GroupWriting`.
     """
 
     __slots__ = ("_core",)
@@ -175,11 +174,18 @@ class Writing:
                 raise
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._core.lock.release()
+
+
+class GroupWriting(Writing):
+    """:class:`Writing` in ``durability="always"``: leaving it waits until the changes
+    made inside are on stable storage (group commit, see _durability.py)."""
+
+    __slots__ = ()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         core = self._core
         syncer = core.syncer
-        if syncer.mode != "always":
-            core.lock.release()
-            return
         ticket = syncer.ticket()
         core.lock.release()
         if ticket is not None and exc_type is None:
@@ -223,7 +229,7 @@ class Core(HotPaths):
         # with the default wall clock, the monotonic one, so that a step of the
         # wall clock (NTP, a resumed VM) neither stretches nor cuts a wait.
         self.wait_clock = time.monotonic if config.clock is time.time else self.clock
-        self.writing = Writing(self)
+        self.writing = GroupWriting(self) if config.durability == "always" else Writing(self)
         self.closed = False
         self._records = {}  # the record cache (see _hot.py)
         self._writer_key: tuple[int, int] | None = None
