@@ -13,8 +13,6 @@ import numpy as np
 from .._fs import Buffer
 from . import _format as fmt
 
-_seed = fmt.length_seed
-
 
 def record_crcs(data: Buffer, starts: np.ndarray, lens: np.ndarray) -> list[int]:
     """The record CRC (length bytes, then body) of each body ``data[start:start+len]``."""
@@ -22,9 +20,9 @@ def record_crcs(data: Buffer, starts: np.ndarray, lens: np.ndarray) -> list[int]
     crc32 = fmt.crc32
     if len(lens) and lens.min() == lens.max():  # one length for all: one seed
         size = int(lens[0])
-        seed = _seed(size)
+        seed = fmt.length_seed(size)
         return [crc32(view[o: o + size], seed) for o in starts.tolist()]
-    return [crc32(view[o: o + n], _seed(n))
+    return [crc32(view[o: o + n], fmt.length_seed(n))
             for o, n in zip(starts.tolist(), lens.tolist(), strict=True)]
 
 

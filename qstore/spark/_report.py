@@ -71,6 +71,12 @@ def _where(f: dict[str, Any]) -> str:
     return " ".join(parts) or "store"
 
 
+def _notes(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary's notes (a summary written before audits had notes has none)."""
+    notes: dict[str, Any] = summary.get("notes", {"total": 0, "examples": []})
+    return notes
+
+
 def render_text(summary: dict[str, Any]) -> str:
     """A few lines for the terminal: what was audited, the queues, the verdict."""
     msgs = summary["messages"]
@@ -104,7 +110,7 @@ def render_text(summary: dict[str, Any]) -> str:
             ex = examples.get(kind)
             hint = f"  e.g. {_where(ex)}: {ex['detail']}" if ex else ""
             lines.append(f"    {kind:<24} {n:>8,}{hint}"[:160])
-    notes = summary.get("notes", {"total": 0, "examples": []})
+    notes = _notes(summary)
     if notes["total"]:
         lines.append(f"  notes: {notes['total']:,} damaged payloads already set aside in the "
                      "dead letters (not findings)")
@@ -163,7 +169,7 @@ def render_html(summary: dict[str, Any]) -> str:
         f"<th>p90</th><th>p99</th><th>max</th><th>total</th></tr>{sizes}</table>")
     more = (f"<p>Showing {MAX_EXAMPLES} of {found['total']:,}; every finding is in "
             "findings.parquet.</p>" if found["total"] > MAX_EXAMPLES else "")
-    notes = summary.get("notes", {"total": 0, "examples": []})
+    notes = _notes(summary)
     note_rows = "".join(
         f"<tr><td>{e(str(n.get('queue') or ''))}</td><td class=n>{_cell(n.get('message_id'))}"
         f"</td><td class=n>{_cell(n.get('file_id'))}</td><td class=n>{_cell(n.get('offset'))}"
