@@ -93,6 +93,12 @@ def test_targets_are_not_applicable_when_their_inputs_were_not_measured() -> Non
     got = {t["id"]: t for t in _targets.evaluate(rows, spark, dataclasses.asdict(MODES["quick"]))}
     assert (got["spark-audit"]["status"], got["spark-backfill"]["status"]) == ("met", "missed")
     assert "N=20,000, contract N=1,000,000" in got["spark-backfill"]["note"]
+    assert "disk" not in got["spark-backfill"]["note"]  # not measured: not claimed
+    spark += [{"name": "spark.backfill_disk_ratio", "value": 1.08},
+              {"name": "spark.needed_disk_ratio", "value": 1.47}]
+    got = {t["id"]: t for t in _targets.evaluate(rows, spark, dataclasses.asdict(MODES["quick"]))}
+    assert got["spark-backfill"]["note"].endswith(
+        "the backfill writes at 1.08x the disk's rate; 3x would need 1.47x")
 
 
 def test_scaling_measurements_produce_their_metrics(tmp_path: Any) -> None:
@@ -114,12 +120,21 @@ def test_scaling_measurements_produce_their_metrics(tmp_path: Any) -> None:
 @pytest.mark.spark
 def test_the_spark_workload_times_backfill_push_many_scan_and_audit(tmp_path: Any,
                                                                      spark: Any) -> None:
-    p = dataclasses.replace(MODES["quick"], spark_messages=300)
+    p = dataclasses.replace(MODES["quick"], spark_messages=300, disk_bytes=4 * 1024 * 1024)
     got = {m.name: m.value for m in _spark.measure_spark(str(tmp_path / "spark"), p)}
     assert set(got) == {"spark.push_many_rate", "spark.backfill_rate", "spark.backfill_ratio",
-                        "spark.scan_s", "spark.audit_s", "spark.audit_ratio"}
+                        "spark.backfill_mib_s", "spark.disk_mib_s", "spark.backfill_disk_ratio",
+                        "spark.needed_disk_ratio", "spark.scan_s", "spark.audit_s",
+                        "spark.audit_ratio"}
     assert got["spark.backfill_ratio"] == pytest.approx(
         got["spark.backfill_rate"] / got["spark.push_many_rate"])
+    # The loaded store holds at least every payload; the disk ratios follow from the rates.
+    bytes_per_row = got["spark.backfill_mib_s"] * 2**20 / got["spark.backfill_rate"]
+    assert bytes_per_row >= 1024
+    assert got["spark.backfill_disk_ratio"] == pytest.approx(
+        got["spark.backfill_mib_s"] / got["spark.disk_mib_s"])
+    assert got["spark.needed_disk_ratio"] == pytest.approx(
+        3 * got["spark.push_many_rate"] * bytes_per_row / 2**20 / got["spark.disk_mib_s"])
     assert got["spark.audit_ratio"] == pytest.approx(got["spark.audit_s"] / got["spark.scan_s"])
     assert spark.sparkContext._jsc is not None  # the shared test session was not stopped
 

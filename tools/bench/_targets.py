@@ -132,6 +132,14 @@ def _rtt_note(lk: Lookup) -> str:
     return note
 
 
+def _disk_note(lk: Lookup) -> str:
+    """How close the backfill is to the disk, and what 3x push_many would ask of it."""
+    have, need = lk.metric("spark.backfill_disk_ratio"), lk.metric("spark.needed_disk_ratio")
+    if have is None or need is None:
+        return ""
+    return f"the backfill writes at {have:.2f}x the disk's rate; 3x would need {need:.2f}x"
+
+
 def evaluate(rows: list[dict[str, Any]], metrics: list[dict[str, Any]],
              params: dict[str, Any]) -> list[dict[str, Any]]:
     lookup = Lookup(rows, metrics)
@@ -155,6 +163,8 @@ def evaluate(rows: list[dict[str, Any]], metrics: list[dict[str, Any]],
                 note = f"N={n:,}, contract N={CONTRACT_SCALE:,}: use --full"
             else:
                 note = f"N={n:,}"
+            if t.id == "spark-backfill":
+                note = ", ".join(x for x in (note, _disk_note(lookup)) if x)
         out.append({"id": t.id, "text": t.text, "kind": t.kind, "required": t.required,
                     "unit": t.unit, "measured": measured, "status": status, "note": note})
     return out
