@@ -865,12 +865,18 @@ class Core(HotPaths):
             return exc
         try:
             # Record that all of it is durable, so the next open scans nothing
-            # (in durability="none" nothing else ever records it). Flushing the
-            # memtable now means the next open replays no WAL: it opens faster
-            # and without that memory. Both are only savings: on a full disk they
-            # may fail, and everything is already durable.
+            # (in durability="none" nothing else ever records it). Give back the
+            # ids reserved and never handed out, so that after a clean restart ids
+            # go on from the last one (after a crash the rest of the block is
+            # skipped). Flushing the memtable now means the next open replays no
+            # WAL: it opens faster and without that memory. All are only savings:
+            # on a full disk they may fail, and everything is already durable;
+            # either value of the id mark lies above every id handed out.
             batch = new_batch()
             batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *active]))
+            if self._next_id < self._id_hwm:
+                batch.put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION,
+                                                         self._next_id]))
             self.meta.write(batch)
             self.meta.flush()
         except StorageError as exc:

@@ -32,7 +32,7 @@ log = logging.getLogger("qstore")
 _READY, _INFLIGHT = records.READY, records.INFLIGHT
 _U64 = keys.U64.pack
 
-ID_BLOCK = 4096  # ids reserved per M"id_hwm" write; a restart skips the unused rest
+ID_BLOCK = 4096  # ids reserved per M"id_hwm" write; a crash skips the unused rest
 # Message records this process wrote last, kept encoded (or decoded, by a pop,
 # for its ack; or as the fields a push gave, see Pushed) so that a pop or an
 # ack of a recent message reads no record from RocksDB. Bounded: about 150
