@@ -33,6 +33,7 @@ class Owner(Protocol):
 
     def hello(self, conn: Connection, body: bytes) -> None: ...
     def request(self, conn: Connection, body: bytes) -> None: ...
+    def read_done(self, conn: Connection) -> None: ...
     def lost(self, conn: Connection) -> None: ...
     def failed(self, conn: Connection, exc: BaseException) -> None: ...
 
@@ -90,15 +91,19 @@ class Connection(asyncio.Protocol):
                 else:
                     self.owner.hello(self, body)
                 if self.closed:
+                    self.owner.read_done(self)
                     return
         except Exception as exc:  # protocol, auth: the server says why and closes
             self.owner.failed(self, exc)
-            return
+            self.owner.read_done(self)  # requests read before the bad frame: answered,
+            return                      # or settled unstarted if it closed the connection
         if view is buf:
             del buf[:pos]
         elif pos < size:
             buf += view[pos:]
         self._need = _LENGTH.unpack_from(buf)[0] + 4 if len(buf) >= 4 else 4
+        if pos:
+            self.owner.read_done(self)
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: a half-closed client gets no more answers

@@ -28,7 +28,7 @@ import math
 import os
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,11 +100,16 @@ class Server:
         self._thread: StoreThread | InlineStore | None = None
         self._inline = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The loop's queue of ready callbacks: a private attribute of asyncio's
+        # own loops (None on a loop without it, which then always defers).
+        self._loop_ready: Sized | None = None
 
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
+        ready = getattr(loop, "_ready", None)
+        self._loop_ready = ready if isinstance(ready, Sized) else None
         self._inline = self.store.config.durability != "always"
         self._thread = InlineStore(loop) if self._inline else StoreThread(loop)
         a = self.address
@@ -195,7 +200,22 @@ class Server:
             raise ProtocolError("a request is [id > 0, op, {args}]")
         self._inbox.append((conn, req[0], req[1], req[2], time.perf_counter()))
         conn.started()
-        if not self._round_due:
+
+    def read_done(self, conn: Connection) -> None:
+        """After a read's frames went to :meth:`request`: run the round now, or soon.
+
+        Now when the loop has no other callback ready to run in this iteration
+        (no other connection's read is waiting): nothing could join the round,
+        and deferring it would cost another pass of the loop, a poll of the
+        selector included, per request. Otherwise after the other callbacks, so
+        that the requests they read join the round.
+        """
+        if not self._inbox or self._round_due:
+            return
+        ready = self._loop_ready
+        if ready is not None and not ready:
+            self._round()
+        else:
             self._round_due = True
             self.loop.call_soon(self._round)
 

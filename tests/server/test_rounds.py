@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -78,4 +79,68 @@ def test_a_bad_lease_in_a_run_of_pops_is_refused_alone(server: ServerProcess,
                                        return_exceptions=True)
             assert isinstance(got[1], qstore.InvalidArgument)
             assert sorted(m.payload for m in (got[0], got[2])) == [b"x", b"y"]
+    asyncio.run(main())
+
+
+class _Transport(asyncio.Transport):
+    """Records what the server writes; a connection in memory, no socket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.out.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def is_reading(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_lone_request_is_answered_within_its_read_and_a_busy_loop_gathers_a_round(
+        tmp_path: Any) -> None:
+    """With nothing else ready the round runs at once (no extra pass of the loop);
+    with another callback ready it waits for it, so that reads join one round."""
+    from qstore import _wire as wire
+    from qstore._address import parse_address
+    from qstore.server import Server
+
+    async def main() -> None:
+        with qstore.open(str(tmp_path / "s"), compactor=False) as store:
+            store.create_queue("q").push_many([b"a", b"b"])
+            srv = Server(store, parse_address("tcp://127.0.0.1:0"))
+            await srv.start()
+            try:
+                conns = []
+                for _ in range(2):
+                    conn = srv._accept()
+                    t = _Transport()
+                    conn.connection_made(t)
+                    conn.data_received(wire.pack({"qstore": wire.PROTOCOL_VERSION}))
+                    t.out.clear()
+                    conns.append((conn, t))
+                (c1, t1), (c2, t2) = conns
+                pop = wire.pack([1, "pop", {"queue": "q"}])
+                c1.data_received(pop)
+                assert len(t1.out) == 1  # answered before data_received returned
+                loop = asyncio.get_running_loop()
+                loop.call_soon(c2.data_received, pop)  # another read, ready in this pass
+                c1.data_received(wire.pack([2, "pop", {"queue": "q"}]))
+                assert len(t1.out) == 1  # deferred: the other read may join the round
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                got = [wire.unpack(t.out[-1][4:]) for t in (t1, t2)]
+                assert all(g[1] == wire.OK for g in got)
+                payloads = {wire.decode_message(g[2]).payload for g in got
+                            if g[2] is not None}
+                first = wire.decode_message(wire.unpack(t1.out[0][4:])[2]).payload
+                assert {first} | payloads == {b"a", b"b"} and len(payloads) == 1
+            finally:
+                await srv.shutdown()
+
     asyncio.run(main())
