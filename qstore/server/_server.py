@@ -3,7 +3,8 @@
 Each connection is a protocol object (_conn.py) that cuts frames out of what
 it reads. The first frame is the handshake (version, token, lease policy);
 every later frame is a request, put in the server's inbox. Once the loop has
-read everything that arrived, one round runs the inbox in arrival order
+read everything that arrived (at once, inside the read, when no other read
+is waiting in the same pass), one round runs the inbox in arrival order
 (:meth:`Server._round`): consecutive single pops of one queue, from any
 connections, run as one ``pop_many``, and consecutive acks of one queue as
 one ``ack_many`` (all or nothing; on an error each runs alone, so each gets
