@@ -171,6 +171,9 @@ class Check:
         self.stray_keys: list[bytes] = []  # index keys no message implies
         # file id -> messages with damaged payloads in it: [set aside, not set aside]
         self.damage_by_segment: dict[int, list[int]] = {}
+        # (file id, offset) -> body length of the records the payload journal holds
+        self.journal = {keys.journal_parts(key): len(body) for key, body in
+                        meta.scan(keys.JOURNAL, keys.prefix_end(keys.JOURNAL))}
 
     def _format(self) -> int:
         raw = self.meta.get(keys.FORMAT_KEY)
@@ -192,8 +195,13 @@ class Check:
                 self._index(qid, name, rec_q, kind)
         self._orphan_queue_keys()
         self._counters()
+        journaled_files = {fid for fid, _ in self.journal}
         for f in check_segments(self.meta, self.files, self.segs, self.active_id, compaction):
-            if f.kind in k.SEGMENT_DAMAGE and f.file_id is not None and self._all_set_aside(
+            if f.kind == k.SEGMENT_TRUNCATED and f.file_id in journaled_files:
+                self.notes.append(Finding(k.JOURNALED, file_id=f.file_id, detail=(
+                    f"{f.kind}: {f.detail}; the payload journal holds records of it, which "
+                    "the next read-write open writes back")))
+            elif f.kind in k.SEGMENT_DAMAGE and f.file_id is not None and self._all_set_aside(
                     f.file_id):
                 self.notes.append(Finding(k.DAMAGED_SET_ASIDE, file_id=f.file_id,
                                           offset=f.offset, detail=(
@@ -294,8 +302,15 @@ class Check:
 
     def _damaged_payload(self, qid: int, mid: int, name: str | None,
                          rec: records.MessageRecord, problem: str) -> None:
-        """A finding, or a note if the message was already moved aside for it."""
+        """A finding, or a note if the message was already moved aside for it or the
+        payload journal holds its bytes."""
         kind = k.REASON_KINDS.get(problem, k.BAD_RECORD)
+        if self.journal.get((rec.file_id, rec.offset)) == rec.length:
+            self.notes.append(Finding(k.JOURNALED, queue=name, message_id=mid,
+                                      file_id=rec.file_id, offset=rec.offset, detail=(
+                f"{kind}: {problem}; the payload journal holds its bytes, which the next "
+                "read-write open writes back")))
+            return
         counts = self.damage_by_segment.setdefault(rec.file_id, [0, 0])
         if records.set_aside(rec.state, rec.reason):
             counts[0] += 1

@@ -38,6 +38,10 @@ COMPACTION_IN_PROGRESS = "compaction_in_progress"
 # (by a pop, or by `qstore check --repair`), or segment damage that only such
 # messages touch. The bytes are kept as they are; nothing more is to be done.
 DAMAGED_SET_ASIDE = "damaged_set_aside"
+# A note: the payload bytes (or the segment's length) of a message are not as
+# its record says, but the payload journal (durability="always") holds them; the
+# next read-write open writes them back (a store that stopped before its checkpoint).
+JOURNALED = "journaled"
 # Segment-level damage kinds that become DAMAGED_SET_ASIDE notes when every
 # damaged message in the segment was set aside.
 SEGMENT_DAMAGE = frozenset({MISSING_SEGMENT, BAD_SEGMENT_HEADER, SEGMENT_TRUNCATED})

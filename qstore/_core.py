@@ -45,7 +45,14 @@ from ._reserve import SpaceReserve, free_bytes
 from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts, plain_push
 from ._waits import sleep_time_of, watch
 from .meta import MetaDB, keys, new_batch, records, space_to_open, write_sst
-from .payload import FRAME_SIZE, PayloadRef, SegmentSet, parse_segment_name, viewing
+from .payload import (
+    FRAME_SIZE,
+    PayloadRef,
+    SegmentSet,
+    parse_segment_name,
+    restore_records,
+    viewing,
+)
 
 log = logging.getLogger("qstore")
 
@@ -79,6 +86,12 @@ def _release_writer(key: tuple[int, int] | None) -> None:
         with _writers_lock:
             _writers.discard(key)
 
+
+# The payload journal (durability="always", _durability.py) is used only with
+# this much free space, and the memtable is flushed after this many journaled
+# bytes (see Core._journal_policy).
+JOURNAL_MIN_FREE = 128 * 1024 * 1024
+JOURNAL_FLUSH_BYTES = 32 * 1024 * 1024
 
 LOST_METADATA = "metadata is missing or empty next to existing payload segments"
 
@@ -187,6 +200,10 @@ class GroupWriting(Writing):
         core = self._core
         syncer = core.syncer
         ticket = syncer.ticket()
+        if exc_type is not None:
+            # The failed operation may have appended payload that no journal key
+            # covers: the next sync must fdatasync the segment too (_durability.py).
+            syncer.payload_needed = True
         core.lock.release()
         if ticket is not None and exc_type is None:
             syncer.wait(ticket)
@@ -232,6 +249,14 @@ class Core(HotPaths):
         self.writing = GroupWriting(self) if config.durability == "always" else Writing(self)
         self.closed = False
         self._records = {}  # the record cache (see _hot.py)
+        # The payload journal (durability="always", _durability.py): whether
+        # batches carry their bodies now (set by _journal_policy), (file_id,
+        # record end, J key) of those written and not yet covered by a segment
+        # sync, in append order, and the bytes journaled since the last flush.
+        self.always = config.durability == "always" and not config.readonly
+        self.journaling = False
+        self._journaled: list[tuple[int, int, bytes]] = []
+        self._journal_bytes = 0
         self._writer_key: tuple[int, int] | None = None
         _refuse_lost_metadata(path)
         self.reserve = SpaceReserve(path)
@@ -252,6 +277,7 @@ class Core(HotPaths):
                 raise
             try:
                 self._load()
+                self._redo_journal()
                 self.payload = self._open_payload()
                 if self.format != records.STORE_FORMAT:
                     migrate_dedup(self.meta, self.payload,
@@ -266,6 +292,9 @@ class Core(HotPaths):
         self.syncer = Syncer(config.durability, config.sync_interval, self.payload, self.meta)
         if not self.readonly:
             self.syncer.on_synced = self._record_synced_mark
+            if self.always:
+                self.syncer.on_checkpoint = self._journal_policy
+                self._journal_policy()
             self._drop_lost_tails()
             self.reserve.restore()
             self.syncer.start()
@@ -342,6 +371,33 @@ class Core(HotPaths):
         self._active_at_crash = None if synced is None else sfid
         self._synced_mark: tuple[int, int] | None = None
         self._hints = hints
+
+    def _redo_journal(self) -> None:
+        """Write the journal's bodies back into their segments, then drop the journal.
+
+        Keys are left only by a store that stopped (crash, power loss) between
+        an ``always``-mode operation and the checkpoint that synced its segment
+        (_durability.py); a segment may have lost those bytes. Before the
+        segments are opened: their tail recovery then finds the records whole.
+        """
+        if self.meta.first_key(keys.JOURNAL, keys.prefix_end(keys.JOURNAL)) is None:
+            return
+        entries = [(*keys.journal_parts(key), body)
+                   for key, body in self.meta.scan(keys.JOURNAL, keys.prefix_end(keys.JOURNAL))]
+        try:
+            written, missing = restore_records(os.path.join(self.path, "payload"), entries)
+        except OSError as exc:
+            raise _os_error(exc, "writing journaled payload back into its segments") from exc
+        if missing:
+            log.error("the payload journal holds records of segments %s, which are missing: "
+                      "reads of their messages raise Corruption; run `qstore check`", missing)
+        batch = new_batch()
+        for fid, offset, _ in entries:
+            batch.delete(keys.journal_key(fid, offset))
+        self.meta.write(batch, sync=True)
+        if written:
+            log.warning("wrote %d payload record(s) back into their segments from the journal "
+                        "(they had not reached the disk when the store stopped)", written)
 
     def _open_payload(self) -> SegmentSet:
         """The segments of a read-write open: recovery from the metadata's marks."""
@@ -572,6 +628,8 @@ class Core(HotPaths):
             batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *synced]))
         self.meta.write(batch)
         self._synced_mark = synced
+        if txn.journal:
+            self._journaled.extend(txn.journal)
         if txn.forget_records:
             self._records.clear()
         cache = self._records
@@ -657,12 +715,46 @@ class Core(HotPaths):
         """
         with self.lock:
             synced = self.payload.synced_position()
-            if synced == self._synced_mark:
+            covered = self._journal_covered(synced) if self._journaled else 0
+            if synced == self._synced_mark and not covered:
                 return
             batch = new_batch()
-            batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *synced]))
+            if synced != self._synced_mark:
+                batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *synced]))
+            journaled = self._journaled
+            for i in range(covered):
+                batch.delete(journaled[i][2])
             self.meta.write(batch)
             self._synced_mark = synced
+            del journaled[:covered]
+
+    def _journal_policy(self) -> None:
+        """At open and after each checkpoint (always mode): journal only while the
+        disk has ``JOURNAL_MIN_FREE`` bytes free, and keep the RocksDB log the
+        journal fills small. A metadata write that fails on a full disk can only
+        be resumed by reopening the database, which needs about the log's size
+        free (``space_to_open``): so the memtable is flushed (and the log
+        dropped) after every ``JOURNAL_FLUSH_BYTES`` journaled, by then deleted
+        by checkpoints, and at once when journaling stops."""
+        try:
+            self.journaling = free_bytes(self.path) >= JOURNAL_MIN_FREE
+        except OSError:
+            self.journaling = False
+        pending = self._journal_bytes
+        if pending >= JOURNAL_FLUSH_BYTES or (pending and not self.journaling):
+            self.meta.flush()
+            self._journal_bytes -= pending
+
+    def _journal_covered(self, synced: tuple[int, int]) -> int:
+        """How many of the oldest journal keys the segment sync at ``synced`` covers:
+        those of earlier segments (sealed, so synced) and those up to its offset."""
+        sfid, soff = synced
+        n = 0
+        for fid, end, _ in self._journaled:
+            if fid > sfid or (fid == sfid and end > soff):
+                break
+            n += 1
+        return n
 
     def write_synced(self, puts: Sequence[tuple[bytes, bytes]] = (),
                      deletes: Sequence[bytes] = ()) -> None:
@@ -874,10 +966,13 @@ class Core(HotPaths):
             # either value of the id mark lies above every id handed out.
             batch = new_batch()
             batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *active]))
+            for _, _, key in self._journaled:  # the segment was fsynced above
+                batch.delete(key)
             if self._next_id < self._id_hwm:
                 batch.put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION,
                                                          self._next_id]))
             self.meta.write(batch)
+            self._journaled.clear()
             self.meta.flush()
         except StorageError as exc:
             log.warning("closing %s: %s (the next open replays the log)", self.path, exc)

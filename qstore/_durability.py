@@ -27,6 +27,16 @@ mark that is later found damaged is damage (kept, reported, Corruption on
 read), never cut as an unsynced tail (issue 11 case 4). Only a power loss
 before the next sync can lose that batch: the mark then lags one sync, and
 damage in that last synced stretch is cut like an unsynced tail.
+
+In ``always`` mode a batch of up to ``JOURNAL_MAX_BYTES`` of payload also
+carries the bodies it appended (``J`` keys, the payload journal): the WAL
+sync alone then makes the operation durable, one flush of the disk instead
+of two. The segment itself is fdatasynced by a background checkpoint every
+``sync_interval`` (and when a segment is sealed or the store closes), after
+which the journal keys it covers are deleted; an open after a crash first
+writes every journaled body back into its segment. Payload bytes that no
+journal key covers (a larger batch, the records of a failed operation) set
+``payload_needed``, and the next sync fdatasyncs the payload as well.
 """
 
 from __future__ import annotations
@@ -63,9 +73,14 @@ class Syncer:
         self._pool: ThreadPoolExecutor | None = None
         self.syncs = 0
         self._retries = RetryLog(log, "background sync", interval)
+        # always mode: the WAL sync alone makes journaled appends durable (see above)
+        self.journal = mode == "always"
+        self.payload_needed = False  # unjournaled payload bytes await a sync
         # Called after each successful sync, before any waiter returns: the core
         # records the new durable mark (M synced) there. See sync_now.
         self.on_synced: Callable[[], None] | None = None
+        # always mode: called after each checkpoint tick (the core's journal policy)
+        self.on_checkpoint: Callable[[], None] | None = None
 
     def wrote(self) -> None:
         """A batch was written (writer lock held)."""
@@ -99,8 +114,11 @@ class Syncer:
         """Make everything written so far durable: payload first, then the WAL."""
         self._dirty = False
         payload = self._payload
+        needed, self.payload_needed = self.payload_needed, False
         try:
-            if payload.unsynced:
+            if self.journal and not needed:
+                self._meta.sync_wal()  # journaled: the checkpoint syncs the segment later
+            elif payload.unsynced:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(1, thread_name_prefix="qstore-fdatasync")
                 done = self._pool.submit(payload.sync)
@@ -115,20 +133,47 @@ class Syncer:
                 # it: sync() waits for that one and retries a failure. Returning
                 # before it would report bytes durable that are not (issue case 5).
                 payload.sync()
-        except OSError as exc:
-            raise StorageError(f"sync failed: {exc}") from exc
+        except BaseException as exc:
+            if needed:
+                self.payload_needed = True  # still not known to be on disk
+            if isinstance(exc, OSError):
+                raise StorageError(f"sync failed: {exc}") from exc
+            raise
         self.syncs += 1
         if self.on_synced is not None:
             self.on_synced()
 
     def start(self) -> None:
-        if self.mode == "interval":
+        if self.mode in ("interval", "always"):
             self._thread = threading.Thread(target=self._loop, name="qstore-sync", daemon=True)
             self._thread.start()
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
-            self.background_sync()
+            if self.journal:
+                self.checkpoint()
+            else:
+                self.background_sync()
+
+    def checkpoint(self) -> None:
+        """always mode, in the background: fdatasync the journaled payload, then let
+        ``on_synced`` delete the journal keys it covers (their batch needs no sync
+        of its own: a lost delete only makes the next open rewrite equal bytes)."""
+        payload = self._payload
+        try:
+            if payload.unsynced:
+                try:
+                    payload.sync()
+                except OSError as exc:
+                    raise StorageError(f"sync failed: {exc}") from exc
+                if self.on_synced is not None:
+                    self.on_synced()
+            if self.on_checkpoint is not None:
+                self.on_checkpoint()
+        except StorageError as exc:
+            self._retries.failed(exc)
+            return
+        self._retries.worked()
 
     def background_sync(self) -> None:
         """One attempt of the background thread: sync if something was written.

@@ -43,6 +43,11 @@ RECORD_CACHE = 65_536
 # enqueued_at), the fields it was encoded from. A pop builds its MessageRecord
 # from them: cheaper than decoding the bytes.
 Pushed = tuple["int | str", int, int, int, float]
+
+# durability="always": a batch with at most this many bytes of bodies carries
+# them as journal keys (one sync instead of two, see _durability.py); a larger
+# one has its segment fdatasynced by the sync it waits for, as before.
+JOURNAL_MAX_BYTES = 1024 * 1024
 _MR = records.MessageRecord
 
 
@@ -65,6 +70,10 @@ class HotPaths:
     _next_id: int
     _id_hwm: int
     _synced_mark: tuple[int, int] | None
+    always: bool  # durability="always"
+    journaling: bool
+    _journaled: list[tuple[int, int, bytes]]
+    _journal_bytes: int
     # message key -> its record as last committed by this process (see commit):
     # encoded, or decoded (a pop leaves the record it delivered, for the ack);
     # message_record() hands a decoded one over rather than share it.
@@ -105,6 +114,7 @@ class HotPaths:
         mkey = q.message_prefix + id_bytes
         record = records.encode_message(_READY, prio, fid, offset, length, 0, 0, now, 0, None)
         batch.put(mkey, record)
+        journal = self.journal_into(batch, (ref,), (body,)) if self.always else None
         c = q.counts
         counts = [c[0] + 1, c[1], c[2], c[3], c[4] + length]
         batch.put(q.counts_key, records.encode_counts(counts))
@@ -115,6 +125,8 @@ class HotPaths:
                else [old[0] + frame, old[1] + 1, end if end > old[2] else old[2]])
         batch.put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
         self._write_hot(batch)
+        if journal:
+            self._journaled.extend(journal)
         cache = self._records
         cache[mkey] = (prio, fid, offset, length, now)
         if len(cache) > RECORD_CACHE:
@@ -141,7 +153,7 @@ class HotPaths:
         now = self.clock()  # before the append: a clock that fails leaves nothing behind
         with self.appending_batch() as started:
             refs = self.payload.append_many(bodies, started)
-            return self._commit_ready(q, refs, prios, now)
+            return self._commit_ready(q, refs, prios, now, bodies)
 
     @contextlib.contextmanager
     def appending_batch(self) -> Iterator[list[int]]:
@@ -179,8 +191,29 @@ class HotPaths:
                                 "failed batch", dead)
             raise
 
+    def journal_into(self, batch: Batch, refs: Sequence[PayloadRef], bodies: Sequence[bytes]
+                     ) -> list[tuple[int, int, bytes]] | None:
+        """Put the payload journal's keys for the records at ``refs`` into ``batch``
+        (durability ``always``); returns their entries, for ``_journaled`` once the
+        batch is written. Bodies over ``JOURNAL_MAX_BYTES`` in all, or any while
+        journaling is off (a nearly full disk, see Core._journal_policy), are not
+        journaled: the next sync fdatasyncs the segment instead."""
+        total = sum(map(len, bodies))
+        if total > JOURNAL_MAX_BYTES or not self.journaling:
+            self.syncer.payload_needed = True
+            return None
+        self._journal_bytes += total
+        out = []
+        put = batch.put
+        for (fid, offset, length), body in zip(refs, bodies, strict=True):
+            key = keys.journal_key(fid, offset)
+            put(key, body)
+            out.append((fid, offset + FRAME_SIZE + length, key))
+        return out
+
     def _commit_ready(self, q: QueueState, refs: list[PayloadRef],
-                      prios: Sequence[int | str], now: float) -> list[int]:
+                      prios: Sequence[int | str], now: float,
+                      bodies: Sequence[bytes]) -> list[int]:
         """push_ready's batch for the records at ``refs``, written, and memory in line."""
         batch = new_batch()
         put = batch.put
@@ -237,7 +270,10 @@ class HotPaths:
                    else [old[0] + dbytes, old[1] + dcount, max(old[2], end)])
             put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
             new_segs.append((fid, seg))
+        journal = self.journal_into(batch, refs, bodies) if self.always else None
         self._write_hot(batch)
+        if journal:
+            self._journaled.extend(journal)
         cache = self._records
         cache.update(written)
         if len(cache) > RECORD_CACHE:

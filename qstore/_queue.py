@@ -320,6 +320,9 @@ class Queue:
                             ttl = default_ttl
                         expires_us = 0 if ttl is None else keys.to_us(now + ttl)
                         states.enqueue(txn, q, mid, ref, prio, delay, digest, now, expires_us)
+                    if core.always:
+                        txn.journal = core.journal_into(txn.batch, refs,
+                                                        [bodies[i] for i in fresh])
                     core.commit(txn)
             for i, j in dup_of.items():
                 ids[i] = ids[j]

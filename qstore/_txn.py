@@ -93,7 +93,7 @@ class Txn:
     """Built and committed under the writer lock; never shared between threads."""
 
     __slots__ = ("batch", "queues", "segments", "ready_keys", "events", "id_hwm", "records",
-                 "forget_records", "cache_records")
+                 "forget_records", "cache_records", "journal")
 
     def __init__(self) -> None:
         self.batch: Batch = new_batch()
@@ -109,6 +109,8 @@ class Txn:
         # False: update cached records but cache no new ones (compaction's repoints
         # must not push the records of hot messages out of the cache).
         self.cache_records = True
+        # The payload journal's keys this batch carries (Core.journal_into).
+        self.journal: list[tuple[int, int, bytes]] | None = None
 
     def put_record(self, key: bytes, value: bytes) -> None:
         """Write a message record (always through here: the core caches records)."""

@@ -29,6 +29,9 @@ SYNCED_KEY = META + b"synced"
 QUEUE = b"Q"  # Q name(utf-8)                       -> QueueRecord
 COUNTS = b"C"  # C qid:u32                           -> counters
 SEGMENT = b"S"  # S file_id:u64                      -> SegmentRecord
+# durability="always": the body of a payload record whose segment bytes may not
+# be synced yet (redone into the segment on open, deleted once it is synced).
+JOURNAL = b"J"  # J file_id:u64 offset:u64            -> body
 # Per-queue message keys.
 MESSAGE = b"m"  # m qid:u32 id:u64                   -> MessageRecord
 READY = b"r"  # r qid:u32 priority-key id:u64       -> b""
@@ -75,6 +78,16 @@ def segment_key(file_id: int) -> bytes:
 
 def segment_id(key: bytes) -> int:
     return int(U64.unpack_from(key, 1)[0])
+
+
+def journal_key(file_id: int, offset: int) -> bytes:
+    return JOURNAL + U64x2.pack(file_id, offset)
+
+
+def journal_parts(key: bytes) -> tuple[int, int]:
+    """(file_id, offset) of a journal key."""
+    fid, offset = U64x2.unpack_from(key, 1)
+    return int(fid), int(offset)
 
 
 def prefix(kind: bytes, qid: int) -> bytes:

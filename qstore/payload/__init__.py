@@ -8,6 +8,7 @@ from ._format import FRAME_SIZE, HEADER_SIZE, Located, PayloadRef, parse_segment
 from ._reader import SegmentCheck, SegmentReader
 from ._segments import RecoveryReport, SegmentSet, TailRepair
 from ._views import VIEWS_LOCK, viewing
+from ._writer import restore_records
 
 __all__ = [
     "FRAME_SIZE",
@@ -21,5 +22,6 @@ __all__ = [
     "TailRepair",
     "VIEWS_LOCK",
     "parse_segment_name",
+    "restore_records",
     "viewing",
 ]

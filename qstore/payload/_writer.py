@@ -28,7 +28,7 @@ GROW_STEP = 8 * 1024 * 1024
 
 _FRAME_PACK, _crc32, _length_seed = fmt.FRAME.pack, fmt.crc32, fmt.length_seed
 
-__all__ = ["GROW_STEP", "NEW_SUFFIX", "SegmentWriter", "create_segment_file"]
+__all__ = ["GROW_STEP", "NEW_SUFFIX", "SegmentWriter", "create_segment_file", "restore_records"]
 
 
 NEW_SUFFIX = ".new"  # a segment being created: never listed as a segment (see below)
@@ -221,3 +221,43 @@ class SegmentWriter:
             self._unmap()
             fcalls.close_fd(self._fd)
             self._fd = -1
+
+
+def restore_records(directory: str, records: Sequence[tuple[int, int, bytes]]
+                    ) -> tuple[int, list[int]]:
+    """Write each ``(file_id, offset, body)`` back as a framed record at ``offset`` of
+    its segment in ``directory``, unless the segment holds that record already.
+
+    The payload journal's redo on open (durability ``always``, _durability.py):
+    a crash may have lost appended bytes the journal still holds. Segments
+    written to are fsynced before this returns. Returns the number of records
+    written back and the ids of segments that do not exist (nothing is
+    created: a missing segment is damage, which reads and the check report).
+    """
+    fds: dict[int, int] = {}
+    missing: list[int] = []
+    written = 0
+    changed: set[int] = set()
+    try:
+        for fid, offset, body in records:
+            fd = fds.get(fid)
+            if fd is None:
+                if fid in missing:
+                    continue
+                try:
+                    fd = fds[fid] = fcalls.open_fd(os.path.join(directory, fmt.segment_name(fid)),
+                                                   os.O_RDWR)
+                except FileNotFoundError:
+                    missing.append(fid)
+                    continue
+            frame = fmt.encode_frame(body)
+            if os.pread(fd, len(frame) + len(body), offset) != frame + body:
+                write_at(fd, [frame, body], offset)
+                changed.add(fid)
+                written += 1
+        for fid in changed:
+            fcalls.fsync(fds[fid])
+    finally:
+        for fd in fds.values():
+            fcalls.close_fd(fd)
+    return written, missing

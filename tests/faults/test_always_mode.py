@@ -1,7 +1,9 @@
-"""durability="always": an operation never returns before an fdatasync covering its payload.
+"""durability="always": an operation never returns before its payload is durable.
 
-The compactor syncs the payload outside the writer lock; a group-commit waiter
-that finds the unsynced flag already taken by it must wait for that fdatasync.
+Either its bodies are in the synced WAL (the payload journal) or an fdatasync
+covered its segment. The compactor syncs the payload outside the writer lock;
+a group-commit waiter that needs a payload sync and finds the unsynced flag
+already taken by it must wait for that fdatasync.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ def test_a_sync_finding_the_compactors_fdatasync_in_progress_waits_for_it(
             return real(fd)
 
         monkeypatch.setattr(calls, "fdatasync", gated)
-        # A push's bytes are written (the flag set), then the compactor takes the
-        # flag and blocks in its fdatasync before the push's waiter syncs.
+        # Bytes no journal key covers are written (the flag set, the payload
+        # needed), then the compactor takes the flag and blocks in its fdatasync
+        # before the waiter syncs.
         core.payload.append(b"must be durable when the push returns")
+        core.syncer.payload_needed = True
         compactor = threading.Thread(target=core.payload.sync, name="compactor")
         compactor.start()
         assert entered.wait(60) and not core.payload.unsynced
@@ -67,7 +71,8 @@ ALWAYS_CHILD = textwrap.dedent("""
     from qstore.meta import keys, records
     store = qstore.open(sys.argv[1], durability="always", compactor=False)
     q = store.create_queue("q")
-    ids = [q.push(b"always %02d " % i * 8) for i in range(6)]  # each returned: synced
+    ids = [q.push(b"always %02d " % i * 8) for i in range(6)]  # each returned: durable
+    store.core.syncer.checkpoint()  # the segment synced, the journal keys deleted
     raw = store.core.meta.get(keys.message_key(q._q.qid, ids[-1]))
     rec = records.MessageRecord.decode(raw)
     print(json.dumps({"ids": ids, "fid": rec.file_id, "offset": rec.offset}), flush=True)

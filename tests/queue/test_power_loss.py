@@ -79,9 +79,11 @@ def test_messages_whose_payload_never_reached_the_disk_are_dropped_on_open(
 
 
 def test_every_batch_records_how_far_the_active_segment_is_durable(store_path: str) -> None:
-    with qstore.open(store_path, durability="always", compactor=False) as store:
+    with qstore.open(store_path, durability="interval", sync_interval=3600,
+                     compactor=False) as store:
         q = store.create_queue("q")
         q.push(b"x" * 50)
+        store.core.syncer.sync_now()
         q.push(b"y" * 50)
         fid, off = store.core.payload.synced_position()
         raw = store.core.meta.get(keys.SYNCED_KEY)
