@@ -743,7 +743,8 @@ class Core(HotPaths):
         pending = self._journal_bytes
         if pending >= JOURNAL_FLUSH_BYTES or (pending and not self.journaling):
             self.meta.flush()
-            self._journal_bytes -= pending
+            with self.lock:  # writers add to it under the lock
+                self._journal_bytes -= pending
 
     def _journal_covered(self, synced: tuple[int, int]) -> int:
         """How many of the oldest journal keys the segment sync at ``synced`` covers:
