@@ -45,6 +45,7 @@ class FileCalls:
         self.open_fd = os.open
         self.close_fd = os.close
         self.write = os.write
+        self.pread = os.pread
         self.pwritev = os.pwritev
         self.pwrite = os.pwrite
         self.fsync = os.fsync

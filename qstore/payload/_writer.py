@@ -251,7 +251,7 @@ def restore_records(directory: str, records: Sequence[tuple[int, int, bytes]]
                     missing.append(fid)
                     continue
             frame = fmt.encode_frame(body)
-            if os.pread(fd, len(frame) + len(body), offset) != frame + body:
+            if fcalls.pread(fd, len(frame) + len(body), offset) != frame + body:
                 write_at(fd, [frame, body], offset)
                 changed.add(fid)
                 written += 1

@@ -18,7 +18,7 @@ import pytest
 
 from qstore._fs import calls
 
-NAMES = ("open_fd", "write", "pwritev", "pwrite", "fsync", "fdatasync", "ftruncate",
+NAMES = ("open_fd", "write", "pread", "pwritev", "pwrite", "fsync", "fdatasync", "ftruncate",
          "fallocate", "truncate", "replace", "unlink", "link", "mmap", "mmap_write")
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,8 @@ from qstore._check import check_path
 from qstore._fs import calls
 from qstore._hot import JOURNAL_MAX_BYTES
 from qstore.meta import keys
+
+from ._inject import FaultyCalls
 
 
 def _journal_keys(store: qstore.Store) -> list[bytes]:
@@ -151,6 +154,52 @@ def test_a_power_loss_after_always_pushes_returned_loses_none_of_them(
         assert not [m for m in caplog.messages if "dropped" in m]
         if loss != "none":
             assert "wrote 5 payload record(s)" in rewritten[0]
+
+
+def _crash_and_lose_the_segment(path: str) -> dict[str, Any]:
+    """The child's store, its segment bytes past the header zeroed (lost page cache)."""
+    r = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    info: dict[str, Any] = json.loads(r.stdout)
+    seg = os.path.join(path, "payload", f"{info['fid']:010d}.seg")
+    with open(seg, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(24)
+        f.write(bytes(size - 24))
+    return info
+
+
+def test_a_file_call_failing_while_the_journal_is_written_back_loses_nothing(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each file call of the open fails in turn: the open raises or works, and the
+    next open has every message, exact (the journal goes only once written back)."""
+    crashed = str(tmp_path / "crashed")
+    info = _crash_and_lose_the_segment(crashed)
+    faults = FaultyCalls(monkeypatch, names=("open_fd", "pread", "pwritev", "pwrite", "fsync"))
+    probe = str(tmp_path / "probe")
+    shutil.copytree(crashed, probe)
+    faults.counting()
+    qstore.open(probe, compactor=False).close()
+    calls_of_an_open = faults.count
+    assert calls_of_an_open >= 8  # reads and writes of 5 records, an fsync, ...
+    raised = 0
+    for n in range(1, calls_of_an_open + 1):
+        path = str(tmp_path / f"fail{n}")
+        shutil.copytree(crashed, path)
+        faults.arm(n)
+        try:
+            qstore.open(path, compactor=False).close()
+        except qstore.QStoreError:
+            raised += 1
+        faults.heal()
+        with qstore.open(path, compactor=False) as store:
+            got = {str(m.id): m.payload.decode() for m in store.queue("q").pop_many(10)}
+            assert got == info["ids"], n
+            assert _journal_keys(store) == []
+    # Every failed call fails the open (those of the write-back included): none
+    # is ignored, and the journal is dropped only after it was written back.
+    assert raised == calls_of_an_open
 
 
 def test_damage_to_a_record_the_journal_still_holds_is_written_over_on_open(
