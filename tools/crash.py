@@ -20,9 +20,15 @@ through every step. After each kill it reopens the store and checks:
 - no compaction record is left after open, and after one more ``compact()``
   no sealed segment without live records survives.
 
+With ``--power-loss`` (``always`` only) each kill is also a power loss: before
+the reopen, the bytes of the active segment past the durable mark
+(``M synced``) are zeroed, as lost page cache leaves them; nothing that
+returned may be lost even so (the payload journal, docs/meta-schema.md).
+
 Usage::
 
     python tools/crash.py --kills 300 [--seed N] [--durability interval]
+    python tools/crash.py --kills 100 --durability always --power-loss
 
 It prints the kills survived per kill point and exits 1 on any violation.
 """
@@ -288,6 +294,33 @@ def wait_for_lines(journal: Journal, proc: subprocess.Popen[bytes], lines: int,
         time.sleep(0.002)
 
 
+def lose_unsynced_payload(path: str) -> int:
+    """Zero the active segment's bytes past the durable mark (M synced): what a power
+    loss leaves of bytes that were never synced. Returns how many were zeroed."""
+    try:
+        view = qstore.open(path, readonly=True)
+    except qstore.QStoreError:
+        return 0  # killed before the store existed
+    try:
+        raw = view.core.meta.get(keys.SYNCED_KEY)
+    finally:
+        view.close()
+    if raw is None:
+        return 0
+    _, fid, offset = records.unpack(raw, "synced")
+    seg = os.path.join(path, "payload", f"{fid:010d}.seg")
+    try:
+        with open(seg, "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size <= offset:
+                return 0
+            f.seek(offset)
+            f.write(bytes(size - offset))
+            return size - offset
+    except FileNotFoundError:
+        return 0
+
+
 def run_parent(args: argparse.Namespace) -> int:
     if not args.verbose:  # recovery warnings are expected after every kill
         logging.getLogger("qstore").setLevel(logging.ERROR)
@@ -302,6 +335,7 @@ def run_parent(args: argparse.Namespace) -> int:
     attempted: Counter[str] = Counter()
     phases: Counter[str] = Counter()
     violations: list[str] = []
+    zeroed = 0  # --power-loss: unsynced payload bytes thrown away
     started = time.monotonic()
     print(f"crash harness: {args.kills} kills, seed {args.seed}, durability {args.durability}, "
           f"store {store_dir}", flush=True)
@@ -340,6 +374,8 @@ def run_parent(args: argparse.Namespace) -> int:
             if rc != 0:
                 break
             continue
+        if args.power_loss:
+            zeroed += lose_unsynced_payload(store_dir)
         problems, phase = check_store(store_dir, journal, args.durability)
         phases[phase] += 1
         if problems:
@@ -354,6 +390,8 @@ def run_parent(args: argparse.Namespace) -> int:
           + ", ".join(f"{p} {phases[p]}" for p in ("none", "copying", "repointing", "deleting")))
     print(f"journal: {len(journal.pushed)} pushes, {len(journal.acked)} acks, "
           f"{journal.passes} explicit compaction passes returned, {len(journal.pids)} children")
+    if args.power_loss:
+        print(f"power loss: {zeroed:,} unsynced payload bytes zeroed after the kills")
     total = sum(survived.values())
     print(f"survived {total}/{args.kills} kills in {elapsed:.1f}s; {len(violations)} violation(s)")
     for v in violations:
@@ -373,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", help="work directory (default: a fresh temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--verbose", action="store_true", help="show the recovery log of each reopen")
+    p.add_argument("--power-loss", action="store_true",
+                   help="also zero the unsynced payload after each kill (always mode)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--journal", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -380,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_child(args)
     if args.kills < 1:
         p.error("--kills must be at least 1")
+    if args.power_loss and args.durability != "always":
+        p.error("--power-loss needs --durability always: only there must nothing that "
+                "returned be lost to a power loss")
     return run_parent(args)
 
 
