@@ -121,16 +121,22 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def _crashed(path: str) -> dict[str, Any]:
+    """Run CHILD on ``path``; what it printed, and its segment's path as ``seg``."""
+    r = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    info: dict[str, Any] = json.loads(r.stdout)
+    info["seg"] = os.path.join(path, "payload", f"{info['fid']:010d}.seg")
+    return info
+
+
 @pytest.mark.parametrize("loss", ["zeros", "truncated", "none"])
 def test_a_power_loss_after_always_pushes_returned_loses_none_of_them(
         store_path: str, loss: str, caplog: pytest.LogCaptureFixture) -> None:
-    r = subprocess.run([sys.executable, "-c", CHILD, store_path], capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == -signal.SIGKILL, r.stderr
-    info = json.loads(r.stdout)
+    info = _crashed(store_path)
     assert info["synced"] == 24  # no segment sync ran: only the log holds the bodies
-    seg = os.path.join(store_path, "payload", f"{info['fid']:010d}.seg")
-    with open(seg, "r+b") as f:  # what lost page cache leaves of the segment
+    with open(info["seg"], "r+b") as f:  # what lost page cache leaves of the segment
         if loss == "zeros":
             size = f.seek(0, os.SEEK_END)
             f.seek(info["synced"])
@@ -158,12 +164,8 @@ def test_a_power_loss_after_always_pushes_returned_loses_none_of_them(
 
 def _crash_and_lose_the_segment(path: str) -> dict[str, Any]:
     """The child's store, its segment bytes past the header zeroed (lost page cache)."""
-    r = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == -signal.SIGKILL, r.stderr
-    info: dict[str, Any] = json.loads(r.stdout)
-    seg = os.path.join(path, "payload", f"{info['fid']:010d}.seg")
-    with open(seg, "r+b") as f:
+    info = _crashed(path)
+    with open(info["seg"], "r+b") as f:
         size = f.seek(0, os.SEEK_END)
         f.seek(24)
         f.write(bytes(size - 24))
@@ -204,12 +206,8 @@ def test_a_file_call_failing_while_the_journal_is_written_back_loses_nothing(
 
 def test_damage_to_a_record_the_journal_still_holds_is_written_over_on_open(
         store_path: str) -> None:
-    r = subprocess.run([sys.executable, "-c", CHILD, store_path], capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == -signal.SIGKILL, r.stderr
-    info = json.loads(r.stdout)
-    seg = os.path.join(store_path, "payload", f"{info['fid']:010d}.seg")
-    with open(seg, "r+b") as f:  # one flipped byte in the first body
+    info = _crashed(store_path)
+    with open(info["seg"], "r+b") as f:  # one flipped byte in the first body
         f.seek(24 + 8 + 2)
         b = f.read(1)
         f.seek(24 + 8 + 2)
