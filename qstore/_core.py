@@ -316,6 +316,11 @@ class Core(HotPaths):
         finally:
             self.waiters -= 1
 
+    def sleep_time(self, until: float) -> float | None:
+        """Real seconds to wait for the store's clock to read ``until`` (None: until
+        the clock tells of a move; see _waits.py). An autojump clock jumps there."""
+        return self._sleep_time(until)
+
     def _clock_moved(self) -> None:
         with self.lock:
             if self.waiters:

@@ -97,6 +97,9 @@ class Server:
         self._again = False  # a wake came while it ran: run another round after it
         self._due_timer: asyncio.TimerHandle | None = None
         self._due_at = math.inf  # store-clock time the due timer is set for
+        # The default clock runs at the speed of real time: a waiter's time runs
+        # out by a real-time timer. An injected clock decides waits (_waits.py).
+        self._real_clock = store.config.clock is time.time
         self._server: asyncio.base_events.Server | None = None
         self._thread: StoreThread | InlineStore | None = None
         self._inline = False
@@ -450,8 +453,11 @@ class Server:
         w = Waiter(conn, rid, op, args, args["queue"], started=started)
         wait = float(args.get("wait", 0.0))
         assert self._loop is not None and math.isfinite(wait)
-        w.timer = self._loop.call_later(max(0.0, wait - (time.perf_counter() - started)),
-                                        self._expire, w)
+        if self._real_clock:
+            w.timer = self._loop.call_later(max(0.0, wait - (time.perf_counter() - started)),
+                                            self._expire, w)
+        else:  # a time of the store's clock, armed with the due times (_arm_due)
+            w.deadline = self.store.core.wait_clock() + wait
         self._waiting.park(w)
         self._update_listening()
         self._wake()  # a push may have landed between the empty pop and now
@@ -499,8 +505,20 @@ class Server:
             assert self._loop is not None
             self._loop.call_soon(self._retry)
 
+    def _expire_due(self) -> None:
+        """Injected clock: answer the waiters whose deadline that clock has reached."""
+        now = self.store.core.wait_clock()
+        for w in [w for line in self._waiting.lines.values() for w in line
+                  if w.deadline <= now and not w.done]:
+            if w.busy:
+                w.expired = True  # the round in progress answers it
+            else:
+                self._answer_empty(w)
+
     def _retry(self) -> None:
         self._wake_pending = False
+        if not self._real_clock and self._waiting.count:
+            self._expire_due()
         if self._round_running:
             # A wake while a round runs: that round may have tried its queues
             # before the push that woke us, so run another once it ends.
@@ -547,14 +565,17 @@ class Server:
 
     def _arm_due(self) -> None:
         """Wake the parked pops when the next delayed message, lease or rate-limit token
-        of their queues is due, instead of at the sweeper's next pass."""
+        of their queues is due, instead of at the sweeper's next pass; with an
+        injected clock, also when the first waiter's deadline comes."""
         if not self._waiting.count:
             return
         core = self.store.core
         due = math.inf
         with core.lock:
             now = core.clock()
-            for name in self._waiting.lines:
+            for name, line in self._waiting.lines.items():
+                if not self._real_clock:
+                    due = min(due, min(w.deadline for w in line))
                 q = core.queues.get(name)
                 if q is None:
                     continue
@@ -569,9 +590,14 @@ class Server:
             self._due_timer.cancel()
             self._due_timer = None
         self._due_at = due
-        if due < math.inf:
+        if due == math.inf:
+            return
+        # An injected clock says how long to wait for it (None: until it moves,
+        # which wakes the waiters through Core.ready; an autojump clock jumps).
+        seconds = due - now if self._real_clock else core.sleep_time(due)
+        if seconds is not None:
             # at least a millisecond: a due time that a retry cannot clear never spins
-            self._due_timer = self.loop.call_later(max(0.001, due - now), self._due)
+            self._due_timer = self.loop.call_later(max(0.001, seconds), self._due)
 
     def _due(self) -> None:
         self._due_timer = None

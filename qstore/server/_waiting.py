@@ -8,7 +8,10 @@ listener, which schedules one retry round on the event loop. A round runs
 in the store thread and tries each line's waiters in order, stopping at the
 first that gets nothing, so a push to one queue costs one pop attempt per
 non-empty line, not one per waiter. A timer answers a waiter whose time ran
-out with the empty result.
+out with the empty result: a real-time timer with the default clock; with a
+clock injected into the store, the waiter's deadline is a time of that clock
+(``deadline``), woken for by the server's due-time timer or by the clock's
+moves, as an embedded pop's (qstore/_waits.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class Waiter:
     expired: bool = False  # its time ran out while busy
     done: bool = False
     started: float = field(default=0.0)
+    deadline: float = 0.0  # an injected store clock's time at which it gives up
 
 
 class WaitingPops:

@@ -19,6 +19,8 @@ import qstore
 from qstore._address import parse_address
 from qstore.server import Server
 
+from ..conftest import FakeClock, wait_blocks
+
 SWEEP = 60.0  # seconds: far beyond every wait below
 
 
@@ -88,3 +90,55 @@ def test_a_parked_pop_gets_a_message_whose_lease_ran_out(tmp_path: Any) -> None:
         again = waiter.queue("l").pop(wait=SWEEP / 2)
         assert again is not None and again.id == first.id and again.attempts == 2
         assert time.monotonic() - started < SWEEP / 4
+
+
+# -- a clock injected into the store decides a parked pop's wait, as an embedded one's
+
+
+def test_an_autojump_clock_ends_a_parked_pop_at_once_at_its_deadline(tmp_path: Any) -> None:
+    clock = FakeClock(autojump=True)
+    start = clock.now
+    with _serving(str(tmp_path / "s"), clock=clock) as address, \
+            qstore.connect(address) as client:
+        q = client.create_queue("empty")
+        assert q.pop(wait=30.0) is None  # no real wait: the clock jumped to the deadline
+        assert clock.now == start + 30.0
+        assert q.pop_many(5, wait=45.0) == []
+        assert clock.now == start + 75.0
+
+
+def test_an_autojump_clock_jumps_to_a_due_message_before_the_deadline(tmp_path: Any) -> None:
+    clock = FakeClock(autojump=True)
+    start = clock.now
+    with _serving(str(tmp_path / "s"), clock=clock) as address, \
+            qstore.connect(address) as client:
+        q = client.create_queue("d")
+        q.push(b"in five seconds", delay=5.0)
+        got = q.pop(wait=30.0)
+        assert got is not None and got.payload == b"in five seconds"
+        assert clock.now == start + 5.0  # not the deadline: the message came first
+
+
+def test_a_parked_pop_ends_when_a_hand_moved_clock_passes_its_deadline(
+        tmp_path: Any) -> None:
+    clock = FakeClock()
+    with _serving(str(tmp_path / "s"), clock=clock) as address, \
+            qstore.connect(address) as client:
+        client.create_queue("empty")
+        got: list[Any] = []
+
+        def pop() -> None:
+            with qstore.connect(address) as other:
+                got.append(other.queue("empty").pop(wait=10.0))
+
+        waiter = threading.Thread(target=pop)
+        waiter.start()
+        wait_blocks(clock, 1)  # parked: the server asked the clock how long to wait
+        clock.advance(9.0)
+        # A request after the move is answered only once the move was handled
+        # (one loop): the pop is still parked, its deadline not reached.
+        client.ping()
+        assert waiter.is_alive() and got == []
+        clock.advance(2.0)
+        waiter.join(30)
+        assert not waiter.is_alive() and got == [None]
