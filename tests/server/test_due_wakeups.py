@@ -95,12 +95,19 @@ def test_a_parked_pop_gets_a_message_whose_lease_ran_out(tmp_path: Any) -> None:
 # -- a clock injected into the store decides a parked pop's wait, as an embedded one's
 
 
-def test_an_autojump_clock_ends_a_parked_pop_at_once_at_its_deadline(tmp_path: Any) -> None:
+@contextmanager
+def _autojump_queue(tmp_path: Any) -> Iterator[tuple[Any, FakeClock, float]]:
+    """A queue of an in-process server whose store has an autojump clock; the clock
+    and the time it read at the start."""
     clock = FakeClock(autojump=True)
     start = clock.now
     with _serving(str(tmp_path / "s"), clock=clock) as address, \
             qstore.connect(address) as client:
-        q = client.create_queue("empty")
+        yield client.create_queue("q"), clock, start
+
+
+def test_an_autojump_clock_ends_a_parked_pop_at_once_at_its_deadline(tmp_path: Any) -> None:
+    with _autojump_queue(tmp_path) as (q, clock, start):
         assert q.pop(wait=30.0) is None  # no real wait: the clock jumped to the deadline
         assert clock.now == start + 30.0
         assert q.pop_many(5, wait=45.0) == []
@@ -108,11 +115,7 @@ def test_an_autojump_clock_ends_a_parked_pop_at_once_at_its_deadline(tmp_path: A
 
 
 def test_an_autojump_clock_jumps_to_a_due_message_before_the_deadline(tmp_path: Any) -> None:
-    clock = FakeClock(autojump=True)
-    start = clock.now
-    with _serving(str(tmp_path / "s"), clock=clock) as address, \
-            qstore.connect(address) as client:
-        q = client.create_queue("d")
+    with _autojump_queue(tmp_path) as (q, clock, start):
         q.push(b"in five seconds", delay=5.0)
         got = q.pop(wait=30.0)
         assert got is not None and got.payload == b"in five seconds"
