@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 import qstore
 from qstore._check import check_path
+from qstore._snapshot import read_manifest
 from qstore.cli import main
 from qstore.meta import MetaDB, keys, new_batch, records
 from qstore.payload import _format as fmt
@@ -288,6 +289,27 @@ def test_snapshot_checks_clean_and_a_damaged_one_does_not(tmp_path: Any,
     shutil.copy(seg_path(snap, fid), seg_path(snap, fid) + ".bak")
     os.unlink(seg_path(snap, fid))
     assert "missing_segment" in {f.kind for f in check_path(snap).findings}
+
+
+def test_a_snapshot_through_a_view_stays_whole_when_the_writer_closes(
+        tmp_path: Any, clock: FakeClock) -> None:
+    """The writer's active segment, seen by a view, still has its preallocated
+    zeros, which the writer's close cuts off in the hard-linked file too: the
+    manifest lists the data the snapshot's records refer to, not the file size."""
+    path, snap = str(tmp_path / "store"), str(tmp_path / "snap")
+    with qstore.open(path, clock=clock, compactor=False) as s:
+        q = s.create_queue("q")
+        ids = [q.push(b"m%d" % i) for i in range(5)]
+        s.core.meta.flush()
+        with qstore.open(path, readonly=True) as view:
+            view.snapshot(snap)
+        q.push(b"after the snapshot")
+    length = read_manifest(snap)["segments"][0]["length"]
+    assert length == fmt.HEADER_SIZE + sum(fmt.FRAME_SIZE + len(b"m%d" % i) for i in range(5))
+    report = check_path(snap)
+    assert report.ok, report.findings
+    with qstore.open(snap, readonly=True) as opened:
+        assert [m.id for m in opened.queue("q").peek(10)] == ids
 
 
 def test_unfinished_compaction_is_a_note_not_a_finding(damaged: tuple[str, dict[str, Any]]
