@@ -27,6 +27,7 @@ from ._check_files import SegmentFiles
 from ._check_report import CheckReport, Finding
 from ._check_segments import check_segments
 from ._errors import Corruption, InvalidArgument, StorageError
+from ._seg_accounts import covered_ids
 from ._snapshot import MANIFEST, read_manifest
 from .meta import MetaDB, keys, records
 from .payload import PayloadRef, SegmentReader
@@ -158,6 +159,10 @@ class Check:
         self.queues: dict[int, tuple[str, records.QueueRecord]] = {}
         self.counts: dict[int, list[int]] = {}  # qid -> [ready, delayed, in_flight, dead, bytes]
         self.segs: dict[int, list[int]] = {}  # fid -> [bytes with frames, count, max end]
+        # The S records that defer pushes (file id -> covered id, _seg_accounts.py):
+        # their messages with ids from it up are counted apart, in ``late``.
+        self.covered = covered_ids(meta)
+        self.late: dict[int, list[int]] = {}
         self.messages = 0
         self.verified = 0
         self.max_id = -1
@@ -274,7 +279,9 @@ class Check:
             counts[rec.state] += 1
             counts[4] += rec.length
             ref = PayloadRef(rec.file_id, rec.offset, rec.length)
-            seg = self.segs.setdefault(rec.file_id, [0, 0, 0])
+            c = self.covered.get(rec.file_id)
+            tally = self.segs if c is None or mid < c else self.late
+            seg = tally.setdefault(rec.file_id, [0, 0, 0])
             seg[0] += ref.frame_bytes
             seg[1] += 1
             seg[2] = max(seg[2], rec.offset + ref.frame_bytes)

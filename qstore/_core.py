@@ -42,6 +42,7 @@ from ._hot import HotPaths
 from ._migrate import migrate_dedup
 from ._rate import TokenBucket
 from ._reserve import SpaceReserve, free_bytes
+from ._seg_accounts import load_segments
 from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts, plain_push
 from ._waits import sleep_time_of, watch
 from .meta import MetaDB, keys, new_batch, records, space_to_open, write_sst
@@ -257,6 +258,11 @@ class Core(HotPaths):
         self.journaling = False
         self._journaled: list[tuple[int, int, bytes]] = []
         self._journal_bytes = 0
+        # The segment whose S record single pushes defer (_seg_accounts.py);
+        # S records found deferring at open (file id -> covered id).
+        self._deferred: int | None = None
+        self._deferred_n = 0
+        self._found_covered: dict[int, int] = {}
         self._writer_key: tuple[int, int] | None = None
         _refuse_lost_metadata(path)
         self.reserve = SpaceReserve(path)
@@ -296,6 +302,7 @@ class Core(HotPaths):
                 self.syncer.on_checkpoint = self._journal_policy
                 self._journal_policy()
             self._drop_lost_tails()
+            self._complete_found()
             self.reserve.restore()
             self.syncer.start()
         # Last: a clock that tells of its moves wakes the blocked pops (_waits.py).
@@ -447,8 +454,43 @@ class Core(HotPaths):
             self.queues.pop(name).deleted = True
 
     def _load_segments(self) -> dict[int, list[int]]:
-        return {keys.segment_id(key): list(records.decode_segment(value))
-                for key, value in self.meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT))}
+        """What the S records say, with the pushes they defer added (_seg_accounts.py)."""
+        segments, self._found_covered = load_segments(self.meta)
+        self._deferred, self._deferred_n = None, 0
+        return segments
+
+    def _complete_found(self) -> None:
+        """Rewrite the S records the open found deferring pushes, whole: pushes now
+        defer from a record of their own, and no later open scans for these."""
+        found = [fid for fid in self._found_covered if fid in self.segments]
+        if found:
+            batch = new_batch()
+            for fid in found:
+                batch.put(keys.segment_key(fid), records.encode_segment(*self.segments[fid]))
+            self.meta.write(batch)
+        self._found_covered = {}
+
+    def settle_segments(self, *, whole: bool = False) -> None:
+        """Write the S record of the segment pushes defer, as this process counts it
+        (lock held): before a snapshot or a repair reads the records, and at close
+        (``whole``: no push follows, so no ``covered`` id)."""
+        fid = self._deferred
+        seg = None if fid is None else self.segments.get(fid)
+        if fid is None or seg is None:
+            return
+        batch = new_batch()
+        batch.put(keys.segment_key(fid), records.encode_segment(*seg) if whole
+                  else self.segment_record(fid, seg))
+        self.meta.write(batch)
+        self._deferred_n = 0
+        if whole:
+            self._deferred = None
+
+    def stored_segments(self) -> dict[int, list[int]]:
+        """The segment accounting the database holds now, deferred pushes counted:
+        what an open would load (for the tests and the crash harness to compare
+        with ``segments``)."""
+        return load_segments(self.meta)[0]
 
     def resume(self) -> None:
         """Make metadata writes work again after a failed one (writer lock held).
@@ -622,11 +664,13 @@ class Core(HotPaths):
             new_counts.append((q, counts))
         new_segs = []
         segments = self.segments
+        if txn.segments:
+            self.release_deferred(batch)
         for fid, (dbytes, dcount, end) in txn.segments.items():
             old = segments.get(fid)
             seg = ([dbytes, dcount, end] if old is None
                    else [old[0] + dbytes, old[1] + dcount, max(old[2], end)])
-            batch.put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
+            batch.put(keys.segment_key(fid), self.segment_record(fid, seg))
             new_segs.append((fid, seg))
         synced = self.payload.synced_position()
         if synced != self._synced_mark:
@@ -688,7 +732,7 @@ class Core(HotPaths):
             if seg is None:
                 batch.delete(keys.segment_key(fid))
             else:
-                batch.put(keys.segment_key(fid), records.encode_segment(*seg))
+                batch.put(keys.segment_key(fid), self.segment_record(fid, seg))
         if id_hwm is not None:
             batch.put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, id_hwm]))
         self.meta.write(batch, sync=True)
@@ -781,7 +825,15 @@ class Core(HotPaths):
             first = self._next_id
             end = first + n
             hwm = max(self._id_hwm, end)
-            self.write_synced([(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, hwm]))])
+            puts = [(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION, hwm]))]
+            deferred = self._deferred
+            if deferred is not None and deferred in self.segments:
+                # Move its covered id past these: an open after a crash then
+                # scans none of the bulk load's messages for deferred pushes.
+                seg = self.segments[deferred]
+                puts.append((keys.segment_key(deferred),
+                             records.encode_segment(seg[0], seg[1], seg[2], end)))
+            self.write_synced(puts)
             self._next_id = end
             self._id_hwm = hwm
         return first
@@ -966,12 +1018,17 @@ class Core(HotPaths):
             # (in durability="none" nothing else ever records it). Give back the
             # ids reserved and never handed out, so that after a clean restart ids
             # go on from the last one (after a crash the rest of the block is
-            # skipped). Flushing the memtable now means the next open replays no
+            # skipped). Write the S record pushes defer whole, so the next open
+            # scans no message records for deferred pushes (_seg_accounts.py).
+            # Flushing the memtable now means the next open replays no
             # WAL: it opens faster and without that memory. All are only savings:
             # on a full disk they may fail, and everything is already durable;
             # either value of the id mark lies above every id handed out.
             batch = new_batch()
             batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *active]))
+            fid = self._deferred
+            if fid is not None and fid in self.segments:  # whole: no push follows
+                batch.put(keys.segment_key(fid), records.encode_segment(*self.segments[fid]))
             for _, _, key in self._journaled:  # the segment was fsynced above
                 batch.delete(key)
             if self._next_id < self._id_hwm:

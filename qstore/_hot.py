@@ -23,6 +23,7 @@ from typing import Any
 
 from ._durability import Syncer
 from ._errors import StorageError
+from ._seg_accounts import DEFER_MAX
 from ._txn import QueueState, Txn
 from .meta import Batch, MetaDB, keys, new_batch, records
 from .payload import FRAME_SIZE, HEADER_SIZE, PayloadRef, SegmentSet
@@ -74,6 +75,10 @@ class HotPaths:
     journaling: bool
     _journaled: list[tuple[int, int, bytes]]
     _journal_bytes: int
+    # The segment whose S record single pushes leave alone (_seg_accounts.py),
+    # and how many have since it was last written.
+    _deferred: int | None
+    _deferred_n: int
     # message key -> its record as last committed by this process (see commit):
     # encoded, or decoded (a pop leaves the record it delivered, for the ack);
     # message_record() hands a decoded one over rather than share it.
@@ -123,8 +128,14 @@ class HotPaths:
         old = self.segments.get(fid)
         seg = ([frame, 1, end] if old is None
                else [old[0] + frame, old[1] + 1, end if end > old[2] else old[2]])
-        batch.put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
+        defer = fid == self._deferred and self._deferred_n < DEFER_MAX
+        if not defer:  # the segment's first push, or the record's turn to catch up
+            self._defer_into(batch, fid, seg)
         self._write_hot(batch)
+        if defer:
+            self._deferred_n += 1
+        else:
+            self._deferred, self._deferred_n = fid, 0
         if journal:
             self._journaled.extend(journal)
         cache = self._records
@@ -264,11 +275,12 @@ class HotPaths:
         put(q.counts_key, records.encode_counts(counts))
         segments = self.segments
         new_segs = []
+        self.release_deferred(batch)
         for fid, (dbytes, dcount, end) in segs.items():
             old = segments.get(fid)
             seg = ([dbytes, dcount, end] if old is None
                    else [old[0] + dbytes, old[1] + dcount, max(old[2], end)])
-            put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
+            put(keys.segment_key(fid), self.segment_record(fid, seg))
             new_segs.append((fid, seg))
         journal = self.journal_into(batch, refs, bodies) if self.always else None
         self._write_hot(batch)
@@ -395,7 +407,7 @@ class HotPaths:
             old = segments.get(fid)
             seg = [-dbytes, -dcount, 0] if old is None else [old[0] - dbytes, old[1] - dcount,
                                                              old[2]]
-            batch.put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
+            batch.put(keys.segment_key(fid), self.segment_record(fid, seg))
             new_segs.append((fid, seg))
         self._write_hot(batch)
         q.counts = counts
@@ -425,7 +437,7 @@ class HotPaths:
         frame = FRAME_SIZE + length
         old = self.segments.get(fid)
         seg = [-frame, -1, 0] if old is None else [old[0] - frame, old[1] - 1, old[2]]
-        batch.put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2]))
+        batch.put(keys.segment_key(fid), self.segment_record(fid, seg))
         self._write_hot(batch)
         self._records.pop(mkey, None)
         q.counts = counts
@@ -461,6 +473,33 @@ class HotPaths:
             return records.MessageRecord.decode(value)
         del self._records[key]
         return value  # type: ignore[return-value]
+
+    def segment_record(self, fid: int, seg: Sequence[int]) -> bytes:
+        """The S record of segment ``fid`` holding ``seg`` (every message of it this
+        process committed, once the batch is written): with ``covered``, the next
+        id, if single pushes defer it (see _seg_accounts.py)."""
+        return records.encode_segment(seg[0], seg[1], seg[2],
+                                      self._next_id if fid == self._deferred else None)
+
+    def _defer_into(self, batch: Batch, fid: int, seg: Sequence[int]) -> None:
+        """Put into a single push's ``batch`` the S record of its segment ``fid``
+        (``seg`` after the push), from which the next pushes defer theirs."""
+        self.release_deferred(batch)
+        batch.put(keys.segment_key(fid), records.encode_segment(seg[0], seg[1], seg[2],
+                                                                self._next_id))
+
+    def release_deferred(self, batch: Batch) -> None:
+        """Once pushes append to another segment than the one they defer: put its
+        whole record (no ``covered`` id) into ``batch`` and defer no more, so an
+        open never scans the messages pushed since. Call before the batch's own
+        S records (a later put of a key wins). If the batch then fails, the
+        store's reopen (Core.resume) reads the records back as they are."""
+        before = self._deferred
+        if before is not None and before != self.payload.active_id:
+            self._deferred = None
+            old = self.segments.get(before)
+            if old is not None:  # else its segment was compacted away
+                batch.put(keys.segment_key(before), records.encode_segment(*old))
 
     def _write_hot(self, batch: Batch) -> None:
         """The tail every hot-path batch shares with :meth:`commit`: the synced mark."""

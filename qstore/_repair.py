@@ -55,6 +55,7 @@ def repair(core: Core, payload_dir: str) -> CheckReport:
     """Repair the store of ``core`` (writer lock held); the check after it, with ``repairs``."""
     done: list[Finding] = []
     active = core.payload.active_id
+    core.settle_segments()  # S records as this process counts them: none defers a push
     _, first = inspect_store(core.meta, payload_dir, active_id=active)
     _set_aside(core, first.damaged, done)
     _, second = inspect_store(core.meta, payload_dir, active_id=active)
@@ -103,7 +104,13 @@ def _rebuild(core: Core, check: Check, done: list[Finding]) -> None:
     for key, _ in puts:
         done.append(Finding(INDEX_KEY_ADDED, detail=f"key {key.hex()}"))
     counts = _counters(core, check.counts, done)
-    segments = _segments(core, check.segs, check.files.sizes, done)
+    recount = {fid: list(seg) for fid, seg in check.segs.items()}
+    for fid, (nbytes, count, end) in check.late.items():  # none after settle_segments
+        seg = recount.setdefault(fid, [0, 0, 0])
+        seg[0] += nbytes
+        seg[1] += count
+        seg[2] = max(seg[2], end)
+    segments = _segments(core, recount, check.files.sizes, done)
     hwm = _id_hwm(core, check.max_id, done)
     if puts or deletes or counts or segments or hwm is not None:
         core.rebuild_derived(puts, deletes, counts, segments, hwm)

@@ -57,6 +57,10 @@ def _write(core: Core, dest: str) -> None:
         raise _storage_error(f"cannot create the snapshot directory {dest!r}", exc) from exc
     with core.lock:
         core.check_open()
+        if not core.readonly:
+            # The S record of the segment pushes defer catches up, so the snapshot's
+            # records defer none of its messages (a view's may: readers count them).
+            core.settle_segments()
         created = core.clock()
         core.meta.checkpoint(os.path.join(dest, "meta"))
         segments = []

@@ -80,8 +80,7 @@ def recount(store: qstore.Store) -> list[str]:
             if raw is not None and records.decode_counts(raw) != list(state.counts):
                 problems.append(f"queue {name}: in-memory counters {state.counts} differ "
                                 f"from the stored ones")
-        stored = {keys.segment_id(k): list(records.decode_segment(v))
-                  for k, v in store.core.meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT))}
+        stored = store.core.stored_segments()  # S records, the pushes they defer counted
         for fid in sorted(set(stored) | set(store.core.segments)):
             if stored.get(fid, [0, 0, 0])[:2] != store.core.segments.get(fid, [0, 0, 0])[:2]:
                 problems.append(f"segment {fid}: live (bytes, count) stored {stored.get(fid)}, "

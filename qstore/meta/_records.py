@@ -483,15 +483,34 @@ def decode_totals(data: bytes) -> int:
     return int(unpack(data, "totals")[1])
 
 
-def encode_segment(live_bytes: int, live_count: int, end: int) -> bytes:
-    """Live record bytes (frames included), live record count, and data end offset."""
-    data: bytes = _pack([RECORD_VERSION, live_bytes, live_count, end])
+def encode_segment(live_bytes: int, live_count: int, end: int,
+                   covered: int | None = None) -> bytes:
+    """Live record bytes (frames included), live record count, and data end offset.
+
+    ``covered`` (the segment pushes append to, docs/meta-schema.md): the record
+    counts exactly the messages of this segment with ids below it; those with
+    higher ids were pushed after it was written and are counted by whoever reads
+    it (``qstore._seg_accounts``). Without it the record counts every message.
+    """
+    data: bytes = _pack([RECORD_VERSION, live_bytes, live_count, end] if covered is None
+                        else [RECORD_VERSION, live_bytes, live_count, end, covered])
     return data
 
 
 def decode_segment(data: bytes) -> tuple[int, int, int]:
     v = unpack(data, "segment")
     return v[1], v[2], v[3]
+
+
+def segment_covered(data: bytes) -> int | None:
+    """An S record's ``covered`` id (see encode_segment), or None if it counts everything."""
+    v = unpack(data, "segment")
+    if len(v) < 5:
+        return None
+    covered = v[4]
+    if type(covered) is not int or covered < 0:
+        raise StorageError(f"segment record's covered id {covered!r:.40} is not an unsigned int")
+    return covered
 
 
 def decode_messages(ks: list[bytes], vs: list[bytes]) -> list[tuple[Any, ...]]:

@@ -202,12 +202,15 @@ def unreferenced_ranges(runs: pa.Table | None, fid: int, end: int) -> list[tuple
 
 
 def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]],
-                   runs: pa.Table | None = None
+                   runs: pa.Table | None = None,
+                   late: Mapping[int, tuple[int, int]] | None = None
                    ) -> tuple[list[Finding], list[dict[str, Any]]]:
     """Segment-level findings and one summary row per segment.
 
     ``recount`` maps a file id to (messages referencing it, their bytes with
-    frames); ``runs``, the runs of records the message tasks saw, lets a
+    frames) that its ``S`` record counts; ``late``, the same for the messages
+    the record defers (ids from its ``covered`` id up, qstore/_seg_accounts.py),
+    not compared with it; ``runs``, the runs of records the message tasks saw, lets a
     finding of live bytes that no message references name where they can be.
     A segment file is an orphan when no message references it, it
     has no ``S`` record, and it is neither the snapshot's active segment (a
@@ -219,31 +222,34 @@ def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]],
     """
     findings: list[Finding] = []
     rows: list[dict[str, Any]] = []
+    late = late or {}
     fids = sorted(set(facts.manifest) | set(facts.files) | set(facts.segment_records)
-                  | set(recount))
+                  | set(recount) | set(late))
     for fid in fids:
         listed = fid in facts.manifest
         present = fid in facts.files
         count, frame_bytes = recount.get(fid, (0, 0))
+        late_count, late_bytes = late.get(fid, (0, 0))
+        refs = count + late_count  # messages that reference the segment
         stored = facts.segment_records.get(fid)
         length = facts.manifest.get(fid, facts.files.get(fid, 0))
         if listed and not present:
             findings.append(Finding(MISSING_SEGMENT, file_id=fid, detail=(
                 f"listed in MANIFEST.json ({length} bytes) but absent from payload/; "
-                f"{count} messages reference it")))
+                f"{refs} messages reference it")))
         if present:
             findings += found(segs.header_finding(fid, facts.headers.get(fid)))
         truncated = None
         if listed and present:
             truncated = segs.manifest_truncation(fid, facts.files[fid], length)
             findings += found(truncated)
-        unaccounted = count == 0 and stored is None and not segs.orphan_exempt(
+        unaccounted = refs == 0 and stored is None and not segs.orphan_exempt(
             fid, length, facts.active_id, facts.compaction_output)
         if present and unaccounted:
             findings.append(segs.orphan(fid, facts.files[fid],
                                         "" if listed else "; not listed in MANIFEST.json"))
-        elif present and not listed and count:
-            findings.append(segs.unlisted(fid, count))
+        elif present and not listed and refs:
+            findings.append(segs.unlisted(fid, refs))
         live_bytes, live_count, end = stored if stored is not None else (0, 0, 0)
         where, at = "", None
         if live_bytes > frame_bytes and present and (live_bytes, live_count) != (frame_bytes,
@@ -263,7 +269,7 @@ def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]],
             findings += found(segs.end_past_file(fid, facts.files[fid], end))  # as the check
         elif stored is not None and listed:
             findings += found(segs.end_past_manifest(fid, end, length))
-        if stored is not None and not listed and not present and count == 0:
+        if stored is not None and not listed and not present and refs == 0:
             findings.append(Finding(SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
                 "S record for a segment that does not exist")))
         active = fid == facts.active_id
@@ -273,11 +279,12 @@ def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]],
             "file_size": facts.files.get(fid),
             "listed": listed,
             "active": active,
-            "messages": count,
-            "live_bytes": frame_bytes,
-            "stored_live_count": stored[1] if stored is not None else None,
-            "stored_live_bytes": stored[0] if stored is not None else None,
-            "garbage_ratio": round(SegmentStats(fid, length, frame_bytes, count,
+            "messages": refs,
+            "live_bytes": frame_bytes + late_bytes,
+            # what the S record accounts for, the pushes it defers counted
+            "stored_live_count": stored[1] + late_count if stored is not None else None,
+            "stored_live_bytes": stored[0] + late_bytes if stored is not None else None,
+            "garbage_ratio": round(SegmentStats(fid, length, frame_bytes + late_bytes, refs,
                                                 active).garbage_ratio, 6),
         })
     return findings, rows

@@ -39,6 +39,9 @@ class MessageFacts:
     ready: list[dict[str, Any]]  # per (queue, priority): ready messages, oldest enqueue time
     attempts: dict[int, dict[int, int]]  # qid -> attempts -> messages
     notes: list[Finding]  # damage of messages already set aside (damaged_set_aside)
+    # file id -> (messages, bytes with frames) its S record defers (_seg_accounts.py):
+    # not in ``segments``, which is compared with the record
+    late: dict[int, tuple[int, int]]
 
 
 def merge(table: pa.Table) -> MessageFacts:
@@ -57,9 +60,11 @@ def merge(table: pa.Table) -> MessageFacts:
         counts[4] += r["bytes"]
         messages += r["n"]
     segments: dict[int, tuple[int, int]] = {}
+    late: dict[int, tuple[int, int]] = {}
     for r in rows[src.SEGMENT].to_pylist():
-        n, b = segments.get(r["file_id"], (0, 0))
-        segments[r["file_id"]] = (n + r["n"], b + r["bytes"])
+        into = late if r["state"] == src.DEFERRED else segments
+        n, b = into.get(r["file_id"], (0, 0))
+        into[r["file_id"]] = (n + r["n"], b + r["bytes"])
     index: dict[tuple[int, str], tuple[int, int]] = {}
     for r in rows[src.INDEX].to_pylist():
         n, h = index.get((r["qid"], r["state"]), (0, 0))
@@ -70,7 +75,7 @@ def merge(table: pa.Table) -> MessageFacts:
         per[r["bucket"]] = per.get(r["bucket"], 0) + r["n"]
     return MessageFacts(findings, messages, queues, segments,
                         _sizes(rows[src.SIZE], rows[src.SIZE_BUCKET]), index, rows[src.RUN],
-                        _ready(rows[src.READY]), attempts, notes)
+                        _ready(rows[src.READY]), attempts, notes, late)
 
 
 def _ready(table: pa.Table) -> list[dict[str, Any]]:

@@ -49,6 +49,7 @@ FINDING, COUNT, SEGMENT, RUN, SIZE, SIZE_BUCKET, INDEX, READY, ATTEMPTS, NOTE = 
     "finding", "count", "segment", "run", "size", "size_bucket", "index", "ready", "attempts",
     "note")
 STATE_NAMES = records.STATE_NAMES
+DEFERRED = "deferred"  # a segment row's state: messages its S record defers (_seg_accounts.py)
 INDEX_KINDS = {records.READY: keys.READY, records.DELAYED: keys.DELAYED,
                records.INFLIGHT: keys.INFLIGHT, records.DEAD: keys.DEAD}
 
@@ -164,6 +165,7 @@ class _RangeAudit:
         self.state_n = np.zeros(4, np.int64)  # messages per state
         self.state_bytes = np.zeros(4, np.int64)  # payload bytes per state
         self.segments: dict[int, list[int]] = {}  # file id -> messages, bytes with frames
+        self.late: dict[int, list[int]] = {}  # the same, of messages S records defer
         self.sizes: dict[Any, list[int]] = {}  # priority -> count, bytes, min, max
         self.hist: dict[tuple[Any, int], int] = {}  # (priority, bucket) -> count
         self.index: dict[str, list[int]] = {}  # index -> entries, hash sum
@@ -213,14 +215,14 @@ class _RangeAudit:
         fids = np.array(file_id, np.int64)
         offs = np.array(offset, np.int64)
         self.refs.append((fids, offs, offs + fmt.FRAME_SIZE + ln, mids))
-        uniq, inv = np.unique(fids, return_inverse=True)
-        per_n = np.bincount(inv, minlength=len(uniq))
-        per_b = np.zeros(len(uniq), np.int64)
-        np.add.at(per_b, inv, ln + fmt.FRAME_SIZE)
-        for fid, n, b in zip(uniq.tolist(), per_n.tolist(), per_b.tolist(), strict=True):
-            seg = self.segments.setdefault(fid, [0, 0])
-            seg[0] += n
-            seg[1] += b
+        if self.snap.covered:  # S records count their segment's messages below the covered id
+            late = np.zeros(len(fids), bool)
+            for fid, c in self.snap.covered.items():
+                late |= (fids == fid) & (mids >= c)
+            self._add_segments(self.segments, fids[~late], ln[~late])
+            self._add_segments(self.late, fids[late], ln[late])
+        else:
+            self._add_segments(self.segments, fids, ln)
         self._add_sizes(list(prio), ln)
         self._add_backlog(st, list(prio), np.array(enqueued, np.float64),
                           np.array(attempts, np.int64))
@@ -230,6 +232,19 @@ class _RangeAudit:
             except (TypeError, ValueError, OverflowError):  # a damaged record: the index
                 due = np.zeros(len(when), np.uint64)  # fingerprint differs, and says which
             self._add_index(st, list(prio), due, mids, list(digest), expires)
+
+    @staticmethod
+    def _add_segments(into: dict[int, list[int]], fids: np.ndarray, ln: np.ndarray) -> None:
+        if not len(fids):
+            return
+        uniq, inv = np.unique(fids, return_inverse=True)
+        per_n = np.bincount(inv, minlength=len(uniq))
+        per_b = np.zeros(len(uniq), np.int64)
+        np.add.at(per_b, inv, ln + fmt.FRAME_SIZE)
+        for fid, n, b in zip(uniq.tolist(), per_n.tolist(), per_b.tolist(), strict=True):
+            seg = into.setdefault(fid, [0, 0])
+            seg[0] += n
+            seg[1] += b
 
     def _add_sizes(self, prio: list[Any], ln: np.ndarray) -> None:
         try:  # one queue's priorities share a type; numpy groups them
@@ -364,6 +379,9 @@ class _RangeAudit:
                 rows.append({**base, "row": COUNT, "state": STATE_NAMES[code], "n": n, "bytes": b})
         for fid, (n, b) in self.segments.items():
             rows.append({**base, "row": SEGMENT, "file_id": fid, "n": n, "bytes": b})
+        for fid, (n, b) in self.late.items():  # "state" marks the messages a record defers
+            rows.append({**base, "row": SEGMENT, "state": DEFERRED, "file_id": fid, "n": n,
+                         "bytes": b})
         for p, (n, b, lo, hi) in self.sizes.items():
             rows.append({**base, **_priority(p), "row": SIZE, "n": n, "bytes": b, "min_len": lo,
                          "max_len": hi})

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .._errors import Corruption, InvalidArgument
+from .._seg_accounts import covered_ids
 from .._snapshot import read_manifest
 from ..meta import MetaDB, keys, private_copy, records
 from ..payload import PayloadRef, SegmentCheck, SegmentReader
@@ -94,6 +95,9 @@ class Snapshot:
         self._readers: dict[int, SegmentReader | Corruption] = {}
         self._checks: dict[int, SegmentCheck] = {}
         try:
+            # S records that defer pushes (a snapshot of a read-only view can hold
+            # some): their messages from the covered id up are not in the record.
+            self.covered = covered_ids(self.meta)
             for key, value in self.meta.scan(keys.QUEUE, keys.prefix_end(keys.QUEUE)):
                 info = queue_info(key, value)
                 if isinstance(info, str):

@@ -136,6 +136,7 @@ class _Passes:
     attempts: dict[str, dict[int, int]]  # queue -> attempts -> messages
     runs: Any  # pyarrow.Table of the runs of records per segment (offset, end)
     notes: list[Finding]  # damage already set aside (damaged_set_aside), not findings
+    late: dict[int, tuple[int, int]]  # fid -> (messages, bytes) its S record defers
 
 
 def _spark_passes(spark: Any, path: str, facts: MetaFacts) -> _Passes:
@@ -150,7 +151,7 @@ def _spark_passes(spark: Any, path: str, facts: MetaFacts) -> _Passes:
     attempts = {facts.queues[qid]: a for qid, a in got.attempts.items() if qid in facts.queues}
     return _Passes(findings + index_findings, got.messages, got.segments, queues,
                    got.sizes[:MAX_SIZE_GROUPS], len(got.sizes) > MAX_SIZE_GROUPS, index,
-                   got.ready, attempts, got.runs, got.notes)
+                   got.ready, attempts, got.runs, got.notes, got.late)
 
 
 def _dedup(findings: list[Finding]) -> list[Finding]:
@@ -217,7 +218,7 @@ def _partitions(spark: Any, messages: int) -> int:
 
 def _assemble(facts: MetaFacts, p: _Passes, started: float
               ) -> tuple[dict[str, Any], list[Finding]]:
-    seg_findings, segments = checks.check_segments(facts, p.segments, p.runs)
+    seg_findings, segments = checks.check_segments(facts, p.segments, p.runs, p.late)
     seg_findings, notes = _set_aside_segments(seg_findings, p.findings, p.notes)
     counter_findings, queues = checks.check_counters(facts, p.queues)
     findings = sorted([*p.findings, *seg_findings, *counter_findings, *facts.orphan_queue_keys,

@@ -49,9 +49,8 @@ def recount(store: qstore.Store, name: str) -> Counts:
         assert raw is not None, f"no stored counters for {name!r}"
         stored = records.decode_counts(raw)
         assert list(state.counts) == stored, f"in-memory counters of {name!r} drifted"
-        for key, value in store.core.meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT)):
-            fid = keys.segment_id(key)
-            assert store.core.segments[fid] == list(records.decode_segment(value)), (
+        for fid, stored_seg in store.core.stored_segments().items():
+            assert store.core.segments[fid] == stored_seg, (
                 f"in-memory live counters of segment {fid} drifted")
     return Counts(*stored)
 

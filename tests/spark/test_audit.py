@@ -295,3 +295,33 @@ def test_damage_already_set_aside_is_a_note_as_in_the_check(spark: Any, tmp_path
     assert all(n["kind"] == "damaged_set_aside" for n in notes["examples"])
     assert "notes: 3 damaged payloads already set aside" in after.text
     assert "Notes: 3 damaged payloads already set aside" in _read(after.paths["report"])
+
+
+def test_a_snapshot_whose_segment_record_defers_pushes_audits_clean(
+        spark: Any, tmp_path: Any) -> None:
+    """A read-only view's snapshot keeps the writer's S record as it is: single
+    pushes after it are counted by the audit apart (qstore/_seg_accounts.py)."""
+    with qstore.open(tmp_path / "store", compactor=False, durability="none") as store:
+        q = store.create_queue("q")
+        for i in range(30):
+            q.push(b"d%d" % i, priority=i % 3)
+        store.core.meta.flush()
+        with qstore.open(tmp_path / "store", readonly=True) as view:
+            snap = view.snapshot(str(tmp_path / "snap"))
+    with Snapshot(snap) as s:
+        assert list(s.covered.values()) == [2]  # the record counts the first push only
+    result = run_audit(snap, spark=spark, out=str(tmp_path / "out"), quiet=True)
+    assert (result.exit_code, result.findings) == (0, 0), result.summary["findings"]
+    (seg,) = result.summary["segments"]
+    assert (seg["messages"], seg["stored_live_count"]) == (30, 30)
+    # Damage below the covered id is still found: the first push's bytes miscounted.
+    db = MetaDB(str(tmp_path / "snap" / "meta"), readonly=False, store_path=snap)
+    ((key, value),) = list(db.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT)))
+    b, n, end = records.decode_segment(value)
+    batch = new_batch()
+    batch.put(key, records.encode_segment(b + 1, n, end, records.segment_covered(value)))
+    db.write(batch, sync=True)
+    db.close()
+    bad = run_audit(snap, spark=spark, out=str(tmp_path / "out2"), quiet=True)
+    assert [f["kind"] for f in bad.summary["findings"]["examples"]] == [
+        "segment_record_mismatch"]
