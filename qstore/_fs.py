@@ -69,12 +69,14 @@ IOV_MAX = 1024
 Buffer = bytes | memoryview
 
 
-def write_at(fd: int, parts: Sequence[Buffer], at: int) -> int:
-    """Write ``parts`` back to back starting at offset ``at``; returns the bytes written."""
+def write_at(fd: int, parts: Sequence[Buffer], at: int, total: int | None = None) -> int:
+    """Write ``parts`` back to back starting at offset ``at``; returns the bytes written.
+
+    ``total``: their size, if the caller knows it (saves adding it up)."""
     done = 0
     for i in range(0, len(parts), IOV_MAX):
         chunk = parts[i : i + IOV_MAX]
-        size = sum(len(part) for part in chunk)
+        size = total if total is not None and len(parts) <= IOV_MAX else sum(map(len, chunk))
         written = calls.pwritev(fd, chunk, at + done)
         if written < size:
             complete_write(fd, chunk, at + done, written)

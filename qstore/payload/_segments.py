@@ -405,11 +405,17 @@ class SegmentSet:
         of its own. ``started`` gets the id of each segment a rotation starts,
         as it starts (so the caller knows them also when the call raises).
         """
-        for body in bodies:
-            self.check_size(body)
+        if bodies and max(map(len, bodies)) > self.max_payload_bytes:
+            for body in bodies:
+                self.check_size(body)  # raises for the first that is too large
         refs: list[PayloadRef] = []
         with self._lock:
             writer = self._active_writer()
+            total = fmt.FRAME_SIZE * len(bodies) + sum(map(len, bodies))
+            if bodies and total <= writer.room():  # the usual batch: all of it fits
+                if writer.reserve(total):
+                    self._readers[writer.file_id].remap()
+                return writer.append(bodies)
             start = 0
             while start < len(bodies):
                 room = writer.room()
