@@ -48,6 +48,7 @@ from ._waits import sleep_time_of, watch
 from .meta import MetaDB, keys, new_batch, records, space_to_open, write_sst
 from .payload import (
     FRAME_SIZE,
+    Located,
     PayloadRef,
     SegmentSet,
     parse_segment_name,
@@ -552,6 +553,18 @@ class Core(HotPaths):
                 readonly=True,
             )
             self._pin_view(meta_path)
+        self.payload.fallback = self._journaled_body
+
+    def _journaled_body(self, ref: Located) -> bytes | None:
+        """A view's read of a record its segment does not hold (intact): the body the
+        payload journal keeps for it, if any. A store that stopped (a crash, a
+        power loss) in ``always`` mode before its segment was synced has such
+        records until a read-write open writes them back (_redo_journal); a
+        view must not take them for damage meanwhile."""
+        body = self.meta.get(keys.journal_key(ref.file_id, ref.offset))
+        if body is None or len(body) != ref.length:
+            return None
+        return body
 
     def _pin_view(self, meta_path: str) -> None:
         """Open the metadata view and pin every segment it refers to (views lock held).

@@ -111,6 +111,9 @@ class SegmentSet:
         self.max_payload_bytes = max_payload_bytes
         self.readonly = readonly
         self.recovery = RecoveryReport()
+        # Where a read-only view finds a record its segment lost (Core sets it: the
+        # payload journal); asked only after a read raised Corruption.
+        self.fallback: Callable[[Located], bytes | None] | None = None
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()  # one fdatasync at a time (see sync)
         self._readers: dict[int, SegmentReader] = {}
@@ -518,18 +521,27 @@ class SegmentSet:
                 start = stop
         except OSError as exc:
             raise storage_error(exc, "read") from exc
+        except Corruption:
+            if self.fallback is None:
+                raise
+            return [self.read(ref) for ref in refs]  # each from its fallback, or raises
         return out
 
     def read(self, ref: Located) -> bytes:
-        reader = self._readers.get(ref.file_id)
-        if reader is None:
-            reader = self._open_reader(ref.file_id)
-        writer = self._writer
-        limit = writer.end if writer is not None and writer.file_id == ref.file_id else None
         try:  # costs nothing unless raised (Python 3.11)
+            reader = self._readers.get(ref.file_id)
+            if reader is None:
+                reader = self._open_reader(ref.file_id)
+            writer = self._writer
+            limit = writer.end if writer is not None and writer.file_id == ref.file_id else None
             return reader.read(ref, limit)
         except OSError as exc:
             raise storage_error(exc, "read") from exc
+        except Corruption:
+            body = None if self.fallback is None else self.fallback(ref)
+            if body is None:
+                raise
+            return body
 
     @_os_errors("open")
     def _open_reader(self, file_id: int) -> SegmentReader:

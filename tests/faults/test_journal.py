@@ -204,6 +204,33 @@ def test_a_file_call_failing_while_the_journal_is_written_back_loses_nothing(
     assert raised == calls_of_an_open
 
 
+def test_a_read_only_view_reads_what_the_journal_holds_for_a_lost_segment(
+        store_path: str) -> None:
+    """Before any read-write open writes the journal back, a view reads the bodies
+    the segment lost from it: peek and get return them exact, none is left out as
+    damaged, and the view changes nothing (the journal is still there after)."""
+    info = _crash_and_lose_the_segment(store_path)
+    with qstore.open(store_path, readonly=True) as view:
+        q = view.queue("q")
+        got = {str(m.id): m.payload.decode() for m in q.peek(10)}
+        assert got == info["ids"]
+        for mid, body in info["ids"].items():
+            m = q.get(int(mid))
+            assert m is not None and m.payload.decode() == body
+        assert len(_journal_keys(view)) == 5
+    # A record the journal does not hold is still damage, in a view as anywhere.
+    with qstore.open(store_path) as store:
+        assert store.check().ok and _journal_keys(store) == []
+    with open(info["seg"], "r+b") as f:
+        f.seek(24 + 8 + 2)
+        f.write(b"\xff")
+    with qstore.open(store_path, readonly=True) as view:
+        q = view.queue("q")
+        assert len(q.peek(10)) == 4  # the damaged one is left out
+        with pytest.raises(qstore.Corruption):
+            q.get(min(int(mid) for mid in info["ids"]))
+
+
 def test_damage_to_a_record_the_journal_still_holds_is_written_over_on_open(
         store_path: str) -> None:
     info = _crashed(store_path)
