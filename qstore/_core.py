@@ -48,6 +48,7 @@ from ._waits import sleep_time_of, watch
 from .meta import MetaDB, keys, new_batch, records, space_to_open, write_sst
 from .payload import (
     FRAME_SIZE,
+    HEADER_SIZE,
     Located,
     PayloadRef,
     SegmentSet,
@@ -554,6 +555,15 @@ class Core(HotPaths):
             )
             self._pin_view(meta_path)
         self.payload.fallback = self._journaled_body
+
+    def data_size(self, fid: int) -> int:
+        """Bytes of data in segment ``fid``. A view sees the writer's active segment
+        with its preallocated zeros (the writer cuts them off when it closes): its
+        data ends where the records this view's metadata refers to end."""
+        size = self.payload.segment_size(fid)
+        if self.readonly:
+            size = min(size, max(HEADER_SIZE, self.segments.get(fid, [0, 0, 0])[2]))
+        return size
 
     def _journaled_body(self, ref: Located) -> bytes | None:
         """A view's read of a record its segment does not hold (intact): the body the

@@ -22,7 +22,6 @@ from typing import Any
 from ._core import Core
 from ._errors import InvalidArgument, StorageError
 from ._fs import calls, fsync_dir, write_json_durably
-from .payload import HEADER_SIZE
 from .payload._format import segment_name
 
 log = logging.getLogger("qstore.snapshot")
@@ -71,13 +70,9 @@ def _write(core: Core, dest: str) -> None:
             except OSError as exc:
                 raise _storage_error(f"cannot hard-link segment {name} into {dest!r} (a "
                                      "snapshot must be on the store's filesystem)", exc) from exc
-            length = core.payload.segment_size(fid)
-            if core.readonly:
-                # A view sees the writer's active segment with its preallocated
-                # zeros, which the writer cuts off (in the linked file too) when it
-                # closes: list the data this snapshot's records refer to.
-                length = min(length, max(HEADER_SIZE, core.segments.get(fid, [0, 0, 0])[2]))
-            segments.append({"file_id": fid, "length": length})
+            # A view's active segment ends where its records do: the writer cuts
+            # the preallocated zeros off (in the linked file too) when it closes.
+            segments.append({"file_id": fid, "length": core.data_size(fid)})
         active = core.payload.active_id
     manifest = {
         "format": MANIFEST_FORMAT,

@@ -208,7 +208,7 @@ class Store:
                 live = core.segments.get(fid, [0, 0, 0])
                 # A view's segments are pinned: their sizes hold even after the
                 # writer's compaction deleted a file.
-                segs.append(SegmentStats(fid, payload.segment_size(fid), live[0], live[1],
+                segs.append(SegmentStats(fid, core.data_size(fid), live[0], live[1],
                                          fid == active))
         return StoreStats(queues, tuple(segs))
 

@@ -295,17 +295,20 @@ def test_a_snapshot_through_a_view_stays_whole_when_the_writer_closes(
         tmp_path: Any, clock: FakeClock) -> None:
     """The writer's active segment, seen by a view, still has its preallocated
     zeros, which the writer's close cuts off in the hard-linked file too: the
-    manifest lists the data the snapshot's records refer to, not the file size."""
+    manifest (and the view's stats) list the data the records refer to, not the
+    file size."""
     path, snap = str(tmp_path / "store"), str(tmp_path / "snap")
     with qstore.open(path, clock=clock, compactor=False) as s:
         q = s.create_queue("q")
         ids = [q.push(b"m%d" % i) for i in range(5)]
         s.core.meta.flush()
+        data = fmt.HEADER_SIZE + sum(fmt.FRAME_SIZE + len(b"m%d" % i) for i in range(5))
         with qstore.open(path, readonly=True) as view:
             view.snapshot(snap)
+            (seg,) = view.stats().segments  # its size and garbage: the data, not the zeros
+            assert (seg.size, seg.live_bytes, seg.garbage_ratio) == (data, data - 24, 0.0)
         q.push(b"after the snapshot")
-    length = read_manifest(snap)["segments"][0]["length"]
-    assert length == fmt.HEADER_SIZE + sum(fmt.FRAME_SIZE + len(b"m%d" % i) for i in range(5))
+    assert read_manifest(snap)["segments"][0]["length"] == data
     report = check_path(snap)
     assert report.ok, report.findings
     with qstore.open(snap, readonly=True) as opened:
