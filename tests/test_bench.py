@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import feature_overhead
-from bench import _peers, _results, _runner, _scaling, _spark, _targets, run
+from bench import _interleaved, _peers, _results, _runner, _scaling, _spark, _targets, run
 from bench._plan import MODES
 
 TINY = ["--quick", "--n", "30", "--budget", "0.05", "--quiet"]
@@ -172,3 +172,14 @@ def test_feature_overhead_extracts_a_commit_or_skips(tmp_path: Any,
     assert feature_overhead.tree("git:no-such-revision", str(tmp_path)) is None
     assert "skipped" in capsys.readouterr().out
     assert feature_overhead.tree(str(tmp_path), str(tmp_path)) == str(tmp_path)  # a directory
+
+
+def test_the_interleaved_workload_reports_its_four_ratios(tmp_path: Any) -> None:
+    got = _interleaved.measure_interleaved(str(tmp_path / "m"),
+                                           dataclasses.replace(MODES["quick"], n=200))
+    assert [m.name for m in got] == ["interleaved.push_vs_bare", "interleaved.pop_ack_vs_bare",
+                                     "interleaved.push_many_vs_push",
+                                     "interleaved.pop_many_vs_pop_ack"]
+    assert all(m.value > 0 and m.unit == "x" for m in got)
+    ids = {t.id for t in _targets.TARGETS}
+    assert {"interleaved-push-bare", "interleaved-batch-pop"} <= ids

@@ -14,6 +14,7 @@ WORKLOADS: tuple[str, ...] = (
     "push_64k",      # single push, 64 KiB
     "pop_ack_64k",   # single pop + ack, 64 KiB
     "batch",         # push_many / pop_many + ack_many in batches of 100
+    "interleaved",   # the push, pop+ack and batch ratios, both sides alternating in chunks
     "mixed",         # producer and consumer threads at once
     "group_commit",  # durability "always", 1 vs 8 producer threads
     "churn",         # pop rate on a fresh queue vs after N push/pop/ack cycles

@@ -19,7 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
-from . import _features, _results, _scaling, _spark, _targets, _workloads
+from . import _features, _interleaved, _results, _scaling, _spark, _targets, _workloads
 from ._peers import BY_NAME, PEERS, Item, PeerSpec
 from ._plan import MODES, WORKLOADS, KiB, Params
 from ._report import make_console, render
@@ -197,6 +197,8 @@ class Bench:
                     self.sample(tag, "push (threads)", KiB, spec, threads, functools.partial(
                         w.measure_group_push, spec, items=small, threads=threads,
                         budget=p.budget))
+        elif name == "interleaved":
+            self.metrics(tag, name, lambda path: _interleaved.measure_interleaved(path, p))
         elif name == "spark":
             self.metrics(tag, name, lambda path: _spark.measure_spark(path, p))
         elif name == "churn":
