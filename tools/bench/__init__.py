@@ -12,6 +12,8 @@ Modules, in the order a run uses them:
   mode, a bare rocksdict queue with and without sync, persist-queue's
   SQLiteAckQueue and PriorityQueue, litequeue), all with one interface.
 - ``_workloads``: throughput and latency loops run against every peer.
+- ``_interleaved``: the push, pop+ack and batch ratios again, both sides of
+  each alternating in chunks in one process (steadier on a noisy machine).
 - ``_scaling``: qstore-only churn, open-time/RSS and compaction measurements.
 - ``_results``: samples, medians over repeats, the JSON document.
 - ``_targets``: CONTRACT.md section 7 as data, checked against the medians.
