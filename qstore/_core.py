@@ -472,21 +472,17 @@ class Core(HotPaths):
             self.meta.write(batch)
         self._found_covered = {}
 
-    def settle_segments(self, *, whole: bool = False) -> None:
+    def settle_segments(self) -> None:
         """Write the S record of the segment pushes defer, as this process counts it
-        (lock held): before a snapshot or a repair reads the records, and at close
-        (``whole``: no push follows, so no ``covered`` id)."""
+        (lock held), before a snapshot or a repair reads the records."""
         fid = self._deferred
         seg = None if fid is None else self.segments.get(fid)
         if fid is None or seg is None:
             return
         batch = new_batch()
-        batch.put(keys.segment_key(fid), records.encode_segment(*seg) if whole
-                  else self.segment_record(fid, seg))
+        batch.put(keys.segment_key(fid), self.segment_record(fid, seg))
         self.meta.write(batch)
         self._deferred_n = 0
-        if whole:
-            self._deferred = None
 
     def stored_segments(self) -> dict[int, list[int]]:
         """The segment accounting the database holds now, deferred pushes counted:
