@@ -482,13 +482,17 @@ def demo(directory: str, fresh: bool, messages: int, no_spark: bool) -> None:
               help="Pops parked waiting for a message, over all connections.")
 @click.option("--durability", type=click.Choice(["none", "interval", "always"]),
               default="interval", show_default=True)
+@click.option("--loop", "loop", type=click.Choice(list(server.LOOPS)), default="auto",
+              show_default=True,
+              help="The event loop: uvloop where installed (auto), or asyncio's own.")
 def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert: str | None,
           tls_key: str | None, metrics_port: int | None, max_payload_bytes: int | None,
           max_frame: int | None, max_connections: int, max_waiting: int,
-          durability: str) -> None:
+          durability: str, loop: str) -> None:
     """Serve STORE to clients (qstore.connect) until SIGTERM or SIGINT.
 
-    Prints one line, "listening on ADDRESS", once clients can connect.
+    Prints "listening on ADDRESS" once clients can connect, then the event loop
+    it runs on ("event loop: uvloop" or "event loop: asyncio").
     See docs/server.md for operations and security.
     """
     if (tls_cert is None) != (tls_key is None):
@@ -500,9 +504,14 @@ def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert:
         if not token:
             raise click.UsageError(f"token file {token_file} is empty")
     ctx = server.tls_context(tls_cert, tls_key) if tls_cert and tls_key else None
+    try:
+        loop_name = "asyncio" if server.loop_factory(loop) is None else "uvloop"
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
 
     def ready(address: str) -> None:
         click.echo(f"listening on {address}")
+        click.echo(f"event loop: {loop_name}")
         sys.stdout.flush()
 
     with _exit_codes():
@@ -515,7 +524,7 @@ def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert:
             max_connections=max_connections, max_waiting=max_waiting)
         try:
             server.serve(store, listen, token=token, ssl_context=ctx, limits=limits,
-                         metrics_port=metrics_port, ready=ready)
+                         metrics_port=metrics_port, ready=ready, loop=loop)
         finally:
             store.close()
 

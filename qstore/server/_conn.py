@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from typing import Protocol
+from typing import Protocol, cast
 
 from .._net_errors import ProtocolError
 from ._ops import Leases
@@ -59,8 +59,7 @@ class Connection(asyncio.Protocol):
     # -- asyncio.Protocol -------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
         if self.closed:

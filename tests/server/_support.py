@@ -29,14 +29,16 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "qstore.cli", "serve", store, *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env())
-        self.address = self._await_listening()
+        deadline = time.monotonic() + START_TIMEOUT
+        self.address = self._expect("listening on ", deadline)
+        self.loop = self._expect("event loop: ", deadline)  # "uvloop" or "asyncio"
 
-    def _await_listening(self) -> str:
-        """The address from the "listening on" line, read within START_TIMEOUT seconds."""
+    def _expect(self, prefix: str, deadline: float) -> str:
+        """The rest of the server's next line, which starts with ``prefix``,
+        read by ``deadline`` (the two lines it prints once it listens)."""
         assert self.proc.stdout is not None
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + START_TIMEOUT
         line = b""
         while not line.endswith(b"\n"):
             left = deadline - time.monotonic()
@@ -51,8 +53,8 @@ class ServerProcess:
             line += chunk
         sel.close()
         text = line.decode().strip()
-        assert text.startswith("listening on "), text
-        return text[len("listening on "):]
+        assert text.startswith(prefix), text
+        return text[len(prefix):]
 
     def terminate(self, timeout: float = 30.0) -> int:
         self.proc.send_signal(signal.SIGTERM)

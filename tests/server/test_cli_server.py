@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 from click.testing import CliRunner
@@ -102,3 +103,26 @@ def test_check_and_repair_of_a_served_store_go_through_its_server(server: Server
         assert client.queue("jobs").stats().dead == 1
     r = _run("check", server.address)  # an address: the server checks its store
     assert r.exit_code == 0 and "note: damaged_set_aside" in r.output, r.output
+
+
+def test_the_event_loop_is_uvloop_by_default_and_can_be_chosen(tmp_path: Any,
+                                                                monkeypatch: Any) -> None:
+    from qstore import server
+
+    with running(str(tmp_path / "a")) as srv:
+        assert srv.loop == "uvloop"
+    with running(str(tmp_path / "b"), "--loop", "asyncio") as srv, \
+            qstore.connect(srv.address) as client:
+        assert srv.loop == "asyncio"
+        q = client.create_queue("q")
+        q.push(b"on asyncio's loop")
+        m = q.pop()
+        assert m is not None and m.payload == b"on asyncio's loop"
+        q.ack(m)
+    r = _run("serve", str(tmp_path / "c"), "--loop", "trio")
+    assert r.exit_code == 2 and "trio" in r.output
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as where it is not built
+    assert server.loop_factory("auto") is None
+    r = _run("serve", str(tmp_path / "c"), "--loop", "uvloop")
+    assert r.exit_code == 2 and "uvloop event loop is not installed" in r.output
+    assert not os.path.exists(tmp_path / "c")  # refused before the store was made

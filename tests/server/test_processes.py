@@ -87,9 +87,12 @@ def test_killed_server_loses_nothing_that_returned_and_clients_reconnect(tmp_pat
         srv.kill()
 
 
-def test_sigterm_shuts_down_cleanly_and_the_store_opens_embedded(tmp_path: Any) -> None:
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])  # each loop installs its own handlers
+def test_sigterm_shuts_down_cleanly_and_the_store_opens_embedded(tmp_path: Any,
+                                                                 loop: str) -> None:
     path = str(tmp_path / "store")
-    with running(path) as srv:
+    with running(path, "--loop", loop) as srv:
+        assert srv.loop == loop
         with qstore.connect(srv.address) as client:
             q = client.create_queue("t")
             q.push_many([b"1", b"2"])

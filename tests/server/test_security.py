@@ -55,10 +55,12 @@ def _make_cert(tmp_path: Any) -> tuple[str, str]:
     return cert, key
 
 
-def test_tls_round_trip_with_a_throwaway_certificate(tmp_path: Any) -> None:
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])  # each loop has its own TLS layer
+def test_tls_round_trip_with_a_throwaway_certificate(tmp_path: Any, loop: str) -> None:
     cert, key = _make_cert(tmp_path)
     with running(str(tmp_path / "s"), "--listen", "tcp://127.0.0.1:0",
-                 "--tls-cert", cert, "--tls-key", key) as srv:
+                 "--tls-cert", cert, "--tls-key", key, "--loop", loop) as srv:
+        assert srv.loop == loop
         with qstore.connect(srv.address, cafile=cert) as client:
             q = client.create_queue("tls")
             q.push(b"\x00secret\xff")
