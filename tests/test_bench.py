@@ -12,7 +12,17 @@ from typing import Any
 import pytest
 
 import feature_overhead
-from bench import _interleaved, _peers, _results, _runner, _scaling, _spark, _targets, run
+from bench import (
+    _interleaved,
+    _peers,
+    _results,
+    _runner,
+    _scaling,
+    _server,
+    _spark,
+    _targets,
+    run,
+)
 from bench._plan import MODES
 
 TINY = ["--quick", "--n", "30", "--budget", "0.05", "--quiet"]
@@ -159,6 +169,22 @@ def test_server_targets_prefer_the_median_of_per_repeat_ratios() -> None:
                {"name": "server.ratio.pop_ack", "value": 0.4}]
     got = {t["id"]: t for t in _targets.evaluate([], metrics, dataclasses.asdict(MODES["quick"]))}
     assert got["server-pop"]["measured"] == 0.4 and got["server-pop"]["status"] == "missed"
+
+
+def test_a_server_run_counts_every_message_and_the_cpu_of_both_sides(tmp_path: Any) -> None:
+    import qstore
+
+    with _server.qstore_server(str(tmp_path / "store")) as srv:
+        with qstore.connect(srv.address) as c:
+            c.create_queue(_server.QUEUE)
+        idle = srv.cpu()
+        d = _server._drive("qstore", srv, "push", 1000, 60.0, clients=2)
+        assert d.messages == 1000 and d.rate > 0
+        assert d.server_cpu > 0 and d.client_cpu > 0
+        assert srv.cpu() >= idle + d.server_cpu
+        assert d.cpu_us(d.server_cpu) == pytest.approx(d.server_cpu / 1000 * 1e6)
+        with qstore.connect(srv.address) as c:
+            assert c.queue(_server.QUEUE).stats().ready == 1000
 
 
 def test_feature_overhead_extracts_a_commit_or_skips(tmp_path: Any,

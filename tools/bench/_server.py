@@ -8,7 +8,11 @@ processes drive each: qstore through ``qstore.connect``, beanstalkd through
 
 - single ops: qstore push and pop+ack, beanstalkd put and reserve+delete;
 - batches of 100 through the client: push_many, and pop_many + ack_many;
-- one client's single-op round trip (a push, a put), p50 and p99 in ms.
+- one client's single-op round trip (a push, a put), p50 and p99 in ms;
+- CPU per message of the single ops, in us: the server process's (user and
+  system time around the run, ``psutil``) and the four clients' (each
+  client's ``process_time`` over its own loop). On two shared cores the
+  rates follow CPU per message, and these move far less from run to run.
 
 A client process connects before the clock starts and waits on a barrier,
 so connection and start-up costs are not counted. The rate is all
@@ -65,8 +69,23 @@ def _await_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0)
     raise RuntimeError("beanstalkd did not start listening")
 
 
+class Served:
+    """A server child process: where clients reach it, and its pid."""
+
+    def __init__(self, address: Any, pid: int) -> None:
+        self.address = address
+        self.pid = pid
+
+    def cpu(self) -> float:
+        """Seconds of CPU (user and system) the server has used so far."""
+        import psutil
+
+        t = psutil.Process(self.pid).cpu_times()
+        return float(t.user + t.system)
+
+
 @contextmanager
-def beanstalkd(workdir: str) -> Iterator[tuple[str, int]]:
+def beanstalkd(workdir: str) -> Iterator[Served]:
     binary = beanstalkd_path()
     assert binary is not None
     binlog = os.path.join(workdir, "binlog")
@@ -77,14 +96,14 @@ def beanstalkd(workdir: str) -> Iterator[tuple[str, int]]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _await_port(port, proc)
-        yield ("127.0.0.1", port)
+        yield Served(("127.0.0.1", port), proc.pid)
     finally:
         proc.kill()
         proc.wait(30)
 
 
 @contextmanager
-def qstore_server(store: str) -> Iterator[str]:
+def qstore_server(store: str) -> Iterator[Served]:
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -96,7 +115,7 @@ def qstore_server(store: str) -> Iterator[str]:
         line = proc.stdout.readline().decode().strip()
         if not line.startswith("listening on "):
             raise RuntimeError(f"qstore serve did not start: {line!r}")
-        yield line[len("listening on "):]
+        yield Served(line[len("listening on "):], proc.pid)
     finally:
         proc.kill()
         proc.wait(30)
@@ -165,6 +184,7 @@ def _client(kind: str, address: Any, op: str, n: int, budget: float, payload: by
     barrier.wait()
     done = 0
     lat: list[float] = []
+    cpu = time.process_time()
     start = time.perf_counter()
     stop = start + budget
     t = start
@@ -177,13 +197,30 @@ def _client(kind: str, address: Any, op: str, n: int, budget: float, payload: by
         if got == 0:
             break  # drained
         done += got
+    cpu = time.process_time() - cpu
     # perf_counter is CLOCK_MONOTONIC on Linux: comparable across processes
-    results.put((done, start, t, lat))
+    results.put((done, start, t, lat, cpu))
 
 
-def _drive(kind: str, address: Any, op: str, n: int, budget: float, clients: int = CLIENTS,
-           latencies: bool = False) -> tuple[float, list[float]]:
-    """messages/s over ``clients`` processes doing ``n`` messages in all (or ``budget`` s)."""
+class Driven:
+    """What one ``_drive`` measured."""
+
+    def __init__(self, rate: float, messages: int, latencies: list[float],
+                 client_cpu: float, server_cpu: float) -> None:
+        self.rate = rate  # messages/s over all clients
+        self.messages = messages
+        self.latencies = latencies  # seconds, per call (when asked for)
+        self.client_cpu = client_cpu  # seconds, all clients' loops
+        self.server_cpu = server_cpu  # seconds, the server process (when given)
+
+    def cpu_us(self, seconds: float) -> float:
+        return seconds / self.messages * 1e6 if self.messages else 0.0
+
+
+def _drive(kind: str, server: Served, op: str, n: int, budget: float, clients: int = CLIENTS,
+           latencies: bool = False) -> Driven:
+    """``clients`` processes doing ``n`` messages in all (or for ``budget`` s)."""
+    address = server.address
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(clients)
     results = ctx.Queue()
@@ -193,13 +230,16 @@ def _drive(kind: str, address: Any, op: str, n: int, budget: float, clients: int
              for _ in range(clients)]
     for p in procs:
         p.start()
+    before = server.cpu()  # the clients' start-up costs the server nothing
     got = [results.get(timeout=budget + 120) for _ in procs]
+    server_cpu = server.cpu() - before
     for p in procs:
         p.join(30)
     total = sum(g[0] for g in got)
     span = max(g[2] for g in got) - min(g[1] for g in got)
     lat = [x for g in got for x in g[3]]
-    return (total / span if span > 0 else 0.0), lat
+    return Driven(total / span if span > 0 else 0.0, total, lat, sum(g[4] for g in got),
+                  server_cpu)
 
 
 def _fill_qstore(address: str, n: int) -> None:
@@ -260,8 +300,16 @@ def measure_server(path: str, p: Params, say: Callable[[str], None] = print) -> 
     if not have_peer:
         say("[server] beanstalkd is not installed: its figures are left out")
 
-    def rate(name: str, label: str, value: float) -> None:
-        out.append(Metric(f"server.{name}", label, value, "msgs/s"))
+    def rate(name: str, label: str, d: Driven, cpu: bool = False) -> None:
+        out.append(Metric(f"server.{name}", label, d.rate, "msgs/s"))
+        if cpu:  # the single ops: where the rates' gap comes from
+            who, what = label.split()[:2]  # "qstore push x4"
+            out.append(Metric(f"server.{name}.server_cpu_us",
+                              f"{who} server CPU per {what} (x{CLIENTS})",
+                              d.cpu_us(d.server_cpu), "us"))
+            out.append(Metric(f"server.{name}.client_cpu_us",
+                              f"{who} clients' CPU per {what} (x{CLIENTS})",
+                              d.cpu_us(d.client_cpu), "us"))
 
     def rtt(who: str, what: str, lat: list[float]) -> None:
         p50, p99 = _pcts(lat)
@@ -270,39 +318,41 @@ def measure_server(path: str, p: Params, say: Callable[[str], None] = print) -> 
         out.append(Metric(f"server.{who}.rtt_p99_ms", f"{who} {what} round trip p99 (1 client)",
                           p99, "ms"))
 
-    with qstore_server(os.path.join(path, "store")) as addr, \
-            (beanstalkd(path) if have_peer else nullcontext(None)) as baddr:
+    with qstore_server(os.path.join(path, "store")) as srv, \
+            (beanstalkd(path) if have_peer else nullcontext(None)) as bsrv:
         import qstore
 
+        addr = srv.address
         with qstore.connect(addr) as c:
             c.create_queue(QUEUE)
-        rate("qstore.push", f"qstore push x{CLIENTS}", _drive("qstore", addr, "push", n, budget)[0])
+        rate("qstore.push", f"qstore push x{CLIENTS}", _drive("qstore", srv, "push", n, budget),
+             cpu=True)
         _drain_qstore(addr)
-        if baddr is not None:
+        if bsrv is not None:
             rate("beanstalkd.put", f"beanstalkd put x{CLIENTS}",
-                 _drive("beanstalkd", baddr, "put", n, budget)[0])
-            _drain_beanstalkd(baddr)
+                 _drive("beanstalkd", bsrv, "put", n, budget), cpu=True)
+            _drain_beanstalkd(bsrv.address)
         _fill_qstore(addr, n)
         rate("qstore.pop_ack", f"qstore pop+ack x{CLIENTS}",
-             _drive("qstore", addr, "pop+ack", n, budget)[0])
+             _drive("qstore", srv, "pop+ack", n, budget), cpu=True)
         _drain_qstore(addr)
-        if baddr is not None:
-            _fill_beanstalkd(baddr, n)
+        if bsrv is not None:
+            _fill_beanstalkd(bsrv.address, n)
             rate("beanstalkd.reserve_delete", f"beanstalkd reserve+delete x{CLIENTS}",
-                 _drive("beanstalkd", baddr, "reserve+delete", n, budget)[0])
-            _drain_beanstalkd(baddr)
+                 _drive("beanstalkd", bsrv, "reserve+delete", n, budget), cpu=True)
+            _drain_beanstalkd(bsrv.address)
         rate("qstore.push_many", f"qstore push_many(100) x{CLIENTS}",
-             _drive("qstore", addr, "push_many", n * 5, budget)[0])
+             _drive("qstore", srv, "push_many", n * 5, budget))
         _drain_qstore(addr)
         _fill_qstore(addr, n * 5)
         rate("qstore.pop_many_ack_many", f"qstore pop_many+ack_many(100) x{CLIENTS}",
-             _drive("qstore", addr, "pop_many+ack_many", n * 5, budget)[0])
+             _drive("qstore", srv, "pop_many+ack_many", n * 5, budget))
         _drain_qstore(addr)
-        rtt("qstore", "push",
-            _drive("qstore", addr, "push", min(n, 5000), budget, clients=1, latencies=True)[1])
-        if baddr is not None:
-            rtt("beanstalkd", "put", _drive("beanstalkd", baddr, "put", min(n, 5000), budget,
-                                            clients=1, latencies=True)[1])
+        rtt("qstore", "push", _drive("qstore", srv, "push", min(n, 5000), budget, clients=1,
+                                     latencies=True).latencies)
+        if bsrv is not None:
+            rtt("beanstalkd", "put", _drive("beanstalkd", bsrv, "put", min(n, 5000), budget,
+                                            clients=1, latencies=True).latencies)
     got = {m.name: m.value for m in out}
     for name, mine, peer in PAIRS:
         if got.get(f"server.{peer}"):
