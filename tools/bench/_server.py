@@ -211,7 +211,7 @@ class Driven:
         self.messages = messages
         self.latencies = latencies  # seconds, per call (when asked for)
         self.client_cpu = client_cpu  # seconds, all clients' loops
-        self.server_cpu = server_cpu  # seconds, the server process (when given)
+        self.server_cpu = server_cpu  # seconds, the server process
 
     def cpu_us(self, seconds: float) -> float:
         return seconds / self.messages * 1e6 if self.messages else 0.0
@@ -230,7 +230,7 @@ def _drive(kind: str, server: Served, op: str, n: int, budget: float, clients: i
              for _ in range(clients)]
     for p in procs:
         p.start()
-    before = server.cpu()  # the clients' start-up costs the server nothing
+    before = server.cpu()  # as the clients start: their handshakes cost it little
     got = [results.get(timeout=budget + 120) for _ in procs]
     server_cpu = server.cpu() - before
     for p in procs:
