@@ -11,6 +11,19 @@ RocksDB.
 
 Everything here runs with the writer lock held, and changes in-memory state
 only after the batch it reflects was written (docs/architecture.md).
+
+A batch's keys go in key order, one table after the other (all its message
+keys by id, then all its ready keys, ...), not message by message. RocksDB's
+memtable (a skip list) remembers where its last insert went and starts the
+next one there when the new key falls right after it: new keys in order
+(a push's, a pop's in-flight keys) then cost a few comparisons each, where
+keys that jump between tables cost a search from the top each. Measured with
+rocksdict alone, batches of 300 new keys: 0.18-0.28 us a key in order
+against 0.57-0.92 us interleaved; in the store, the RocksDB write of a
+push_many(100) went from 1.7 to 0.75 us a message and that of a
+pop_many+ack_many from 5.0-5.3 to 3.6-3.9 (docs/benchmarks.md). The order
+changes nothing else: a batch is applied as a whole, and no hot-path batch
+names a key twice.
 """
 
 from __future__ import annotations
@@ -243,18 +256,20 @@ class HotPaths:
         written: list[tuple[bytes, Pushed]] = []
         total = 0
         mid = first
+        # Keys in key order, one table after the other (module docstring): the
+        # message keys as the ids grow, then the ready keys sorted.
         for (fid, offset, length), prio in zip(refs, prios, strict=True):
             id_bytes = _U64(mid)
             mid += 1
             pkey = pkeys.get(prio)
-            rkey = ready_prefix + (q.priority_key(prio) if pkey is None else pkey) + id_bytes
-            put(rkey, b"")
-            rkeys.append(rkey)
+            rkeys.append(ready_prefix + (q.priority_key(prio) if pkey is None else pkey)
+                         + id_bytes)
             mkey = message_prefix + id_bytes
-            record = encode(_READY, prio, fid, offset, length, 0, 0, now, 0, None)
-            put(mkey, record)
+            put(mkey, encode(_READY, prio, fid, offset, length, 0, 0, now, 0, None))
             written.append((mkey, (prio, fid, offset, length, now)))
             total += length
+        for rkey in sorted(rkeys):
+            put(rkey, b"")
         # Records are appended in order: each segment's last one is its end.
         segs: dict[int, list[int]] = {}
         if refs[0].file_id == refs[-1].file_id:  # the usual batch: one segment
@@ -339,18 +354,24 @@ class HotPaths:
         put = batch.put
         inflight = q.inflight_prefix + _U64(deadline_us)
         message_prefix = q.message_prefix
+        delete = batch.delete
+        # In key order, one table after the other (module docstring): the ready
+        # keys as popped (the index's order), then the new in-flight keys and
+        # the records by id.
         delivered = []
         for rkey, rec in zip(ready_keys, recs, strict=True):
             rec.state = _INFLIGHT
             rec.attempts += 1
             rec.deliveries += 1
             rec.when_us = deadline_us
-            batch.delete(rkey)
-            id_bytes = rkey[-8:]  # every index key ends with the id
-            put(inflight + id_bytes, b"")
-            mkey = message_prefix + id_bytes
+            delete(rkey)
+            # every index key ends with the id
+            delivered.append((message_prefix + rkey[-8:], rec))
+        delivered.sort()  # by message key: the keys are distinct, no record is compared
+        for mkey, _ in delivered:
+            put(inflight + mkey[-8:], b"")
+        for mkey, rec in delivered:
             put(mkey, rec.encode())
-            delivered.append((mkey, rec))
         k = len(delivered)
         c = q.counts
         counts = [c[0] - k, c[1], c[2] + k, c[3], c[4]]
@@ -379,15 +400,19 @@ class HotPaths:
         cache = self._records
         total = 0
         segs: dict[int, list[int]] = {}
+        # In key order, one table after the other (module docstring); the rare
+        # dedup and expiry keys as they come.
+        inflight_keys = []
+        message_keys = []
         for mid, rec in zip(mids, recs, strict=True):
             id_bytes = _U64(mid)
-            delete(inflight + _U64(rec.when_us) + id_bytes)
+            inflight_keys.append(inflight + _U64(rec.when_us) + id_bytes)
             if rec.digest is not None:
                 delete(keys.dedup_key(qid, rec.digest))
             if rec.expires_us:
                 delete(keys.expiry_key(qid, rec.expires_us, mid))
             mkey = message_prefix + id_bytes
-            delete(mkey)
+            message_keys.append(mkey)
             cache.pop(mkey, None)  # before the write: a failed one only costs a read
             length = rec.length
             total += length
@@ -397,6 +422,12 @@ class HotPaths:
             else:
                 seg[0] += FRAME_SIZE + length
                 seg[1] += 1
+        inflight_keys.sort()
+        for key in inflight_keys:
+            delete(key)
+        message_keys.sort()
+        for key in message_keys:
+            delete(key)
         k = len(recs)
         c = q.counts
         counts = [c[0], c[1], c[2] - k, c[3], c[4] - total]
