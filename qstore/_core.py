@@ -675,7 +675,7 @@ class Core(HotPaths):
         The one place counters reach the database: each batch carries the new
         counts of every queue and segment it changes.
         """
-        batch = txn.batch
+        batch = txn.seal()
         new_counts = []
         for q, delta in txn.queues.items():
             counts = apply_counts(q.counts, delta)

@@ -311,7 +311,7 @@ class Queue:
                 now = core.clock()  # before the append: a bad time leaves nothing behind
                 with core.appending_batch() as started:
                     refs = core.payload.append_many([bodies[i] for i in fresh], started)
-                    txn = Txn()
+                    txn = Txn(ordered=len(fresh) > 1)
                     default_ttl = q.rec.ttl
                     for i, ref in zip(fresh, refs, strict=True):
                         prio, delay, digest, ttl = prepared[i]

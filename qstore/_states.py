@@ -201,7 +201,7 @@ def remove_all(txn: Txn, q: QueueState, refs: list[PayloadRef]) -> None:
         txn.live(ref, -1)
     for kind in keys.PER_QUEUE_KINDS:
         p = keys.prefix(kind, q.qid)
-        txn.batch.delete_range(p, keys.prefix_end(p))
+        txn.delete_range(p, keys.prefix_end(p))
     txn.forget_records = True
     for i, c in enumerate(q.counts):
         txn.count(q, i, -c)

@@ -9,6 +9,8 @@ of the core: it knows keys and records, nothing above it.
 
 from __future__ import annotations
 
+import operator
+
 from ._heads import ReadyHeads
 from ._rate import TokenBucket
 from .meta import Batch, keys, new_batch, records
@@ -19,6 +21,7 @@ READY, DELAYED, INFLIGHT, DEAD, BYTES = range(5)
 STATE_COUNTER = {records.READY: READY, records.DELAYED: DELAYED,
                  records.INFLIGHT: INFLIGHT, records.DEAD: DEAD}
 NO_EVENT_US = 2**64  # "no due time or deadline pending"
+_first = operator.itemgetter(0)
 
 
 def plain_push(rec: records.QueueRecord) -> bool:
@@ -90,13 +93,24 @@ class QueueState:
 
 
 class Txn:
-    """Built and committed under the writer lock; never shared between threads."""
+    """Built and committed under the writer lock; never shared between threads.
+
+    ``ordered``: for a batch of many messages. Its keys are held back and go into
+    the WriteBatch sorted by key, at :meth:`seal` (or before a range delete), so
+    that RocksDB's memtable inserts the new keys of each table one after the
+    other rather than searching for each (see qstore/_hot.py). The sort is
+    stable: two operations on one key keep their order. Write through the
+    methods: ``batch`` itself only takes keys no held operation names (the
+    payload journal's), since they go in ahead of the held ones.
+    """
 
     __slots__ = ("batch", "queues", "segments", "ready_keys", "events", "id_hwm", "records",
-                 "forget_records", "cache_records", "journal")
+                 "forget_records", "cache_records", "journal", "_held")
 
-    def __init__(self) -> None:
+    def __init__(self, ordered: bool = False) -> None:
         self.batch: Batch = new_batch()
+        # ordered: (key, value) puts and (key, None) deletes not in the batch yet
+        self._held: list[tuple[bytes, bytes | None]] | None = [] if ordered else None
         self.queues: dict[QueueState, list[int]] = {}  # counter deltas per queue
         # file_id -> [live bytes delta, live count delta, highest record end written]
         self.segments: dict[int, list[int]] = {}
@@ -114,25 +128,53 @@ class Txn:
 
     def put_record(self, key: bytes, value: bytes) -> None:
         """Write a message record (always through here: the core caches records)."""
-        self.batch.put(key, value)
+        self.put(key, value)
         self.records.append((key, value))
 
     def put_records(self, keys: list[bytes], values: list[bytes]) -> None:
         """:meth:`put_record` of each pair (compaction's repoints): one call for a chunk."""
-        put = self.batch.put
-        for key, value in zip(keys, values, strict=True):
-            put(key, value)
+        if self._held is None:
+            put = self.batch.put
+            for key, value in zip(keys, values, strict=True):
+                put(key, value)
+        else:
+            self._held.extend(zip(keys, values, strict=True))
         self.records.extend(zip(keys, values, strict=True))
 
     def delete_record(self, key: bytes) -> None:
-        self.batch.delete(key)
+        self.delete(key)
         self.records.append((key, None))
 
     def put(self, key: bytes, value: bytes) -> None:
-        self.batch.put(key, value)
+        if self._held is None:
+            self.batch.put(key, value)
+        else:
+            self._held.append((key, value))
 
     def delete(self, key: bytes) -> None:
-        self.batch.delete(key)
+        if self._held is None:
+            self.batch.delete(key)
+        else:
+            self._held.append((key, None))
+
+    def delete_range(self, start: bytes, end: bytes) -> None:
+        """Delete every key in ``[start, end)``: after what came before, before what follows."""
+        self.seal()
+        self.batch.delete_range(start, end)
+
+    def seal(self) -> Batch:
+        """The WriteBatch, with every held operation in it (sorted by key)."""
+        held = self._held
+        if held:
+            held.sort(key=_first)
+            batch = self.batch
+            for key, value in held:
+                if value is None:
+                    batch.delete(key)
+                else:
+                    batch.put(key, value)
+            held.clear()
+        return self.batch
 
     def count(self, q: QueueState, index: int, n: int) -> None:
         delta = self.queues.get(q)
@@ -141,7 +183,7 @@ class Txn:
         delta[index] += n
 
     def add_ready(self, q: QueueState, key: bytes) -> None:
-        self.batch.put(key, b"")
+        self.put(key, b"")
         if self.ready_keys is None:
             self.ready_keys = {q: [key]}
         elif q in self.ready_keys:

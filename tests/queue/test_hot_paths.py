@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import qstore
-from qstore import _hot
+from qstore import _hot, _txn
 from qstore.meta import keys, new_batch
 from tests.conftest import FakeClock
 
@@ -170,6 +170,10 @@ class _Recording:
         self.keys.append(key)
         self.batch.delete(key)
 
+    def delete_range(self, start: bytes, end: bytes) -> None:
+        self.keys.append(b"range " + start)
+        self.batch.delete_range(start, end)
+
 
 written: list[list[bytes]] = []
 
@@ -209,6 +213,68 @@ def test_batch_hot_paths_write_each_table_in_key_order(tmp_path: Any, queue: dic
         assert [len(run) for run in _runs(pop) if len(run) > 1] == [25, 25, 25]
         assert [len(run) for run in _runs(ack) if len(run) > 1] == [25, 25]
         assert len(q.pop_many(40, lease=30.0)) == 15
+        assert store.check().ok
+    finally:
+        store.close()
+
+
+def test_an_ordered_txn_sorts_its_keys_and_keeps_what_they_mean(tmp_path: Any,
+                                                                monkeypatch: Any) -> None:
+    # Txn(ordered=True) holds its operations back and writes them sorted by key
+    # (a stable sort: two on one key keep their order); a range delete goes
+    # after everything before it and before everything after it.
+    store = qstore.open(str(tmp_path / "s"), compactor=False, durability="none")
+    try:
+        monkeypatch.setattr(_txn, "new_batch", _Recording)
+        written.clear()
+        txn = _txn.Txn(ordered=True)
+        txn.put(b"zz-b", b"1")
+        txn.delete(b"zz-b")
+        txn.put(b"zz-d", b"4")
+        txn.put(b"zz-a", b"2")
+        txn.put(b"zz-c", b"x")
+        txn.delete_range(b"zz-b", b"zz-d")
+        txn.put(b"zz-c", b"3")
+        txn.put_record(b"zz-e", b"5")
+        txn.delete_record(b"zz-a0")
+        batch = txn.seal()
+        assert written == [[b"zz-a", b"zz-b", b"zz-b", b"zz-c", b"zz-d", b"range zz-b",
+                            b"zz-a0", b"zz-c", b"zz-e"]]
+        store.core.meta.write(batch.batch)
+        got = {k: store.core.meta.get(k) for k in (b"zz-a", b"zz-b", b"zz-c", b"zz-d", b"zz-e")}
+        assert got == {b"zz-a": b"2", b"zz-b": None, b"zz-c": b"3", b"zz-d": b"4",
+                       b"zz-e": b"5"}
+        assert txn.records == [(b"zz-e", b"5"), (b"zz-a0", None)]
+    finally:
+        store.close()
+
+
+def test_a_general_push_many_writes_each_table_in_key_order(tmp_path: Any,
+                                                           monkeypatch: Any) -> None:
+    # push_many with a TTL or a delay takes the state machine (one Txn, ordered):
+    # its message, ready, delayed and expiry keys go table by table, sorted.
+    store = qstore.open(str(tmp_path / "s"), compactor=False, durability="none")
+    try:
+        q = store.create_queue("q", order="max")
+        real_write = store.core.meta.write
+        monkeypatch.setattr(store.core.meta, "write",
+                            lambda b, *a: real_write(getattr(b, "batch", b), *a))
+        monkeypatch.setattr(_txn, "new_batch", _Recording)
+        written.clear()
+        items = [(b"m%d" % i, (i * 7) % 5) for i in range(30)]
+        ids = q.push_many(items, ttl=60.0)
+        q.push_many(items, delay=30.0)
+        assert len(written) == 2
+        for batch_keys, tables in zip(written, ([keys.MESSAGE, keys.READY, keys.EXPIRY],
+                                                [keys.MESSAGE, keys.DELAYED]), strict=True):
+            for table in tables:
+                mine = [i for i, k in enumerate(batch_keys) if k[:1] == table]
+                assert len(mine) == 30
+                assert mine == list(range(mine[0], mine[0] + 30))  # one run
+                run = [batch_keys[i] for i in mine]
+                assert run == sorted(run)
+        assert [m.id for m in q.pop_many(30, lease=30.0)] == \
+            [i for _, i in sorted(((-p, i) for (_, p), i in zip(items, ids, strict=True)))]
         assert store.check().ok
     finally:
         store.close()
