@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -154,6 +155,13 @@ def test_the_record_cache_stays_bounded_and_right(tmp_path: Any, monkeypatch: An
         assert s.check().ok
 
 
+@pytest.fixture
+def store(tmp_path: Any) -> Iterator[qstore.Store]:
+    s = qstore.open(str(tmp_path / "s"), compactor=False, durability="none")
+    yield s
+    s.close()
+
+
 class _Recording:
     """A WriteBatch that also keeps the keys it was given, in order."""
 
@@ -178,103 +186,93 @@ class _Recording:
 written: list[list[bytes]] = []
 
 
+def _record_batches(store: qstore.Store, monkeypatch: Any, module: Any) -> list[list[bytes]]:
+    """From now on, the keys of each batch ``module`` makes, in order (a list a batch)."""
+    real_write = store.core.meta.write
+    monkeypatch.setattr(store.core.meta, "write",
+                        lambda b, *a: real_write(getattr(b, "batch", b), *a))
+    monkeypatch.setattr(module, "new_batch", _Recording)
+    written.clear()
+    return written
+
+
 def _runs(batch_keys: list[bytes]) -> list[list[bytes]]:
     """The keys cut into runs of one table (their first byte), in batch order."""
     return [list(run) for _, run in itertools.groupby(batch_keys, key=lambda k: k[:1])]
 
 
 @pytest.mark.parametrize("queue", [{}, {"order": "min"}, {"order": "fifo"}])
-def test_batch_hot_paths_write_each_table_in_key_order(tmp_path: Any, queue: dict[str, Any],
+def test_batch_hot_paths_write_each_table_in_key_order(store: qstore.Store,
+                                                       queue: dict[str, Any],
                                                        monkeypatch: Any) -> None:
     # RocksDB's memtable inserts keys in order far cheaper than keys that jump
     # between tables (qstore/_hot.py): a batch's keys go table by table, each
     # table's keys sorted, whatever order the messages were given, popped or
     # acked in.
-    store = qstore.open(str(tmp_path / "s"), compactor=False, durability="none")
-    try:
-        q = store.create_queue("q", **queue)
-        real_write = store.core.meta.write
-        monkeypatch.setattr(store.core.meta, "write",
-                            lambda b, *a: real_write(getattr(b, "batch", b), *a))
-        monkeypatch.setattr(_hot, "new_batch", _Recording)
-        written.clear()
-        q.push_many([(b"m%d" % i, (i * 7) % 5) for i in range(40)])
-        popped = q.pop_many(25, lease=30.0)
-        q.ack_many(popped[::-1])  # acked in the reverse of the pop order
-        assert len(written) == 3
-        for batch_keys in written:
-            runs = _runs(batch_keys)
-            tables = [run[0][:1] for run in runs]
-            assert len(tables) == len(set(tables)), tables  # each table in one run
-            for run in runs:
-                assert run == sorted(run)
-        push, pop, ack = written
-        assert sum(len(run) for run in _runs(push) if len(run) == 40) == 80  # message, ready
-        assert [len(run) for run in _runs(pop) if len(run) > 1] == [25, 25, 25]
-        assert [len(run) for run in _runs(ack) if len(run) > 1] == [25, 25]
-        assert len(q.pop_many(40, lease=30.0)) == 15
-        assert store.check().ok
-    finally:
-        store.close()
+    q = store.create_queue("q", **queue)
+    written = _record_batches(store, monkeypatch, _hot)
+    q.push_many([(b"m%d" % i, (i * 7) % 5) for i in range(40)])
+    popped = q.pop_many(25, lease=30.0)
+    q.ack_many(popped[::-1])  # acked in the reverse of the pop order
+    assert len(written) == 3
+    for batch_keys in written:
+        runs = _runs(batch_keys)
+        tables = [run[0][:1] for run in runs]
+        assert len(tables) == len(set(tables)), tables  # each table in one run
+        for run in runs:
+            assert run == sorted(run)
+    push, pop, ack = written
+    assert sum(len(run) for run in _runs(push) if len(run) == 40) == 80  # message, ready
+    assert [len(run) for run in _runs(pop) if len(run) > 1] == [25, 25, 25]
+    assert [len(run) for run in _runs(ack) if len(run) > 1] == [25, 25]
+    assert len(q.pop_many(40, lease=30.0)) == 15
+    assert store.check().ok
 
 
-def test_an_ordered_txn_sorts_its_keys_and_keeps_what_they_mean(tmp_path: Any,
+def test_an_ordered_txn_sorts_its_keys_and_keeps_what_they_mean(store: qstore.Store,
                                                                 monkeypatch: Any) -> None:
     # Txn(ordered=True) holds its operations back and writes them sorted by key
     # (a stable sort: two on one key keep their order); a range delete goes
     # after everything before it and before everything after it.
-    store = qstore.open(str(tmp_path / "s"), compactor=False, durability="none")
-    try:
-        monkeypatch.setattr(_txn, "new_batch", _Recording)
-        written.clear()
-        txn = _txn.Txn(ordered=True)
-        txn.put(b"zz-b", b"1")
-        txn.delete(b"zz-b")
-        txn.put(b"zz-d", b"4")
-        txn.put(b"zz-a", b"2")
-        txn.put(b"zz-c", b"x")
-        txn.delete_range(b"zz-b", b"zz-d")
-        txn.put(b"zz-c", b"3")
-        txn.put_record(b"zz-e", b"5")
-        txn.delete_record(b"zz-a0")
-        batch = txn.seal()
-        assert written == [[b"zz-a", b"zz-b", b"zz-b", b"zz-c", b"zz-d", b"range zz-b",
-                            b"zz-a0", b"zz-c", b"zz-e"]]
-        store.core.meta.write(batch.batch)
-        got = {k: store.core.meta.get(k) for k in (b"zz-a", b"zz-b", b"zz-c", b"zz-d", b"zz-e")}
-        assert got == {b"zz-a": b"2", b"zz-b": None, b"zz-c": b"3", b"zz-d": b"4",
-                       b"zz-e": b"5"}
-        assert txn.records == [(b"zz-e", b"5"), (b"zz-a0", None)]
-    finally:
-        store.close()
+    written = _record_batches(store, monkeypatch, _txn)
+    txn = _txn.Txn(ordered=True)
+    txn.put(b"zz-b", b"1")
+    txn.delete(b"zz-b")
+    txn.put(b"zz-d", b"4")
+    txn.put(b"zz-a", b"2")
+    txn.put(b"zz-c", b"x")
+    txn.delete_range(b"zz-b", b"zz-d")
+    txn.put(b"zz-c", b"3")
+    txn.put_record(b"zz-e", b"5")
+    txn.delete_record(b"zz-a0")
+    batch = txn.seal()
+    assert written == [[b"zz-a", b"zz-b", b"zz-b", b"zz-c", b"zz-d", b"range zz-b",
+                        b"zz-a0", b"zz-c", b"zz-e"]]
+    store.core.meta.write(batch)
+    got = {k: store.core.meta.get(k) for k in (b"zz-a", b"zz-b", b"zz-c", b"zz-d", b"zz-e")}
+    assert got == {b"zz-a": b"2", b"zz-b": None, b"zz-c": b"3", b"zz-d": b"4",
+                   b"zz-e": b"5"}
+    assert txn.records == [(b"zz-e", b"5"), (b"zz-a0", None)]
 
 
-def test_a_general_push_many_writes_each_table_in_key_order(tmp_path: Any,
+def test_a_general_push_many_writes_each_table_in_key_order(store: qstore.Store,
                                                            monkeypatch: Any) -> None:
     # push_many with a TTL or a delay takes the state machine (one Txn, ordered):
     # its message, ready, delayed and expiry keys go table by table, sorted.
-    store = qstore.open(str(tmp_path / "s"), compactor=False, durability="none")
-    try:
-        q = store.create_queue("q", order="max")
-        real_write = store.core.meta.write
-        monkeypatch.setattr(store.core.meta, "write",
-                            lambda b, *a: real_write(getattr(b, "batch", b), *a))
-        monkeypatch.setattr(_txn, "new_batch", _Recording)
-        written.clear()
-        items = [(b"m%d" % i, (i * 7) % 5) for i in range(30)]
-        ids = q.push_many(items, ttl=60.0)
-        q.push_many(items, delay=30.0)
-        assert len(written) == 2
-        for batch_keys, tables in zip(written, ([keys.MESSAGE, keys.READY, keys.EXPIRY],
-                                                [keys.MESSAGE, keys.DELAYED]), strict=True):
-            for table in tables:
-                mine = [i for i, k in enumerate(batch_keys) if k[:1] == table]
-                assert len(mine) == 30
-                assert mine == list(range(mine[0], mine[0] + 30))  # one run
-                run = [batch_keys[i] for i in mine]
-                assert run == sorted(run)
-        assert [m.id for m in q.pop_many(30, lease=30.0)] == \
-            [i for _, i in sorted(((-p, i) for (_, p), i in zip(items, ids, strict=True)))]
-        assert store.check().ok
-    finally:
-        store.close()
+    q = store.create_queue("q", order="max")
+    written = _record_batches(store, monkeypatch, _txn)
+    items = [(b"m%d" % i, (i * 7) % 5) for i in range(30)]
+    ids = q.push_many(items, ttl=60.0)
+    q.push_many(items, delay=30.0)
+    assert len(written) == 2
+    for batch_keys, tables in zip(written, ([keys.MESSAGE, keys.READY, keys.EXPIRY],
+                                            [keys.MESSAGE, keys.DELAYED]), strict=True):
+        for table in tables:
+            mine = [i for i, k in enumerate(batch_keys) if k[:1] == table]
+            assert len(mine) == 30
+            assert mine == list(range(mine[0], mine[0] + 30))  # one run
+            run = [batch_keys[i] for i in mine]
+            assert run == sorted(run)
+    assert [m.id for m in q.pop_many(30, lease=30.0)] == \
+        [i for _, i in sorted(((-p, i) for (_, p), i in zip(items, ids, strict=True)))]
+    assert store.check().ok
