@@ -187,6 +187,23 @@ def test_a_server_run_counts_every_message_and_the_cpu_of_both_sides(tmp_path: A
             assert c.queue(_server.QUEUE).stats().ready == 1000
 
 
+def test_the_framing_floor_speaks_the_protocol_to_the_real_client_with_canned_answers(
+) -> None:
+    import qstore
+
+    with _server.floor_server() as srv:
+        with qstore.connect(srv.address) as c:
+            q = c.queue(_server.QUEUE)
+            m = q.pop(lease=60.0)
+            assert m is not None and len(m.payload) == 1024 and m.receipt is not None
+            assert q.ack(m) is None
+            with pytest.raises(qstore.InvalidArgument, match="framing floor"):
+                q.push(b"x")  # no store behind it: refused, the connection kept
+            assert q.pop(lease=60.0) == m  # the same canned message every time
+        d = _server._drive("qstore", srv, "pop+ack", 400, 60.0, clients=2)
+        assert d.messages == 400 and d.server_cpu > 0 and d.client_cpu > 0
+
+
 def test_feature_overhead_extracts_a_commit_or_skips(tmp_path: Any,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     if os.system("git -C . rev-parse --verify -q HEAD >/dev/null 2>&1") != 0:

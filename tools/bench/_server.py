@@ -12,7 +12,12 @@ processes drive each: qstore through ``qstore.connect``, beanstalkd through
 - CPU per message of the single ops, in us: the server process's (user and
   system time around the run, ``psutil``) and the four clients' (each
   client's ``process_time`` over its own loop). On two shared cores the
-  rates follow CPU per message, and these move far less from run to run.
+  rates follow CPU per message, and these move far less from run to run;
+- the framing floor (``_floor.py``: the server's transport with canned
+  answers and no store) under the same pop+ack clients, and the qstore
+  server's CPU per pop+ack less the floor's: what the store and the dispatch
+  cost under load, the part of the gap to beanstalkd the server's own code
+  can still close.
 
 A client process connects before the clock starts and waits on a barrier,
 so connection and start-up costs are not counted. The rate is all
@@ -104,17 +109,32 @@ def beanstalkd(workdir: str) -> Iterator[Served]:
 
 @contextmanager
 def qstore_server(store: str) -> Iterator[Served]:
+    with _child(["-m", "qstore.cli", "serve", store, "--listen", "tcp://127.0.0.1:0"],
+                "qstore serve") as served:
+        yield served
+
+
+@contextmanager
+def floor_server() -> Iterator[Served]:
+    """The framing floor (_floor.py): the server's transport with canned answers."""
+    with _child(["-m", "bench._floor"], "the framing floor") as served:
+        yield served
+
+
+@contextmanager
+def _child(args: list[str], what: str) -> Iterator[Served]:
+    """A Python child that prints ``listening on ADDRESS`` once it serves."""
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.Popen([sys.executable, "-m", "qstore.cli", "serve", store,
-                             "--listen", "tcp://127.0.0.1:0"],
+    tools = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(tools)
+    env["PYTHONPATH"] = os.pathsep.join([root, tools, env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen([sys.executable, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().decode().strip()
         if not line.startswith("listening on "):
-            raise RuntimeError(f"qstore serve did not start: {line!r}")
+            raise RuntimeError(f"{what} did not start: {line!r}")
         yield Served(line[len("listening on "):], proc.pid)
     finally:
         proc.kill()
@@ -318,7 +338,7 @@ def measure_server(path: str, p: Params, say: Callable[[str], None] = print) -> 
         out.append(Metric(f"server.{who}.rtt_p99_ms", f"{who} {what} round trip p99 (1 client)",
                           p99, "ms"))
 
-    with qstore_server(os.path.join(path, "store")) as srv, \
+    with qstore_server(os.path.join(path, "store")) as srv, floor_server() as fsrv, \
             (beanstalkd(path) if have_peer else nullcontext(None)) as bsrv:
         import qstore
 
@@ -341,6 +361,8 @@ def measure_server(path: str, p: Params, say: Callable[[str], None] = print) -> 
             rate("beanstalkd.reserve_delete", f"beanstalkd reserve+delete x{CLIENTS}",
                  _drive("beanstalkd", bsrv, "reserve+delete", n, budget), cpu=True)
             _drain_beanstalkd(bsrv.address)
+        rate("floor.pop_ack", f"floor pop+ack x{CLIENTS} (the framing floor, canned answers)",
+             _drive("qstore", fsrv, "pop+ack", n, budget), cpu=True)
         rate("qstore.push_many", f"qstore push_many(100) x{CLIENTS}",
              _drive("qstore", srv, "push_many", n * 5, budget))
         _drain_qstore(addr)
@@ -354,6 +376,10 @@ def measure_server(path: str, p: Params, say: Callable[[str], None] = print) -> 
             rtt("beanstalkd", "put", _drive("beanstalkd", bsrv, "put", min(n, 5000), budget,
                                             clients=1, latencies=True).latencies)
     got = {m.name: m.value for m in out}
+    out.append(Metric("server.store_dispatch_cpu_us",
+                      "qstore server CPU per pop+ack less the framing floor's (x4)",
+                      got["server.qstore.pop_ack.server_cpu_us"]
+                      - got["server.floor.pop_ack.server_cpu_us"], "us"))
     for name, mine, peer in PAIRS:
         if got.get(f"server.{peer}"):
             out.append(Metric(f"server.ratio.{name}", f"ratio {name} (this repeat's pair)",
