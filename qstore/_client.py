@@ -27,6 +27,7 @@ from ._message import Message, QueueStats, StoreStats
 from ._net_errors import ConnectionLost, ProtocolError
 
 _TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
+_LENGTH = wire.LENGTH
 _RECV = 256 * 1024
 
 
@@ -121,6 +122,17 @@ class _Link(base.LinkSettings):
     def _read(self) -> Any:
         """The next frame's value."""
         start, end = self._start, self._end
+        if end == 0:  # nothing buffered, as after every answer read whole: the usual case
+            sock = self._sock
+            assert sock is not None
+            buf = self._in
+            got = sock.recv_into(buf)
+            if got >= 4 and _LENGTH.unpack_from(buf)[0] + 4 == got:  # one whole answer
+                with memoryview(buf) as view:
+                    return wire.unpack(view[4:got])
+            if not got:
+                raise EOFError("connection closed by the server")
+            self._end = end = got  # a part, or more than one answer: as below
         if end - start < 4:
             start = self._fill(4)
         (n,) = wire.LENGTH.unpack_from(self._in, start)
@@ -145,7 +157,8 @@ class _Link(base.LinkSettings):
         rid = next(self._ids)
         frame = base.request(rid, op, args, self.welcome.get("max_frame"))
         try:
-            self._set_timeout(self.timeout + wait)
+            if self.timeout + wait != self._timeout_now:
+                self._set_timeout(self.timeout + wait)
             sock.sendall(frame)
             value = self._read()
         except (OSError, EOFError) as exc:
@@ -155,6 +168,9 @@ class _Link(base.LinkSettings):
         except ProtocolError:
             self.close()
             raise
+        if (type(value) is list and len(value) == 3 and value[1] == wire.OK
+                and type(value[0]) is int and value[0] == rid):
+            return value[2]  # the usual answer: base.result would return the same
         if isinstance(value, list) and value and value[0] == wire.SERVER_ERROR_ID:
             self.close()  # the server is closing this connection and says why
         return base.result(value, rid)
