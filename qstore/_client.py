@@ -135,7 +135,7 @@ class _Link(base.LinkSettings):
             self._end = end = got  # a part, or more than one answer: as below
         if end - start < 4:
             start = self._fill(4)
-        (n,) = wire.LENGTH.unpack_from(self._in, start)
+        (n,) = _LENGTH.unpack_from(self._in, start)
         if self._end - start < 4 + n:
             start = self._fill(4 + n)
         stop = start + 4 + n
