@@ -217,6 +217,16 @@ def test_feature_overhead_extracts_a_commit_or_skips(tmp_path: Any,
     assert feature_overhead.tree(str(tmp_path), str(tmp_path)) == str(tmp_path)  # a directory
 
 
+def test_feature_overhead_reports_the_median_of_each_rounds_own_ratio() -> None:
+    # The machine slowed threefold from the middle of round 2 on: each round's own
+    # ratio still says 5% slower, the ratio of the two medians says 3.15x.
+    old = [1.00e-5, 1.00e-5, 3.00e-5]
+    new = [1.05e-5, 3.15e-5, 3.15e-5]
+    line = feature_overhead.summary("push", old, new)
+    assert "after/before 1.050 (median of 3 rounds' ratios; ratio of the medians 3.150)" in line
+    assert line.startswith("push: before 10.0 us/op (100,000/s), after 31.5 us/op")
+
+
 def test_the_interleaved_workload_reports_its_four_ratios(tmp_path: Any) -> None:
     got = _interleaved.measure_interleaved(str(tmp_path / "m"),
                                            dataclasses.replace(MODES["quick"], n=200))
