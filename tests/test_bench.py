@@ -187,8 +187,7 @@ def test_a_server_run_counts_every_message_and_the_cpu_of_both_sides(tmp_path: A
             assert c.queue(_server.QUEUE).stats().ready == 1000
 
 
-def test_the_framing_floor_speaks_the_protocol_to_the_real_client_with_canned_answers(
-) -> None:
+def test_the_framing_floor_answers_the_real_client_from_a_can() -> None:
     import qstore
 
     with _server.floor_server() as srv:

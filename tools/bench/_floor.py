@@ -15,7 +15,7 @@ Driven by the same client processes as the server, its CPU per pop+ack is
 what the transport costs on this machine (the kernel's loopback TCP, the
 event loop, framing, msgpack, the client library); the server's CPU per
 pop+ack less this is what the store and the dispatch cost under the same
-load (docs/benchmarks.md, "Where a server request's time goes").
+load (docs/benchmarks.md, "fourth look: the framing floor").
 """
 
 from __future__ import annotations

@@ -377,7 +377,7 @@ def measure_server(path: str, p: Params, say: Callable[[str], None] = print) -> 
                                             clients=1, latencies=True).latencies)
     got = {m.name: m.value for m in out}
     out.append(Metric("server.store_dispatch_cpu_us",
-                      "qstore server CPU per pop+ack less the framing floor's (x4)",
+                      f"qstore server CPU per pop+ack less the framing floor's (x{CLIENTS})",
                       got["server.qstore.pop_ack.server_cpu_us"]
                       - got["server.floor.pop_ack.server_cpu_us"], "us"))
     for name, mine, peer in PAIRS:
