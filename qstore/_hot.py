@@ -365,20 +365,22 @@ class HotPaths:
             rec.deliveries += 1
             rec.when_us = deadline_us
             delete(rkey)
-            # every index key ends with the id
-            delivered.append((message_prefix + rkey[-8:], rec))
-        delivered.sort()  # by message key: the keys are distinct, no record is compared
-        for mkey, _ in delivered:
-            put(inflight + mkey[-8:], b"")
-        for mkey, rec in delivered:
-            put(mkey, rec.encode())
-        k = len(delivered)
+            delivered.append((rkey[-8:], rec))  # every index key ends with the id
+        delivered.sort()  # by id: the ids are distinct, no record is compared
+        mkeys = []
+        for id_bytes, _ in delivered:
+            put(inflight + id_bytes, b"")
+            mkeys.append(message_prefix + id_bytes)
+        by_id = [rec for _, rec in delivered]
+        for mkey, record in zip(mkeys, records.encode_records(by_id), strict=True):
+            put(mkey, record)
+        k = len(by_id)
         c = q.counts
         counts = [c[0] - k, c[1], c[2] + k, c[3], c[4]]
         put(q.counts_key, records.encode_counts(counts))
         self._write_hot(batch)
         cache = self._records
-        cache.update(delivered)
+        cache.update(zip(mkeys, by_id, strict=True))
         if len(cache) > RECORD_CACHE:
             self._trim_records()
         q.counts = counts
@@ -473,6 +475,32 @@ class HotPaths:
         self._records.pop(mkey, None)
         q.counts = counts
         self.segments[fid] = seg
+
+    def live_leases(self, q: QueueState, leases: Sequence[tuple[int, int, int] | None],
+                    now_us: int) -> list[records.MessageRecord | None]:
+        """For each parsed receipt (qid, id, delivery) of ``q``: the record of a lease
+        that is plainly live, handed over from the record cache (as
+        :meth:`message_record` hands one over), else None.
+
+        Plainly live: a decoded record in the cache (one this process popped),
+        in flight, of that delivery, its deadline after ``now_us``, no TTL.
+        None says nothing but "not here": the caller reads and checks that one
+        the long way (``Queue._leased``), which raises what it should.
+        """
+        cache = self._records
+        prefix, qid, pack = q.message_prefix, q.qid, _U64
+        out: list[records.MessageRecord | None] = []
+        for lease in leases:
+            rec = None
+            if lease is not None and lease[0] == qid:
+                mkey = prefix + pack(lease[1])
+                got = cache.get(mkey)
+                if (type(got) is _MR and got.state == _INFLIGHT and got.deliveries == lease[2]
+                        and got.when_us > now_us and not got.expires_us):
+                    del cache[mkey]
+                    rec = got
+            out.append(rec)
+        return out
 
     def _cache_record(self, key: bytes, value: bytes | records.MessageRecord | Pushed) -> None:
         cache = self._records

@@ -27,7 +27,7 @@ from ._errors import (
     MessageNotFound,
     QueueNotFound,
 )
-from ._message import Message, QueueStats
+from ._message import Message, QueueStats, make_receipt
 from ._txn import BYTES, DEAD, DELAYED, INFLIGHT, READY, QueueState, Txn
 from .meta import keys, records
 
@@ -93,17 +93,12 @@ def _iterate(items: object, what: str) -> Iterator[Any]:
         raise InvalidArgument(f"{what} takes an iterable, not {type(items).__name__}") from None
 
 
-def make_receipt(qid: int, mid: int, deliveries: int) -> str:
-    return f"{qid:x}-{mid:x}-{deliveries:x}"
-
-
 def _popped(qid: int, mid: int, name: str, rec: records.MessageRecord, payload: bytes,
             deadline: float) -> Message:
-    """The Message a pop returns, with its receipt also kept parsed for ack."""
-    delivery = rec.deliveries
+    """The Message a pop returns, its receipt kept parsed (for ack) and written when read."""
     return Message._leased(
         (mid, name, rec.priority, payload, rec.attempts, rec.enqueued_at, deadline,
-         f"{qid:x}-{mid:x}-{delivery:x}", "in_flight"), (qid, mid, delivery))
+         None, "in_flight"), (qid, mid, rec.deliveries))
 
 
 class Queue:
@@ -508,21 +503,39 @@ class Queue:
         """Ack every item in one batch; if any lease is not live, nothing is acked."""
         return self._ack(list(_iterate(items, "ack_many")))
 
+    def _leased_many(self, items: Sequence[Receipted], now_us: int
+                     ) -> tuple[list[int], list[records.MessageRecord]]:
+        """:meth:`_leased` of each item (writer lock held), no message twice.
+
+        The core hands over at once the records of messages this process
+        popped whose leases are plainly live (``Core.live_leases``); every
+        other item, and any doubt, goes through :meth:`_leased`, which raises
+        what it should.
+        """
+        q = self._q
+        if q.deleted:
+            raise QueueNotFound(q.name)
+        leases = [item._lease if type(item) is Message else None for item in items]
+        mids: list[int] = []
+        recs: list[records.MessageRecord] = []
+        for item, lease, rec in zip(items, leases, self._core.live_leases(q, leases, now_us),
+                                    strict=True):
+            if rec is None:
+                mid, rec = self._leased(item, now_us)
+                mids.append(mid)
+            else:
+                mids.append(lease[1])  # type: ignore[index]
+            recs.append(rec)
+        if len(set(mids)) != len(mids):
+            twice = next(m for i, m in enumerate(mids) if m in mids[:i])
+            raise InvalidArgument(f"message {twice} appears twice in one ack_many")
+        return mids, recs
+
     def _ack(self, items: Sequence[Receipted]) -> int:
         core = self._core
         with core.writing:
-            now_us = keys.to_us(core.clock())
             q = self._q
-            mids: list[int] = []
-            recs: list[records.MessageRecord] = []
-            seen = set()
-            for item in items:
-                mid, rec = self._leased(item, now_us)
-                if mid in seen:
-                    raise InvalidArgument(f"message {mid} appears twice in one ack_many")
-                seen.add(mid)
-                mids.append(mid)
-                recs.append(rec)
+            mids, recs = self._leased_many(items, keys.to_us(core.clock()))
             if not items:
                 pass
             elif q.hot_paths:

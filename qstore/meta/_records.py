@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import operator
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -71,6 +71,23 @@ def encode_message(state: int, priority: int | str, file_id: int, offset: int, l
     data: bytes = _pack([RECORD_VERSION, state, priority, file_id, offset, length, attempts,
                          deliveries, enqueued_at, when_us, digest])
     return data
+
+
+def encode_records(recs: Iterable[MessageRecord]) -> list[bytes]:
+    """:meth:`MessageRecord.encode` of each record: the batch form (a batch pop's).
+
+    A record that needs no version 2 field is packed here, in
+    :func:`encode_message`'s layout, without the two calls per record.
+    """
+    pack, version = _pack, RECORD_VERSION
+    out: list[bytes] = []
+    for r in recs:
+        if r.expires_us or r.aged or r.reason is not None:
+            out.append(r.encode())
+        else:
+            out.append(pack([version, r.state, r.priority, r.file_id, r.offset, r.length,
+                             r.attempts, r.deliveries, r.enqueued_at, r.when_us, r.digest]))
+    return out
 
 
 def encode_message_v2(state: int, priority: int | str, file_id: int, offset: int, length: int,

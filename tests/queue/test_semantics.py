@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import pickle
 import random
 import threading
 import time
@@ -274,6 +275,43 @@ def test_ack_many_takes_messages_and_receipts(store: qstore.Store) -> None:
     assert q.ack_many([msgs[0], msgs[1].receipt, msgs[2]]) == 3
     assert counts(q) == Counts(0, 0, 0, 0, 0)
     assert q.ack_many([]) == 0
+
+
+def test_a_popped_message_equals_its_fields_with_the_receipt_written_out(
+        store: qstore.Store) -> None:
+    # A pop writes the receipt string only when it is read (qstore/_message.py).
+    q = store.create_queue("q")
+    q.push_many([b"a", b"b"])
+    first, second = q.pop_many(2)
+    fields = (first.id, first.queue, first.priority, first.payload, first.attempts,
+              first.enqueued_at, first.lease_deadline, first.receipt, first.state)
+    qid = int(first.receipt.split("-")[0], 16)
+    assert first.receipt == f"{qid:x}-{first.id:x}-1"
+    rebuilt = qstore.Message(*fields)
+    assert rebuilt == first and hash(rebuilt) == hash(first)
+    # Compared, hashed and pickled before anything read its receipt: the same.
+    assert second == pickle.loads(pickle.dumps(second))
+    assert hash(second) == hash(qstore.Message(*pickle.loads(pickle.dumps(second))._fields()))
+    assert pickle.loads(pickle.dumps(second)).receipt == f"{qid:x}-{second.id:x}-1"
+    assert second != first
+
+
+def test_ack_many_that_fails_changes_nothing_and_the_good_leases_still_ack(
+        store: qstore.Store, clock: Any) -> None:
+    q = store.create_queue("q", max_attempts=5)
+    q.push_many([b"a", b"b", b"c"])
+    short = pop1(q, lease=1.0)
+    rest = q.pop_many(2, lease=30.0)
+    clock.advance(1.0)  # the first lease has run out
+    before = dump(store)
+    with pytest.raises(qstore.LeaseExpired):
+        q.ack_many([rest[0], short, rest[1]])
+    with pytest.raises(qstore.InvalidArgument, match=f"message {rest[1].id} appears twice"):
+        q.ack_many([rest[0], rest[1], rest[1].receipt])
+    assert dump(store) == before
+    assert q.ack_many(rest) == 2  # their records come back from RocksDB
+    assert counts(q) == Counts(1, 0, 0, 0, 1)
+    assert_consistent(store, q)
 
 
 def test_nack_and_extend_take_the_receipt_string(store: qstore.Store, clock: Any) -> None:
