@@ -82,8 +82,8 @@ def _receipt_parts(item: object) -> tuple[int, int, int]:
     match = _RECEIPT.fullmatch(receipt)
     if match is None:
         raise InvalidArgument(f"malformed receipt {receipt!r:.80}")
-    qid, mid, delivery = (int(p, 16) for p in match.groups())
-    return qid, mid, delivery
+    qid, mid, delivery = match.groups()
+    return int(qid, 16), int(mid, 16), int(delivery, 16)
 
 
 def _iterate(items: object, what: str) -> Iterator[Any]:
