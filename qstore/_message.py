@@ -71,9 +71,9 @@ class Message:
         """The nine fields in order, then ``expires_at`` and ``dead_reason`` when either
         is set: the layout of a message on the wire (docs/protocol.md)."""
         v = self._v
-        if v[7] is None and self._lease is not None:  # a pop's receipt, not written yet
-            qid, mid, delivery = self._lease
-            v = v[:7] + (make_receipt(qid, mid, delivery),) + v[8:]
+        lease = self._lease
+        if lease is not None and v[7] is None:  # a pop's receipt, not written yet
+            v = v[:7] + (make_receipt(*lease),) + v[8:]
             _set(self, "_v", v)
         return v
 

@@ -18,7 +18,6 @@ from typing import Any
 
 from .. import _wire as wire
 from .._errors import InvalidArgument, LeaseExpired, MessageNotFound, QueueNotFound
-from .._message import Message
 from .._queue import MAX_SECONDS, Queue
 from .._store import Store
 
@@ -31,10 +30,10 @@ class Leases:
     def __init__(self) -> None:
         self.held: dict[str, str] = {}  # receipt -> queue name
 
-    def took(self, queue: str, msgs: list[Message]) -> None:
-        for m in msgs:
-            if m.receipt is not None:
-                self.held[m.receipt] = queue
+    def took(self, queue: str, popped: list[tuple[Any, ...]]) -> None:
+        """Hold the receipts of ``popped`` (messages a pop returned, as the wire's fields)."""
+        for fields in popped:
+            self.held[fields[7]] = queue
 
     def release(self, store: Store) -> int:
         """Nack every lease still held (store thread); returns how many went back."""
@@ -81,8 +80,9 @@ def _pop(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
     got = q.pop_many(1, **args)
     if not got:
         return PARK if wait and not parked else None
-    leases.took(q.name, got)
-    return wire.encode_message(got[0])
+    fields = wire.encode_message(got[0])  # first: a pop's receipt is written when read
+    leases.held[fields[7]] = q.name
+    return fields
 
 
 def _pop_many(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
@@ -90,8 +90,9 @@ def _pop_many(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> A
     got = q.pop_many(**args)
     if not got:
         return PARK if wait and not parked else []
-    leases.took(q.name, got)
-    return [wire.encode_message(m) for m in got]
+    out = [wire.encode_message(m) for m in got]
+    leases.took(q.name, out)
+    return out
 
 
 def _ack(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
@@ -201,9 +202,8 @@ def pop_group(store: Store, name: str, lease: float, takers: list[Leases]) -> li
     got = store.queue(name).pop_many(len(takers), lease=lease)
     out: list[Any] = [None] * len(takers)
     for i, m in enumerate(got):
-        if m.receipt is not None:
-            takers[i].held[m.receipt] = name
-        out[i] = wire.encode_message(m)
+        fields = out[i] = wire.encode_message(m)
+        takers[i].held[fields[7]] = name
     return out
 
 
