@@ -30,10 +30,11 @@ class Leases:
     def __init__(self) -> None:
         self.held: dict[str, str] = {}  # receipt -> queue name
 
-    def took(self, queue: str, popped: list[tuple[Any, ...]]) -> None:
-        """Hold the receipts of ``popped`` (messages a pop returned, as the wire's fields)."""
-        for fields in popped:
-            self.held[fields[7]] = queue
+    def hold(self, queue: str, fields: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Hold the receipt of a popped message given as its wire fields (encoded
+        first: a pop's receipt is written when read); returns ``fields``."""
+        self.held[fields[7]] = queue
+        return fields
 
     def release(self, store: Store) -> int:
         """Nack every lease still held (store thread); returns how many went back."""
@@ -80,9 +81,7 @@ def _pop(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
     got = q.pop_many(1, **args)
     if not got:
         return PARK if wait and not parked else None
-    fields = wire.encode_message(got[0])  # first: a pop's receipt is written when read
-    leases.held[fields[7]] = q.name
-    return fields
+    return leases.hold(q.name, wire.encode_message(got[0]))
 
 
 def _pop_many(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
@@ -90,9 +89,8 @@ def _pop_many(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> A
     got = q.pop_many(**args)
     if not got:
         return PARK if wait and not parked else []
-    out = [wire.encode_message(m) for m in got]
-    leases.took(q.name, out)
-    return out
+    name = q.name
+    return [leases.hold(name, wire.encode_message(m)) for m in got]
 
 
 def _ack(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
@@ -202,8 +200,7 @@ def pop_group(store: Store, name: str, lease: float, takers: list[Leases]) -> li
     got = store.queue(name).pop_many(len(takers), lease=lease)
     out: list[Any] = [None] * len(takers)
     for i, m in enumerate(got):
-        fields = out[i] = wire.encode_message(m)
-        takers[i].held[fields[7]] = name
+        out[i] = takers[i].hold(name, wire.encode_message(m))
     return out
 
 
