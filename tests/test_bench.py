@@ -178,13 +178,13 @@ def test_a_server_run_counts_every_message_and_the_cpu_of_both_sides(tmp_path: A
         with qstore.connect(srv.address) as c:
             c.create_queue(_server.QUEUE)
         idle = srv.cpu()
-        d = _server._drive("qstore", srv, "push", 1000, 60.0, clients=2)
-        assert d.messages == 1000 and d.rate > 0
+        d = _server._drive("qstore", srv, "push", 2000, 60.0, clients=2)
+        assert d.messages == 2000 and d.rate > 0
         assert d.server_cpu > 0 and d.client_cpu > 0
         assert srv.cpu() >= idle + d.server_cpu
-        assert d.cpu_us(d.server_cpu) == pytest.approx(d.server_cpu / 1000 * 1e6)
+        assert d.cpu_us(d.server_cpu) == pytest.approx(d.server_cpu / 2000 * 1e6)
         with qstore.connect(srv.address) as c:
-            assert c.queue(_server.QUEUE).stats().ready == 1000
+            assert c.queue(_server.QUEUE).stats().ready == 2000
 
 
 def test_the_framing_floor_answers_the_real_client_from_a_can() -> None:
@@ -199,8 +199,10 @@ def test_the_framing_floor_answers_the_real_client_from_a_can() -> None:
             with pytest.raises(qstore.InvalidArgument, match="framing floor"):
                 q.push(b"x")  # no store behind it: refused, the connection kept
             assert q.pop(lease=60.0) == m  # the same canned message every time
-        d = _server._drive("qstore", srv, "pop+ack", 400, 60.0, clients=2)
-        assert d.messages == 400 and d.server_cpu > 0 and d.client_cpu > 0
+        # Enough messages that the server uses many scheduler ticks of CPU (about
+        # 20 us a message here; a tick is 10 ms, and 400 messages once read as 0).
+        d = _server._drive("qstore", srv, "pop+ack", 5000, 60.0, clients=2)
+        assert d.messages == 5000 and d.server_cpu > 0 and d.client_cpu > 0
 
 
 def test_feature_overhead_extracts_a_commit_or_skips(tmp_path: Any,
