@@ -9,8 +9,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 import qstore
+
+# Hypothesis fails an example that runs over its deadline (200 ms by default).
+# The suite runs on shared, loaded machines where a pause of that length says
+# nothing about the code: no deadline anywhere (a test's own settings may still
+# set one), the same as the tests that already said deadline=None.
+settings.register_profile("qstore", deadline=None)
+settings.load_profile("qstore")
 
 
 class FakeClock:
