@@ -17,7 +17,9 @@ Architecture, in one page:
   ``qstore`` reads for the audit and backfill jobs (docs/spark.md).
 """
 
-from . import aio
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
+
 from ._check_report import CheckReport, Finding
 from ._client import Client, RemoteQueue, connect
 from ._compact import CompactionResult
@@ -43,6 +45,24 @@ from ._store import Store
 from ._store import open_store as open
 
 __version__ = "0.1.0"
+
+if _TYPE_CHECKING:
+    from . import aio
+
+
+def __getattr__(name: str) -> _Any:
+    """``qstore.aio`` on first use: asyncio takes about 25 ms to import, which a
+    process that never uses the asyncio client should not pay (nor numpy, see
+    _lazy.py)."""
+    if name == "aio":
+        import qstore.aio
+
+        return qstore.aio
+    raise AttributeError(f"module 'qstore' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "aio"})
 
 __all__ = [
     "AuthenticationFailed",

@@ -44,8 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ._core import Core
 from ._errors import InvalidArgument, StorageError, StoreClosed
@@ -54,6 +53,11 @@ from ._txn import Txn
 from .meta import keys, records
 from .payload import FRAME_SIZE as _FRAME_SIZE
 from .payload import HEADER_SIZE, PayloadRef
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from ._lazy import np  # imported on first use (_lazy.py)
 
 log = logging.getLogger("qstore.compact")
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from .._lazy import np  # imported on first use (_lazy.py)
 
 # Singletons (value: msgpack).
 META = b"M"
@@ -192,16 +195,13 @@ def index_key(state: int, qid: int, mid: int, pkey: bytes, when_us: int) -> byte
 
 # -- bulk forms (numpy): the same bytes as the builders above, a whole array at once --
 
-_SIGN = np.uint64(1 << 63)
-
-
 def int_priority_keys(priorities: np.ndarray, order: str) -> np.ndarray:
     """:func:`priority_key` of int priorities (int64 array) as uint64 values.
 
     Written big-endian (:func:`key_rows`) each is the 8-byte key of an "int"
     queue of ``order`` "min" or "max"; a "fifo" queue has no priority key.
     """
-    u = priorities.astype(np.int64).view(np.uint64) ^ _SIGN  # offset binary
+    u = priorities.astype(np.int64).view(np.uint64) ^ np.uint64(1 << 63)  # offset binary
     return u if order == "min" else ~u
 
 

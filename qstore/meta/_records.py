@@ -6,17 +6,22 @@ See docs/meta-schema.md.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgpack
-import numpy as np
 
 from .._errors import StorageError
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from .._lazy import np  # imported on first use (_lazy.py)
 
 RECORD_VERSION = 1  # never change the meaning of 1
 # Version 2 of a message record: version 1's fields plus [expires_us, aged, reason]
@@ -148,18 +153,25 @@ def repoint_many(vs: list[bytes], file_id: int, offsets: list[int]) -> list[byte
 
 
 # -- reading fields of many encoded records at once (numpy) --
-#
-# The width of a msgpack object from its first byte, for the kinds a message
-# record holds: ints, nil, floats, str (priorities, reasons) and bin (digests).
-# 0: a kind records never hold; str 8/16 and bin 8/16 are read from their length.
-_WIDTH = np.zeros(256, np.int64)
-_WIDTH[0x00:0x80] = 1  # positive fixint
-_WIDTH[0xE0:0x100] = 1  # negative fixint
-_WIDTH[0xA0:0xC0] = np.arange(1, 33)  # fixstr of 0..31 bytes
-_WIDTH[0xC0] = 1  # nil
-for _tag, _w in ((0xCA, 5), (0xCB, 9), (0xCC, 2), (0xCD, 3), (0xCE, 5), (0xCF, 9),
-                 (0xD0, 2), (0xD1, 3), (0xD2, 5), (0xD3, 9)):
-    _WIDTH[_tag] = _w
+
+
+@functools.cache
+def _widths() -> np.ndarray:
+    """The width of a msgpack object from its first byte, for the kinds a message
+    record holds: ints, nil, floats, str (priorities, reasons) and bin (digests).
+    0: a kind records never hold; str 8/16 and bin 8/16 are read from their length.
+    (Built on first use: nothing touches numpy at import, see _lazy.py.)"""
+    width = np.zeros(256, np.int64)
+    width[0x00:0x80] = 1  # positive fixint
+    width[0xE0:0x100] = 1  # negative fixint
+    width[0xA0:0xC0] = np.arange(1, 33)  # fixstr of 0..31 bytes
+    width[0xC0] = 1  # nil
+    for tag, w in ((0xCA, 5), (0xCB, 9), (0xCC, 2), (0xCD, 3), (0xCE, 5), (0xCF, 9),
+                   (0xD0, 2), (0xD1, 3), (0xD2, 5), (0xD3, 9)):
+        width[tag] = w
+    return width
+
+
 _LEN8 = (0xC4, 0xD9)  # bin 8, str 8: a one-byte length follows the tag
 _LEN16 = (0xC5, 0xDA)  # bin 16, str 16: a two-byte length
 _UINT_BYTES = ((0xCC, 1), (0xCD, 2), (0xCE, 4), (0xCF, 8))
@@ -192,12 +204,13 @@ def _fields(flat: np.ndarray, starts: np.ndarray) -> list[np.ndarray] | None:
                   | (v2 & (version == RECORD_VERSION_2))):
         return None
     fields = []
+    widths = _widths()
     pos = starts + 1
     last = size - 1
     for k in range(14 if v2.any() else 11):
         has = v2 if k >= 11 else None  # rows that hold field k
         tag = flat[np.minimum(pos, last)]
-        width = _WIDTH[tag]
+        width = widths[tag]
         for tags, extra in ((_LEN8, 1), (_LEN16, 2)):
             var = np.isin(tag, tags)
             if var.any():
@@ -249,7 +262,7 @@ def repoint(data: bytes, file_id: int, offset: int) -> bytes:
 # class 0 is the one-byte fixint (-32..127); then uint 8/16/32/64, then int 8/16/32/64.
 _INT_TAGS = (0, 0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3)
 _INT_SIZES = (1, 1, 2, 4, 8, 1, 2, 4, 8)  # value bytes after the tag (class 0: no tag)
-_INT_WIDTHS = np.array([1, 2, 3, 5, 9, 2, 3, 5, 9], np.int64)
+_INT_WIDTHS = (1, 2, 3, 5, 9, 2, 3, 5, 9)  # tag and value bytes of each class
 _RECORD_HEAD = (0x9B, RECORD_VERSION)  # fixarray of 11, the version (a fixint)
 _RECORD_HEAD_2 = (0x9E, RECORD_VERSION_2)  # fixarray of 14, version 2
 _V2_TAIL = (0x00, 0xC0)  # after expires_us: aged 0 (a fixint), reason nil
@@ -320,8 +333,9 @@ def encode_messages(states: np.ndarray, priorities: np.ndarray, file_ids: int | 
         sig = sig * 9 + c
     # Record lengths: head 2 + state 1 + the 5 ints + two zeros 2 + float 9 + digest 1 or
     # 18; version 2 adds expires_us and two bytes (aged 0, reason nil).
-    sizes = (15 + sum(_INT_WIDTHS[c] for c in classes[:5]) + 17 * has_dg
-             + has_exp * (_INT_WIDTHS[classes[5]] + 2))
+    widths = np.array(_INT_WIDTHS, np.int64)
+    sizes = (15 + sum(widths[c] for c in classes[:5]) + 17 * has_dg
+             + has_exp * (widths[classes[5]] + 2))
     ends = np.cumsum(sizes)
     starts = ends - sizes
     groups, inverse = np.unique(sig, return_inverse=True)

@@ -8,10 +8,15 @@ CRC call per body and a few numpy copies, never one Python object per body.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .._fs import Buffer
 from . import _format as fmt
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from .._lazy import np  # imported on first use (_lazy.py)
 
 
 def record_crcs(data: Buffer, starts: np.ndarray, lens: np.ndarray) -> list[int]:

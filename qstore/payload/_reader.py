@@ -14,14 +14,18 @@ import mmap
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .._errors import Corruption
 from .._fs import calls as fcalls
 from . import _format as fmt
 from ._format import Located, PayloadRef
 from ._frames import record_crcs
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from .._lazy import np  # imported on first use (_lazy.py)
 
 _REMAP_TRIES = 10
 _FRAME_UNPACK, _SEEDS, _crc32 = fmt.FRAME.unpack_from, fmt.SEEDS, fmt.crc32

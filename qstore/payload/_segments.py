@@ -10,9 +10,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ParamSpec, TypeVar
-
-import numpy as np
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from .._errors import Corruption, PayloadTooLarge, StorageError
 from .._fs import calls as fcalls
@@ -22,6 +20,11 @@ from ._format import Located, PayloadRef
 from ._reader import ScanError, SegmentReader, frame_problem, frames_intact, is_zero_from
 from ._views import create_views_lock, no_view_opening, viewing
 from ._writer import NEW_SUFFIX, SegmentWriter, create_segment_file
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from .._lazy import np  # imported on first use (_lazy.py)
 
 log = logging.getLogger("qstore.payload")
 

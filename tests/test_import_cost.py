@@ -1,0 +1,86 @@
+"""What ``import qstore`` loads: numpy and asyncio only when something uses them.
+
+A web worker that pushes, a consumer that talks to a server, or a
+``qstore push`` from a shell imports qstore in a fresh process each time;
+numpy (about 50 ms, 20 MB and OpenBLAS's threads) and asyncio (about 25 ms)
+are loaded only by the paths that need them (qstore/_lazy.py). Each case
+runs in a fresh interpreter, since this one has imported both long ago.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from tests.server._support import running
+
+
+def _run(code: str) -> dict[str, object]:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, timeout=120, check=True)
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_single_operations_load_neither_numpy_nor_asyncio(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    got = _run(f"""
+        import json, sys
+        import qstore
+        seen = {{"import": sorted(m for m in ("numpy", "asyncio") if m in sys.modules)}}
+        with qstore.open({str(tmp_path / "s")!r}) as store:
+            q = store.create_queue("q")
+            q.push(b"one", priority=3)
+            m = q.pop()
+            q.ack(m)
+            ids = q.push_many([b"a", b"b"])
+            got = q.pop_many(2)
+            q.ack_many(got)
+            seen["ops"] = sorted(m for m in ("numpy", "asyncio") if m in sys.modules)
+            seen["bodies"] = [m.payload.decode() for m in got]
+        print(json.dumps(seen))
+    """)
+    assert got == {"import": [], "ops": [], "bodies": ["a", "b"]}
+
+
+def test_numpy_and_aio_load_when_first_used(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    got = _run(f"""
+        import json, sys
+        import qstore
+        seen = {{}}
+        with qstore.open({str(tmp_path / "s")!r}, segment_max_bytes=64 * 1024,
+                         compactor=False) as store:
+            q = store.create_queue("q")
+            ids = q.push_many([bytes([i % 256]) * 1000 for i in range(300)])
+            q.ack_many(q.pop_many(200))
+            seen["before"] = "numpy" in sys.modules
+            result = store.compact(threshold=0.0)
+            seen["moved"] = result.messages_moved
+            seen["after"] = "numpy" in sys.modules
+            left = q.pop_many(100)
+            index = dict(zip(ids, range(300)))
+            seen["left"] = [m.payload == bytes([index[m.id] % 256]) * 1000 for m in left]
+        seen["aio"] = qstore.aio.connect.__module__
+        seen["asyncio"] = "asyncio" in sys.modules
+        print(json.dumps(seen))
+    """)
+    assert got["before"] is False and got["after"] is True
+    assert got["moved"] == 100 and got["left"] == [True] * 100
+    assert got["aio"] == "qstore.aio" and got["asyncio"] is True
+
+
+def test_a_client_loads_neither_numpy_nor_asyncio(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with running(str(tmp_path / "store")) as server:
+        got = _run(f"""
+            import json, sys
+            import qstore
+            with qstore.connect({server.address!r}) as client:
+                q = client.create_queue("q")
+                q.push(b"over the wire")
+                m = q.pop()
+                q.ack(m)
+            print(json.dumps({{"body": m.payload.decode(),
+                              "loaded": [x for x in ("numpy", "asyncio") if x in sys.modules]}}))
+        """)
+    assert got == {"body": "over the wire", "loaded": []}
