@@ -5,7 +5,10 @@ the backfill's record and key encoders); a process that embeds a store for
 single operations, or only talks to a server (``qstore.connect``), never
 needs it. Importing it costs about 50 ms and 20 MB of memory, and starts
 OpenBLAS's thread pool, in every such process (a web worker that pushes, a
-command-line ``qstore push``). Modules that use numpy write::
+command-line ``qstore push``). A store's first use is usually a compaction
+pass's scan (``Compactor._scan_live``), which runs outside the writer lock,
+so the one-time import does not hold up pushes. Modules that use numpy
+write::
 
     if TYPE_CHECKING:
         import numpy as np
