@@ -11,7 +11,6 @@ reconnects. Nothing is retried on its own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import ssl
 from collections.abc import Iterable, Sequence
@@ -23,105 +22,204 @@ from ._address import Address, parse_address
 from ._check_report import CheckReport
 from ._compact import CompactionResult
 from ._message import Message, QueueStats, StoreStats
-from ._net_errors import ConnectionLost
+from ._net_errors import ConnectionLost, ProtocolError
 
 __all__ = ["AsyncClient", "AsyncQueue", "connect"]
 
+_LENGTH = wire.LENGTH
+
 
 class _Link(base.LinkSettings):
+    """One connection to the server, opened on first use and after a drop; every
+    task's requests are pipelined on it and answers matched by request id."""
+
     def __init__(self, address: Address, token: str | None, timeout: float, keep_leases: bool,
                  ssl_context: ssl.SSLContext | None, server_hostname: str | None) -> None:
         super().__init__(address, token, timeout, keep_leases, ssl_context, server_hostname)
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task[None] | None = None
-        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._proto: _Protocol | None = None
         self._opening = asyncio.Lock()
 
-    async def _open(self) -> None:
+    async def _open(self) -> _Protocol:
         a = self.address
+        loop = asyncio.get_running_loop()
         try:
             if a.kind == "unix":
-                coro = asyncio.open_unix_connection(a.path, ssl=self._ssl,
-                                                    server_hostname=self._hostname
-                                                    if self._ssl else None)
+                coro = loop.create_unix_connection(
+                    _Protocol, a.path, ssl=self._ssl,
+                    server_hostname=self._hostname if self._ssl else None)
             else:
-                coro = asyncio.open_connection(a.host, a.port, ssl=self._ssl,
-                                               server_hostname=(self._hostname or a.host)
-                                               if self._ssl else None)
-            reader, writer = await asyncio.wait_for(coro, self.timeout)
-            writer.write(base.hello(self._token, self._keep))
-            welcome = await asyncio.wait_for(_read(reader), self.timeout)
-        except (OSError, EOFError, asyncio.IncompleteReadError, TimeoutError) as exc:
-            raise ConnectionLost(f"cannot connect to {a}: {exc}") from None
+                coro = loop.create_connection(
+                    _Protocol, a.host, a.port, ssl=self._ssl,
+                    server_hostname=(self._hostname or a.host) if self._ssl else None)
+            _, proto = await asyncio.wait_for(coro, self.timeout)
+        except (OSError, TimeoutError) as exc:
+            raise ConnectionLost(f"cannot connect to {a}: {_reason(exc)}") from None
         try:
+            proto.transport.write(base.hello(self._token, self._keep))
+            welcome = await asyncio.wait_for(asyncio.shield(proto.welcome), self.timeout)
             self.welcome = base.check_welcome(welcome)
+        except (OSError, TimeoutError, ConnectionLost) as exc:
+            await proto.close()
+            raise ConnectionLost(f"cannot connect to {a}: {_reason(exc)}") from None
         except BaseException:
-            writer.close()
+            await proto.close()
             raise
-        self._writer = writer
-        self._reader_task = asyncio.create_task(self._read_loop(reader, writer))
-
-    async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        why: BaseException = ConnectionLost(f"connection to {self.address} lost")
-        try:
-            while True:
-                value = await _read(reader)
-                rid = value[0] if isinstance(value, list) and value else None
-                if rid == wire.SERVER_ERROR_ID:
-                    why = wire.decode_error(value[2])
-                    break
-                fut = self._waiting.pop(rid, None) if isinstance(rid, int) else None
-                if fut is not None and not fut.done():
-                    fut.set_result(value)
-        except (OSError, EOFError, asyncio.IncompleteReadError) as exc:
-            why = ConnectionLost(f"connection to {self.address} lost: {exc}; requests in "
-                                 "flight may or may not have run")
-        except Exception as exc:  # a malformed frame from the server
-            why = exc
-        finally:
-            if self._writer is writer:
-                self._writer = None
-            writer.close()
-            waiting, self._waiting = self._waiting, {}
-            for fut in waiting.values():
-                if not fut.done():
-                    fut.set_exception(why)
+        self._proto = proto
+        return proto
 
     async def call(self, op: str, args: dict[str, Any], wait: float = 0.0) -> Any:
-        async with self._opening:
-            if self._writer is None:
-                await self._open()
-        writer = self._writer
-        assert writer is not None
+        proto = self._proto
+        if proto is None or proto.lost:
+            async with self._opening:
+                proto = self._proto
+                if proto is None or proto.lost:
+                    proto = await self._open()
         rid = next(self._ids)
         frame = base.request(rid, op, args, self.welcome.get("max_frame"))
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = fut
+        fut = proto.loop.create_future()
+        proto.waiting[rid] = fut
+        # A timer, not asyncio.wait_for (which wraps the future in more futures and
+        # callbacks): an answer costs the loop two passes, not four.
+        timer = proto.loop.call_later(self.timeout + wait, _time_out, fut)
         try:
-            writer.write(frame)
-            await writer.drain()
-            value = await asyncio.wait_for(fut, self.timeout + wait)
-        except (OSError, TimeoutError) as exc:
-            self._waiting.pop(rid, None)
-            await self.close()
-            raise ConnectionLost(f"connection to {self.address} lost during {op}: {exc!r}; "
-                                 "it may or may not have run") from None
+            proto.transport.write(frame)
+            if proto.paused:  # a large request filled the socket: wait, within the time
+                await asyncio.wait_for(proto.drained(), self.timeout + wait)
+            value = await fut
+        except TimeoutError as exc:
+            if self._proto is proto:
+                self._proto = None
+            await proto.close(f"closed after {op} had no answer in time")
+            raise ConnectionLost(f"connection to {self.address} lost during {op}: "
+                                 f"{_reason(exc)}; it may or may not have run") from None
+        finally:
+            timer.cancel()
+            proto.waiting.pop(rid, None)
+        if type(value) is list and len(value) == 3 and value[1] == wire.OK and value[0] == rid:
+            return value[2]  # the usual answer: base.result would return the same
         return base.result(value, rid)
 
     async def close(self) -> None:
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
-        task, self._reader_task = self._reader_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        proto, self._proto = self._proto, None
+        if proto is not None:
+            await proto.close()
 
 
-async def _read(reader: asyncio.StreamReader) -> Any:
-    (n,) = wire.LENGTH.unpack(await reader.readexactly(4))
-    return wire.unpack(await reader.readexactly(n))
+def _reason(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__  # a TimeoutError's text is empty
+
+
+def _time_out(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError("no answer within the timeout"))
+
+
+class _Protocol(asyncio.Protocol):
+    """Cuts frames out of what the server sends: the first is the handshake answer,
+    each later one resolves the request whose id it carries."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set at once
+        self.welcome: asyncio.Future[Any] = self.loop.create_future()
+        self.waiting: dict[int, asyncio.Future[Any]] = {}
+        self.lost = False
+        self.paused = False
+        self._closed: asyncio.Future[None] = self.loop.create_future()
+        self._drains: list[asyncio.Future[None]] = []  # tasks waiting for resume_writing
+        self._buf = bytearray()
+        self._why: BaseException | None = None  # what the server said before it closed
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        try:
+            if not buf and len(data) >= 4 and _LENGTH.unpack_from(data)[0] + 4 == len(data):
+                self._frame(wire.unpack(memoryview(data)[4:]))  # one whole frame: the usual
+                return
+            buf += data
+            pos, end = 0, len(buf)
+            with memoryview(buf) as view:
+                while end - pos >= 4:
+                    (n,) = _LENGTH.unpack_from(view, pos)
+                    if end - pos - 4 < n:
+                        break
+                    value = wire.unpack(view[pos + 4:pos + 4 + n])
+                    pos += 4 + n
+                    self._frame(value)
+            del buf[:pos]
+        except Exception as exc:  # a malformed frame: this connection is done
+            self._fail(exc)
+            self.transport.close()
+
+    def _frame(self, value: Any) -> None:
+        if not self.welcome.done():
+            self.welcome.set_result(value)
+            return
+        rid = value[0] if type(value) is list and value else None
+        if rid == wire.SERVER_ERROR_ID:  # about the connection: the server closes it
+            if len(value) != 3:
+                raise ProtocolError(f"malformed response {value!r:.80}")
+            raise wire.decode_error(value[2])
+        fut = self.waiting.pop(rid, None) if type(rid) is int else None
+        if fut is not None and not fut.done():
+            fut.set_result(value)
+
+    def _fail(self, why: BaseException) -> None:
+        """Fail every request in flight with ``why`` (the first reason given wins)."""
+        if self._why is None:
+            self._why = why
+        waiting, self.waiting = self.waiting, {}
+        for fut in waiting.values():
+            if not fut.done():
+                fut.set_exception(self._why)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        lost = ConnectionLost(f"connection to the server lost{f': {exc}' if exc else ''}; "
+                              "requests in flight may or may not have run")
+        if not self.welcome.done():
+            self.welcome.set_exception(lost)
+        self._fail(lost)
+        drains, self._drains = self._drains, []
+        for fut in drains:
+            if not fut.done():
+                fut.set_exception(lost)
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        drains, self._drains = self._drains, []
+        for fut in drains:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def drained(self) -> None:
+        """Until the transport takes more (flow control for large requests). Each
+        caller waits on a future of its own, so cancelling one cancels no other."""
+        if not self.paused:
+            return
+        fut = self.loop.create_future()
+        self._drains.append(fut)
+        await fut
+
+    async def close(self, why: str = "closed by the client") -> None:
+        """Close, failing what is in flight with ConnectionLost; returns once closed."""
+        self._fail(ConnectionLost(f"connection {why}; requests in flight may or may not "
+                                  "have run"))
+        self.transport.close()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._closed), 5.0)
+        except TimeoutError:
+            self.transport.abort()
+        if not self.welcome.done():
+            self.welcome.cancel()
 
 
 class AsyncQueue(base.QueueInfo):

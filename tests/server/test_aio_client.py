@@ -1,0 +1,224 @@
+"""The asyncio client's edges: dropped and silent servers, errors the server sends
+about the connection, large frames, cancelled tasks, tokens and TLS.
+
+The same promises as the synchronous client (docs/server.md): a request in
+flight when the connection drops raises ConnectionLost, the next call
+reconnects, nothing is retried on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import socket
+import struct
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import msgpack
+import pytest
+import uvloop
+
+import qstore
+import qstore.aio
+
+from ._support import ServerProcess, running
+from .test_security import _make_cert, _token_file
+
+Run = Callable[[Any], Any]
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request: Any) -> Run:
+    """Runs a coroutine to the end on the event loop named by the parameter: the
+    client runs on whichever loop its user chose, and the two differ in their
+    transports (TLS included)."""
+    factory = uvloop.new_event_loop if request.param == "uvloop" else asyncio.new_event_loop
+
+    def run(coro: Any) -> Any:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(asyncio.wait_for(coro, 60.0))
+    return run
+
+
+def test_a_killed_server_fails_what_is_in_flight_and_the_next_call_reconnects(
+        tmp_path: Any, run: Run) -> None:
+    path = str(tmp_path / "store")
+    holder: dict[str, ServerProcess] = {"srv": ServerProcess(path)}
+
+    async def main() -> None:
+        client = qstore.aio.connect(holder["srv"].address)
+        q = await client.create_queue("k")
+        first = await q.push(b"before")
+        parked = [asyncio.ensure_future(q.pop(wait=60.0)) for _ in range(3)]
+        got = await q.pop()  # answered after the three parked pops were sent
+        assert got is not None and got.id == first and not any(p.done() for p in parked)
+        holder["srv"].kill()
+        for p in parked:
+            with pytest.raises(qstore.ConnectionLost):
+                await p
+        with pytest.raises(qstore.ConnectionLost):
+            await q.push(b"nobody listens")
+        holder["srv"] = ServerProcess(path)
+        assert (await q.stats()).total == 1  # the same client object reconnected
+        second = await q.push(b"after")
+        again = await q.pop()
+        assert again is not None and (again.id, again.payload) == (second, b"after")
+        await client.close()
+
+    try:
+        run(main())
+    finally:
+        holder["srv"].kill()
+
+
+def test_large_frames_and_small_ones_pipelined_on_one_link(server: ServerProcess,
+                                                            run: Run) -> None:
+    big = bytes(range(256)) * (6 * 4096 + 7)  # about 6 MiB: many reads on the client side
+
+    async def main() -> None:
+        async with qstore.aio.connect(server.address) as client:
+            q = await client.create_queue("big", order="fifo")
+            small = [q.push(b"s%d" % i) for i in range(50)]
+            ids = await asyncio.gather(q.push(big), *small)
+            got = await q.pop_many(100)
+            assert [m.id for m in got] == sorted(ids)
+            by_id = {m.id: m.payload for m in got}
+            assert by_id[ids[0]] == big
+            assert [by_id[i] for i in ids[1:]] == [b"s%d" % i for i in range(50)]
+            assert await q.ack_many(got) == 51
+
+    run(main())
+
+
+def test_a_cancelled_call_leaves_the_link_to_the_others(server: ServerProcess,
+                                                         run: Run) -> None:
+    async def main() -> None:
+        async with qstore.aio.connect(server.address) as client:
+            q = await client.create_queue("c")
+            parked = asyncio.ensure_future(q.pop(wait=60.0))
+            await client.ping()  # the parked pop reached the server before the ping's answer
+            parked.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await parked
+            ids = await asyncio.gather(*(q.push(b"%d" % i) for i in range(20)))
+            assert len(set(ids)) == 20
+            assert (await q.stats()).total == 20
+
+    run(main())
+
+
+def test_tokens_and_tls(tmp_path: Any, run: Run) -> None:
+    cert, key = _make_cert(tmp_path)
+    with running(str(tmp_path / "s"), "--listen", "tcp://127.0.0.1:0", "--tls-cert", cert,
+                 "--tls-key", key, "--token-file", _token_file(tmp_path)) as srv:
+        async def main() -> None:
+            with pytest.raises(qstore.AuthenticationFailed):
+                await qstore.aio.connect(srv.address, token="wrong", cafile=cert).ping()
+            with pytest.raises(qstore.ConnectionLost):  # plain TCP to a TLS server
+                await qstore.aio.connect(srv.address, token="s3cret-token", timeout=5.0).ping()
+            async with qstore.aio.connect(srv.address, token="s3cret-token",
+                                          cafile=cert) as client:
+                q = await client.create_queue("tls")
+                await q.push(b"\x00secret\xff")
+                m = await q.pop()
+                assert m is not None and m.payload == b"\x00secret\xff"
+
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", ResourceWarning)
+            run(main())
+            gc.collect()
+        assert [str(w.message) for w in seen if w.category is ResourceWarning] == []
+
+
+# -- a fake server, for what a real one does only when something is wrong -------
+
+
+def _frame(value: Any) -> bytes:
+    body = msgpack.packb(value, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+def _read_frame(conn: socket.socket) -> Any:
+    def exactly(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = conn.recv(n - len(out))
+            if not chunk:
+                raise EOFError
+            out += chunk
+        return out
+    (n,) = struct.unpack(">I", exactly(4))
+    return msgpack.unpackb(exactly(n), raw=False)
+
+
+@contextmanager
+def _fake_server(after_hello: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A loopback server that answers the handshake, then hands the connection to
+    ``after_hello``; yields its address."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            _read_frame(conn)
+            conn.sendall(_frame({"qstore": 1, "server": "fake"}))
+            after_hello(conn)
+            done.wait(30)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        done.set()
+        thread.join(30)
+        listener.close()
+
+
+def test_a_server_that_never_answers_times_out_as_connection_lost(run: Run) -> None:
+    with _fake_server(lambda conn: _read_frame(conn)) as address:
+        async def main() -> None:
+            client = qstore.aio.connect(address, timeout=0.2)
+            with pytest.raises(qstore.ConnectionLost, match="ping"):
+                await client.ping()
+            await client.close()
+
+        run(main())
+
+
+def test_an_error_about_the_connection_fails_every_request_in_flight(run: Run) -> None:
+    def refuse(conn: socket.socket) -> None:
+        _read_frame(conn)
+        _read_frame(conn)
+        conn.sendall(_frame([0, 1, ["ServerBusy", "too many waiting pops", {}]]))
+
+    with _fake_server(refuse) as address:
+        async def main() -> None:
+            client = qstore.aio.connect(address)
+            calls = [asyncio.ensure_future(client.ping()) for _ in range(2)]
+            for c in calls:
+                with pytest.raises(qstore.ServerBusy, match="too many waiting pops"):
+                    await c
+            await client.close()
+
+        run(main())
+
+
+def test_a_malformed_answer_is_a_protocol_error(run: Run) -> None:
+    def garble(conn: socket.socket) -> None:
+        _read_frame(conn)
+        conn.sendall(struct.pack(">I", 3) + b"\xc1\xc1\xc1")  # 0xc1: never used by msgpack
+
+    with _fake_server(garble) as address:
+        async def main() -> None:
+            client = qstore.aio.connect(address)
+            with pytest.raises(qstore.ProtocolError):
+                await client.ping()
+            await client.close()
+
+        run(main())
