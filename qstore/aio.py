@@ -45,11 +45,11 @@ class _Link(base.LinkSettings):
         try:
             if a.kind == "unix":
                 coro = loop.create_unix_connection(
-                    _Protocol, a.path, ssl=self._ssl,
+                    lambda: _Protocol(a), a.path, ssl=self._ssl,
                     server_hostname=self._hostname if self._ssl else None)
             else:
                 coro = loop.create_connection(
-                    _Protocol, a.host, a.port, ssl=self._ssl,
+                    lambda: _Protocol(a), a.host, a.port, ssl=self._ssl,
                     server_hostname=(self._hostname or a.host) if self._ssl else None)
             _, proto = await asyncio.wait_for(coro, self.timeout)
         except (OSError, TimeoutError) as exc:
@@ -118,7 +118,8 @@ class _Protocol(asyncio.Protocol):
     """Cuts frames out of what the server sends: the first is the handshake answer,
     each later one resolves the request whose id it carries."""
 
-    def __init__(self) -> None:
+    def __init__(self, address: Address) -> None:
+        self.address = address
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set at once
         self.welcome: asyncio.Future[Any] = self.loop.create_future()
@@ -178,8 +179,9 @@ class _Protocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        lost = ConnectionLost(f"connection to the server lost{f': {exc}' if exc else ''}; "
-                              "requests in flight may or may not have run")
+        lost = ConnectionLost(f"connection to {self.address} lost"
+                              f"{f': {exc}' if exc else ''}; requests in flight may or may "
+                              "not have run")
         if not self.welcome.done():
             self.welcome.set_exception(lost)
         self._fail(lost)
@@ -211,8 +213,8 @@ class _Protocol(asyncio.Protocol):
 
     async def close(self, why: str = "closed by the client") -> None:
         """Close, failing what is in flight with ConnectionLost; returns once closed."""
-        self._fail(ConnectionLost(f"connection {why}; requests in flight may or may not "
-                                  "have run"))
+        self._fail(ConnectionLost(f"connection to {self.address} {why}; requests in "
+                                  "flight may or may not have run"))
         self.transport.close()
         try:
             await asyncio.wait_for(asyncio.shield(self._closed), 5.0)
