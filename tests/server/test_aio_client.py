@@ -22,9 +22,12 @@ from typing import Any
 import msgpack
 import pytest
 import uvloop
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qstore
 import qstore.aio
+from qstore._address import parse_address
 
 from ._support import ServerProcess, running
 from .test_security import _make_cert, _token_file
@@ -223,3 +226,65 @@ def test_a_malformed_answer_is_a_protocol_error(run: Run) -> None:
             await client.close()
 
         run(main())
+
+
+# -- the frame cutter alone, against any way the bytes may be split into reads ---
+
+
+class _Transport:
+    """What the protocol calls on its transport, recorded."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+_VALUES = st.one_of(st.binary(max_size=3000), st.text(max_size=50),
+                   st.integers(-2**63, 2**64 - 1), st.none())  # what msgpack carries
+
+
+@given(answers=st.lists(_VALUES, min_size=1, max_size=12),
+       cuts=st.lists(st.integers(min_value=0, max_value=40_000), max_size=20))
+@settings(max_examples=150)
+def test_answers_come_out_whole_however_the_reads_split_them(answers: list[Any],
+                                                             cuts: list[int]) -> None:
+    async def main() -> None:
+        proto = qstore.aio._Protocol(parse_address("tcp://127.0.0.1:1"))
+        transport = _Transport()
+        proto.connection_made(transport)  # type: ignore[arg-type]
+        futs = {rid: proto.loop.create_future() for rid in range(1, len(answers) + 1)}
+        proto.waiting.update(futs)
+        stream = _frame({"qstore": 1}) + b"".join(
+            _frame([rid, 0, value]) for rid, value in zip(futs, answers, strict=True))
+        edges = sorted({0, len(stream), *(c % (len(stream) + 1) for c in cuts)})
+        for a, b in zip(edges, edges[1:], strict=False):
+            proto.data_received(stream[a:b])
+        assert proto.welcome.result() == {"qstore": 1}
+        assert [f.result()[2] for f in futs.values()] == answers
+        assert not transport.closed and proto.waiting == {}
+
+    asyncio.run(main())
+
+
+@given(cut=st.integers(min_value=1, max_value=20))
+@settings(max_examples=20)
+def test_a_truncated_answer_waits_and_a_garbled_one_fails_everything(cut: int) -> None:
+    async def main() -> None:
+        proto = qstore.aio._Protocol(parse_address("tcp://127.0.0.1:1"))
+        transport = _Transport()
+        proto.connection_made(transport)  # type: ignore[arg-type]
+        proto.data_received(_frame({"qstore": 1}))
+        first, second = proto.loop.create_future(), proto.loop.create_future()
+        proto.waiting.update({1: first, 2: second})
+        whole = _frame([1, 0, b"x" * 20])
+        proto.data_received(whole[:cut])  # not all of it yet: nothing happens
+        assert not first.done() and not transport.closed
+        proto.data_received(whole[cut:] + struct.pack(">I", 2) + b"\xc1\xc1")
+        assert first.result() == [1, 0, b"x" * 20]
+        with pytest.raises(qstore.ProtocolError):
+            second.result()
+        assert transport.closed
+
+    asyncio.run(main())
