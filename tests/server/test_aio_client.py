@@ -138,6 +138,25 @@ def test_tokens_and_tls(tmp_path: Any, run: Run) -> None:
         assert [str(w.message) for w in seen if w.category is ResourceWarning] == []
 
 
+def test_payload_and_frame_limits_keep_the_link(tmp_path: Any, run: Run) -> None:
+    limit = 256 * 1024
+    with running(str(tmp_path / "s"), "--max-payload-bytes", str(limit)) as srv:
+        async def main() -> None:
+            async with qstore.aio.connect(srv.address) as client:
+                q = await client.create_queue("p")
+                frame = client._link.welcome["max_frame"]
+                with pytest.raises(qstore.PayloadTooLarge) as info:
+                    await q.push(b"x" * (limit + 1))
+                assert (info.value.size, info.value.limit) == (limit + 1, limit)
+                with pytest.raises(qstore.InvalidArgument, match="frame limit"):
+                    await q.push(b"x" * frame)  # refused by the client: nothing is sent
+                await q.push(b"y" * limit)
+                m = await q.pop()
+                assert m is not None and m.payload == b"y" * limit
+
+        run(main())
+
+
 # -- a fake server, for what a real one does only when something is wrong -------
 
 
