@@ -22,7 +22,6 @@ from typing import Any as _Any
 
 from ._check_report import CheckReport, Finding
 from ._client import Client, RemoteQueue, connect
-from ._compact import CompactionResult
 from ._config import Config
 from ._errors import (
     Corruption,
@@ -38,31 +37,43 @@ from ._errors import (
     StoreClosed,
     StoreLocked,
 )
-from ._message import Message, QueueStats, SegmentStats, StoreStats
+from ._message import CompactionResult, Message, QueueStats, SegmentStats, StoreStats
 from ._net_errors import AuthenticationFailed, ConnectionLost, ProtocolError, ServerBusy
-from ._queue import Queue
-from ._store import Store
-from ._store import open_store as open
 
 __version__ = "0.1.0"
 
 if _TYPE_CHECKING:
     from . import aio
+    from ._queue import Queue
+    from ._store import Store
+    from ._store import open_store as open
 
 
 def __getattr__(name: str) -> _Any:
-    """``qstore.aio`` on first use: asyncio takes about 25 ms to import, which a
-    process that never uses the asyncio client should not pay (nor numpy, see
-    _lazy.py)."""
+    """What only some processes need, imported on first use: the embedded store
+    (``open``, ``Store``, ``Queue``: RocksDB and the core) and ``qstore.aio``
+    (asyncio, about 25 ms). A process that only talks to a server
+    (``qstore.connect``) loads neither, nor numpy (see _lazy.py)."""
     if name == "aio":
         import qstore.aio
 
         return qstore.aio
+    if name in _EMBEDDED:
+        from ._queue import Queue
+        from ._store import Store, open_store
+
+        found = {"open": open_store, "Store": Store, "Queue": Queue}
+        globals().update(found)  # later reads are plain attribute reads
+        return found[name]
     raise AttributeError(f"module 'qstore' has no attribute {name!r}")
 
 
+_EMBEDDED = ("Queue", "Store", "open")
+
+
 def __dir__() -> list[str]:
-    return sorted({*globals(), "aio"})
+    return sorted({*globals(), "aio", *_EMBEDDED})
+
 
 __all__ = [
     "AuthenticationFailed",

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 
 from ._core import Core
 from ._errors import InvalidArgument, StorageError, StoreClosed
+from ._message import CompactionResult
 from ._retry_log import RetryLog
 from ._txn import Txn
 from .meta import keys, records
@@ -79,25 +80,6 @@ step_hook: Callable[[str], None] | None = None
 def _step(name: str) -> None:
     if step_hook is not None:
         step_hook(name)
-
-
-@dataclass(frozen=True)
-class CompactionResult:
-    """What one pass did.
-
-    ``bytes_copied`` counts the records rewritten (8-byte frames included);
-    ``bytes_freed`` is the size of the segment files deleted minus the size
-    of the output written, i.e. how much less disk the payload takes.
-    """
-
-    sealed: int | None
-    segments_read: tuple[int, ...]
-    segments_deleted: tuple[int, ...]
-    output: int | None
-    messages_moved: int
-    bytes_copied: int
-    bytes_freed: int
-    seconds: float
 
 
 _SCAN_CHUNK = 8192  # message records decoded at a time by the scan

@@ -187,3 +187,22 @@ class StoreStats:
 
         body = sum(max(0, s.size - HEADER_SIZE) for s in self.segments)
         return 0.0 if body == 0 else max(0.0, (body - self.live_bytes) / body)
+
+
+@dataclass(frozen=True)
+class CompactionResult:
+    """What one pass did.
+
+    ``bytes_copied`` counts the records rewritten (8-byte frames included);
+    ``bytes_freed`` is the size of the segment files deleted minus the size
+    of the output written, i.e. how much less disk the payload takes.
+    """
+
+    sealed: int | None
+    segments_read: tuple[int, ...]
+    segments_deleted: tuple[int, ...]
+    output: int | None
+    messages_moved: int
+    bytes_copied: int
+    bytes_freed: int
+    seconds: float

@@ -17,11 +17,11 @@ from typing import Any
 from . import _timers as timers
 from ._check import run_check
 from ._check_report import CheckReport
-from ._compact import CompactionResult, Compactor
+from ._compact import Compactor
 from ._config import Config
 from ._core import Core
 from ._errors import InvalidArgument, QueueExists, QueueNotFound, StorageError
-from ._message import SegmentStats, StoreStats
+from ._message import CompactionResult, SegmentStats, StoreStats
 from ._queue import MAX_SECONDS, Queue
 from ._repair import repair as run_repair
 from ._retry_log import RetryLog

@@ -22,8 +22,7 @@ import msgpack
 from . import _errors as errors
 from . import _net_errors as net_errors
 from ._check_report import CheckReport, Finding
-from ._compact import CompactionResult
-from ._message import Message, QueueStats, SegmentStats, StoreStats
+from ._message import CompactionResult, Message, QueueStats, SegmentStats, StoreStats
 
 PROTOCOL_VERSION = 1  # never reuse a number; a server refuses versions it does not speak
 LENGTH = struct.Struct(">I")

@@ -20,8 +20,7 @@ from . import _client_base as base
 from . import _wire as wire
 from ._address import Address, parse_address
 from ._check_report import CheckReport
-from ._compact import CompactionResult
-from ._message import Message, QueueStats, StoreStats
+from ._message import CompactionResult, Message, QueueStats, StoreStats
 from ._net_errors import ConnectionLost, ProtocolError
 
 __all__ = ["AsyncClient", "AsyncQueue", "connect"]

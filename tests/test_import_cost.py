@@ -1,10 +1,12 @@
-"""What ``import qstore`` loads: numpy and asyncio only when something uses them.
+"""What ``import qstore`` loads: numpy, asyncio and the embedded store only when
+something uses them.
 
 A web worker that pushes, a consumer that talks to a server, or a
 ``qstore push`` from a shell imports qstore in a fresh process each time;
-numpy (about 50 ms, 20 MB and OpenBLAS's threads) and asyncio (about 25 ms)
-are loaded only by the paths that need them (qstore/_lazy.py). Each case
-runs in a fresh interpreter, since this one has imported both long ago.
+numpy (about 50 ms, 20 MB and OpenBLAS's threads), asyncio (about 25 ms)
+and the embedded store (RocksDB and the core) are loaded only by the paths
+that need them (qstore/_lazy.py, the package's ``__getattr__``). Each case
+runs in a fresh interpreter, since this one has imported them all long ago.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def test_single_operations_load_neither_numpy_nor_asyncio(tmp_path) -> None:  # 
     got = _run(f"""
         import json, sys
         import qstore
-        seen = {{"import": sorted(m for m in ("numpy", "asyncio") if m in sys.modules)}}
+        seen = {{"import": sorted(m for m in ("numpy", "asyncio", "rocksdict", "qstore._core")
+                                  if m in sys.modules)}}
         with qstore.open({str(tmp_path / "s")!r}) as store:
             q = store.create_queue("q")
             q.push(b"one", priority=3)
@@ -80,7 +83,8 @@ def test_a_client_loads_neither_numpy_nor_asyncio(tmp_path) -> None:  # type: ig
                 q.push(b"over the wire")
                 m = q.pop()
                 q.ack(m)
+            heavy = ("numpy", "asyncio", "rocksdict", "qstore._core")
             print(json.dumps({{"body": m.payload.decode(),
-                              "loaded": [x for x in ("numpy", "asyncio") if x in sys.modules]}}))
+                              "loaded": [x for x in heavy if x in sys.modules]}}))
         """)
     assert got == {"body": "over the wire", "loaded": []}
