@@ -48,6 +48,8 @@ if _TYPE_CHECKING:
     from ._store import Store
     from ._store import open_store as open
 
+_EMBEDDED = ("Queue", "Store", "open")  # the embedded store's names, loaded on first use
+
 
 def __getattr__(name: str) -> _Any:
     """What only some processes need, imported on first use: the embedded store
@@ -66,9 +68,6 @@ def __getattr__(name: str) -> _Any:
         globals().update(found)  # later reads are plain attribute reads
         return found[name]
     raise AttributeError(f"module 'qstore' has no attribute {name!r}")
-
-
-_EMBEDDED = ("Queue", "Store", "open")
 
 
 def __dir__() -> list[str]:

@@ -30,7 +30,7 @@ import qstore.aio
 from qstore._address import parse_address
 
 from ._support import ServerProcess, running
-from .test_security import _make_cert, _token_file
+from .test_security import _frame, _make_cert, _token_file
 
 Run = Callable[[Any], Any]
 
@@ -160,22 +160,9 @@ def test_payload_and_frame_limits_keep_the_link(tmp_path: Any, run: Run) -> None
 # -- a fake server, for what a real one does only when something is wrong -------
 
 
-def _frame(value: Any) -> bytes:
-    body = msgpack.packb(value, use_bin_type=True)
-    return struct.pack(">I", len(body)) + body
-
-
 def _read_frame(conn: socket.socket) -> Any:
-    def exactly(n: int) -> bytes:
-        out = b""
-        while len(out) < n:
-            chunk = conn.recv(n - len(out))
-            if not chunk:
-                raise EOFError
-            out += chunk
-        return out
-    (n,) = struct.unpack(">I", exactly(4))
-    return msgpack.unpackb(exactly(n), raw=False)
+    (n,) = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))
+    return msgpack.unpackb(conn.recv(n, socket.MSG_WAITALL), raw=False)
 
 
 @contextmanager
