@@ -1,6 +1,6 @@
 """numpy, imported the first time something uses it.
 
-Only the bulk paths use numpy (compaction, the check, a batch's frame check,
+Only the bulk paths use numpy (compaction and its frame check, the check,
 the backfill's record and key encoders); a process that embeds a store for
 single operations, or only talks to a server (``qstore.connect``), never
 needs it. Importing it costs about 50 ms and 20 MB of memory, and starts
