@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from ._errors import InvalidArgument
 
 SOCKET_NAME = "qstore.sock"
+# The event loops ``qstore serve`` runs on (qstore.server.loop_factory); here,
+# not in the server package, so that the command line lists them without
+# importing the server.
+LOOPS = ("auto", "uvloop", "asyncio")
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,18 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._address import SOCKET_NAME
 from ._client import Client, connect
-from ._core import require_store
+from ._lazy import lazy
 from ._net_errors import ConnectionLost
-from ._store import open_store
+
+if TYPE_CHECKING:
+    from . import _core, _store
+else:  # only a command that opens the store itself loads it (qstore/_lazy.py)
+    _core = lazy("qstore._core")
+    _store = lazy("qstore._store")
 
 CONNECT_TIMEOUT = 10.0
 
@@ -64,6 +69,6 @@ def open_target(target: str, token_file: str | None = None, *, readonly: bool = 
             yield client
         return
     if not create:
-        require_store(target)
-    with open_store(target, readonly=readonly, compactor=False) as store:
+        _core.require_store(target)
+    with _store.open_store(target, readonly=readonly, compactor=False) as store:
         yield store

@@ -16,21 +16,28 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
 from . import _errors as errors
-from . import server
-from ._check import check_path
+from ._address import LOOPS
 from ._cli_target import is_address, open_target
-from ._demo import run_demo
 from ._errors import EXIT_FOUND, exit_code
-from ._snapshot import MANIFEST
-from ._store import Store, open_store
+from ._lazy import lazy
 from ._tables import print_stats
+
+if TYPE_CHECKING:
+    from . import _check, _demo, _snapshot, server
+    from . import _store as embedded
+else:  # loaded by the commands that use them (qstore/_lazy.py)
+    _check = lazy("qstore._check")
+    _demo = lazy("qstore._demo")
+    _snapshot = lazy("qstore._snapshot")
+    embedded = lazy("qstore._store")
+    server = lazy("qstore.server")
 
 out = Console()
 err = Console(stderr=True)
@@ -48,9 +55,9 @@ def _exit_codes() -> Iterator[None]:
 
 
 @contextmanager
-def _store(path: str, *, readonly: bool = False) -> Iterator[Store]:
+def _store(path: str, *, readonly: bool = False) -> Iterator[embedded.Store]:
     """Open a store for one command, turning qstore errors into exit codes."""
-    with _exit_codes(), open_store(path, readonly=readonly, compactor=False) as store:
+    with _exit_codes(), embedded.open_store(path, readonly=readonly, compactor=False) as store:
         yield store
 
 
@@ -264,7 +271,7 @@ def compact(store_path: str, threshold: float | None, max_bytes: int | None,
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        if isinstance(store, Store):
+        if isinstance(store, embedded.Store):
             result = store.compact(threshold=threshold, max_bytes=max_bytes, progress=progress)
         else:  # a progress callback cannot cross the wire
             result = store.compact(threshold=threshold, max_bytes=max_bytes)
@@ -340,12 +347,12 @@ def check(store_path: str, repair: bool, token_file: str | None) -> None:
     (for example metadata missing next to payload segments).
     """
     if repair:
-        if os.path.exists(os.path.join(store_path, MANIFEST)):
+        if os.path.exists(os.path.join(store_path, _snapshot.MANIFEST)):
             err.print("[red]error:[/red] a snapshot is never changed: --repair takes a store")
             sys.exit(errors.EXIT_USAGE)
         if not is_address(store_path) and not os.path.isdir(os.path.join(store_path, "meta")):
             with _exit_codes():
-                check_path(store_path)  # the error a plain check gives (exit 2 or 5)
+                _check.check_path(store_path)  # the error a plain check gives (exit 2 or 5)
         with _target(store_path, token_file) as store, _exit_codes():
             report = store.check(repair=True)
         for entry in report.repairs:
@@ -357,7 +364,7 @@ def check(store_path: str, repair: bool, token_file: str | None) -> None:
             report = store.check()
     else:
         with _exit_codes():
-            report = check_path(store_path)
+            report = _check.check_path(store_path)
     out.print(report.summary(), markup=False, highlight=False)
     for note in report.notes:
         out.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
@@ -458,7 +465,7 @@ def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
 def demo(directory: str, fresh: bool, messages: int, no_spark: bool) -> None:
     """End-to-end workload: producers, consumers, dead letters, a restart, compaction, audit."""
 
-    sys.exit(run_demo(directory, fresh=fresh, messages=messages, spark=not no_spark))
+    sys.exit(_demo.run_demo(directory, fresh=fresh, messages=messages, spark=not no_spark))
 
 
 @main.command()
@@ -482,7 +489,7 @@ def demo(directory: str, fresh: bool, messages: int, no_spark: bool) -> None:
               help="Pops parked waiting for a message, over all connections.")
 @click.option("--durability", type=click.Choice(["none", "interval", "always"]),
               default="interval", show_default=True)
-@click.option("--loop", "loop", type=click.Choice(list(server.LOOPS)), default="auto",
+@click.option("--loop", "loop", type=click.Choice(list(LOOPS)), default="auto",
               show_default=True,
               help="The event loop: uvloop where installed (auto), or asyncio's own.")
 def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert: str | None,
@@ -518,7 +525,7 @@ def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert:
         options: dict[str, Any] = {"durability": durability}
         if max_payload_bytes is not None:
             options["max_payload_bytes"] = max_payload_bytes
-        store = open_store(store_path, **options)
+        store = embedded.open_store(store_path, **options)
         limits = server.Limits(
             max_frame=max_frame or server.default_max_frame(store.config.max_payload_bytes),
             max_connections=max_connections, max_waiting=max_waiting)

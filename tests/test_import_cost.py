@@ -88,3 +88,41 @@ def test_a_client_loads_neither_numpy_nor_asyncio(tmp_path) -> None:  # type: ig
                               "loaded": [x for x in heavy if x in sys.modules]}}))
         """)
     assert got == {"body": "over the wire", "loaded": []}
+
+
+def test_the_command_line_loads_the_server_and_the_store_only_for_commands_that_use_them(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # `qstore push` and `qstore pop` from a shell, through a running server: a
+    # fresh process each time, which needs the client only. The same commands
+    # on a store with no server load the embedded store, and `serve`'s loop
+    # choices are listed without the server.
+    store = str(tmp_path / "store")
+    heavy = ("numpy", "asyncio", "rocksdict", "qstore._core", "qstore._store", "qstore.server",
+             "prometheus_client")
+    code = """
+        import contextlib, io, json, sys
+        from qstore.cli import main, serve
+        seen = {{"import": [x for x in {heavy!r} if x in sys.modules],
+                "loops": list(next(p for p in serve.params if p.name == "loop").type.choices)}}
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            for args in {commands!r}:
+                try:
+                    main(args, standalone_mode=False)
+                except SystemExit as exc:
+                    seen.setdefault("exits", []).append(exc.code)
+        seen["out"] = out.getvalue().split()
+        seen["loaded"] = [x for x in {heavy!r} if x in sys.modules]
+        print(json.dumps(seen))
+    """
+    with running(store) as server:
+        got = _run(code.format(heavy=heavy, commands=[
+            ["push", server.address, "q", "shell", "--create"],
+            ["pop", server.address, "q"]]))
+    assert got["import"] == [] and got["loaded"] == []
+    assert got["loops"] == ["auto", "uvloop", "asyncio"]
+    assert got["out"][0] == "1" and got["out"][-1] == "shell" and "exits" not in got
+    embedded = _run(code.format(heavy=heavy, commands=[["pop", store, "q"]]))
+    assert embedded["import"] == [] and embedded["exits"] == [1]  # the queue is empty
+    assert "rocksdict" in embedded["loaded"] and "qstore._store" in embedded["loaded"]
+    assert "qstore.server" not in embedded["loaded"]

@@ -18,16 +18,13 @@ import ssl
 import sys
 from collections.abc import Callable
 
-from .._address import Address, parse_address
+from .._address import LOOPS, Address, parse_address
 from .._store import Store
 from ._metrics import Metrics
 from ._server import Limits, Server, default_max_frame
 
 __all__ = ["LOOPS", "Limits", "Server", "default_max_frame", "loop_factory", "serve",
            "tls_context"]
-
-
-LOOPS = ("auto", "uvloop", "asyncio")
 
 
 def loop_factory(loop: str = "auto") -> Callable[[], asyncio.AbstractEventLoop] | None:
