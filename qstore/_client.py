@@ -5,7 +5,9 @@ and exceptions of :class:`~qstore.Store` and :class:`~qstore.Queue`; each call
 is one request (batches too) on one socket. A dropped connection raises
 :class:`~qstore.ConnectionLost` for the call in progress, which may or may
 not have taken effect; the next call reconnects. Nothing is retried on its
-own. A client is for one thread at a time (open one per thread).
+own. Threads may share a client, as they share an embedded store: each
+call runs on a connection no other thread is using at that moment
+(:class:`_Links`).
 """
 
 from __future__ import annotations
@@ -224,6 +226,63 @@ class _Link(base.LinkSettings):
             self._sock = None
 
 
+class _Links:
+    """The connections of one client: as many as threads call it at the same moment.
+
+    A call takes an idle link, or opens one, and puts it back when it returns,
+    so threads sharing a client never share a socket: a request and its answer
+    stay on one link, a waiting pop holds only its own, and a thread calling
+    alone always gets back the link it used last (the idle list is a stack).
+    ``list.pop`` and ``list.append`` are atomic in CPython, so taking and
+    giving back a link needs no lock. :meth:`close` closes the idle links; one
+    in use when it ran is closed as its call returns. The next call opens a
+    link again, as one after a dropped connection does.
+    """
+
+    def __init__(self, address: Address, token: str | None, timeout: float,
+                 keep_leases: bool, ssl_context: ssl.SSLContext | None,
+                 server_hostname: str | None) -> None:
+        self.address = address
+        self._settings = (address, token, timeout, keep_leases, ssl_context, server_hostname)
+        self._idle: list[_Link] = []
+        self._closes = 0  # how many times close() ran: a link taken before one is not kept
+
+    def call(self, op: str, args: dict[str, Any], wait: float = 0.0) -> Any:
+        closes = self._closes
+        link = self._take()
+        try:
+            return link.call(op, args, wait)
+        finally:
+            self._give_back(link, closes)
+
+    def call_many(self, calls: list[tuple[str, dict[str, Any], float]]) -> list[Any]:
+        """:meth:`_Link.call_many` on one link: a pipeline's answers come back on it."""
+        closes = self._closes
+        link = self._take()
+        try:
+            return link.call_many(calls)
+        finally:
+            self._give_back(link, closes)
+
+    def _take(self) -> _Link:
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return _Link(*self._settings)
+
+    def _give_back(self, link: _Link, closes: int) -> None:
+        if closes == self._closes:
+            self._idle.append(link)
+        else:  # the client was closed while this call ran
+            link.close()
+
+    def close(self) -> None:
+        self._closes += 1
+        idle, self._idle = self._idle, []
+        for link in idle:
+            link.close()
+
+
 _T = TypeVar("_T")
 
 
@@ -238,7 +297,7 @@ def _same(value: Any) -> Any:
 class RemoteQueue(base.QueueInfo):
     """A queue of a server; the methods of :class:`qstore.Queue`."""
 
-    def __init__(self, link: _Link, info: dict[str, Any]) -> None:
+    def __init__(self, link: _Links, info: dict[str, Any]) -> None:
         super().__init__(info)
         self._link = link
 
@@ -312,7 +371,7 @@ class Pipeline:
     pipeline executes on a clean exit (results in :attr:`results`).
     """
 
-    def __init__(self, link: _Link) -> None:
+    def __init__(self, link: _Links) -> None:
         self._link = link
         self._calls: list[tuple[str, dict[str, Any], float, Callable[[Any], Any]]] = []
         self.results: list[Any] = []
@@ -371,9 +430,10 @@ class _PipelinedQueue(RemoteQueue):
 
 
 class Client:
-    """A connection to a qstore server with the methods of :class:`qstore.Store`."""
+    """A client of a qstore server with the methods of :class:`qstore.Store`; threads
+    may share it (one connection per thread calling at the same moment)."""
 
-    def __init__(self, link: _Link) -> None:
+    def __init__(self, link: _Links) -> None:
         self._link = link
         self.path = str(link.address)
 
@@ -456,6 +516,6 @@ def connect(address: str | os.PathLike[str], *, token: str | None = None,
     """
     ctx = tls if isinstance(tls, ssl.SSLContext) else (
         base.client_tls(cafile) if tls or cafile else None)
-    link = _Link(parse_address(address), token, timeout, keep_leases, ctx, server_hostname)
+    link = _Links(parse_address(address), token, timeout, keep_leases, ctx, server_hostname)
     link.call("ping", {})  # connect now: a wrong address or token fails here, not later
     return Client(link)

@@ -7,6 +7,7 @@ drift from the embedded API: same results, same exception classes and fields.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -199,3 +200,58 @@ def test_configure_queue(store: Any) -> None:
         store.configure_queue("c", on_expire="explode")
     with pytest.raises(qstore.QueueNotFound):
         store.configure_queue("nope", ttl=1.0)
+
+
+def test_threads_share_one_store_handle(store: Any) -> None:
+    """Threads share a store (or a client) as they would an embedded one: producers
+    and consumers in threads, every message taken exactly once with its bytes, and
+    a pop waiting in one thread is woken by a push from another thread."""
+    q = store.create_queue("t", order="fifo")
+    bodies = [b"%d-%d" % (k, i) for k in range(4) for i in range(150)]
+    taken: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def produce(k: int) -> None:
+        try:
+            for i in range(0, 150, 3):
+                q.push(b"%d-%d" % (k, i))
+                q.push_many([b"%d-%d" % (k, i + 1), b"%d-%d" % (k, i + 2)])
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    def consume() -> None:
+        try:
+            while len(taken) < len(bodies):
+                m = q.pop(wait=0.05)
+                if m is not None:
+                    q.ack(m)
+                    taken.append(m.payload)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(4)]
+    threads += [threading.Thread(target=consume) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+    assert sorted(taken) == sorted(bodies)
+
+    # A pop that waits holds up no other thread of the same handle.
+    started = threading.Event()
+    got: list[Any] = []
+
+    def wait_for_one() -> None:
+        started.set()
+        got.append(q.pop(wait=30.0))
+
+    waiter = threading.Thread(target=wait_for_one)
+    waiter.start()
+    started.wait()
+    assert q.stats().ready == 0  # answered while the other thread's pop waits
+    q.push(b"wake up")
+    waiter.join(60)
+    assert not waiter.is_alive() and got[0] is not None and got[0].payload == b"wake up"
+    q.ack(got[0])
+    assert q.stats() == qstore.QueueStats("t", 0, 0, 0, 0, 0)

@@ -1,0 +1,55 @@
+"""A sync client shared by threads: one connection per thread calling at the same
+moment, reused by a thread calling alone, all closed by ``close()``.
+
+The counts are the server's own (its Prometheus ``qstore_connections`` gauge).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import qstore
+
+from ._support import running
+from .test_metrics import _free_port, _scrape
+
+
+def test_a_shared_client_opens_a_connection_per_concurrent_call_and_closes_them_all(
+        tmp_path: Any) -> None:
+    port = _free_port()
+    with running(str(tmp_path / "store"), "--metrics-port", str(port)) as srv:
+        def connections() -> float:
+            return _scrape(port)[("qstore_connections", ())]
+
+        def until(count: float) -> None:  # the server counts a close when it sees it
+            deadline = time.monotonic() + 30
+            while connections() != count:
+                assert time.monotonic() < deadline, f"{connections()} connections, not {count}"
+
+        client = qstore.connect(srv.address)
+        q = client.create_queue("w")
+        for i in range(20):  # one thread, many calls: one connection throughout
+            q.push(b"%d" % i)
+            q.ack(q.pop())
+        assert connections() == 1
+
+        got: list[Any] = []
+        waiters = [threading.Thread(target=lambda: got.append(q.pop(wait=30.0)))
+                   for _ in range(3)]
+        for t in waiters:
+            t.start()
+        until(3)  # each waiting pop holds a connection of its own
+        q.push_many([b"a", b"b", b"c"])  # from this thread: a fourth
+        for t in waiters:
+            t.join(60)
+        assert sorted(m.payload for m in got) == [b"a", b"b", b"c"]
+        assert client.queue("w").ack_many(got) == 3
+        assert connections() == 4  # kept for reuse
+
+        client.close()
+        until(0)
+        assert q.stats().total == 0  # the next call connects again
+        assert connections() == 1
+        client.close()
