@@ -94,3 +94,16 @@ def test_store_closed_raises_store_closed(store_path: str) -> None:
         q.push(b"x")
     with pytest.raises(qstore.StoreClosed):
         store.queues()
+
+
+def test_the_package_ships_its_type_annotations() -> None:
+    # PEP 561: without the marker a user's type checker treats qstore as untyped
+    # (every call Any); with it, `q.push("text")` is an error and `q.pop()` is
+    # `Message | None`. The package is checked with mypy --strict itself.
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(qstore.__file__).parent
+    project = tomllib.loads((root.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    assert (root / "py.typed").is_file()
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["qstore"]
