@@ -226,6 +226,20 @@ class _Link(base.LinkSettings):
             self._sock = None
 
 
+# Forks of this process so far, as a child counts them: a client made before a
+# fork must not talk on the sockets its parent goes on using (_Links._take).
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_forked)
+
+
 class _Links:
     """The connections of one client: as many as threads call it at the same moment.
 
@@ -236,7 +250,12 @@ class _Links:
     ``list.pop`` and ``list.append`` are atomic in CPython, so taking and
     giving back a link needs no lock. :meth:`close` closes the idle links; one
     in use when it ran is closed as its call returns. The next call opens a
-    link again, as one after a dropped connection does.
+    link again, as one after a dropped connection does. In a child process
+    the links its parent made are dropped (the child's copies of their
+    sockets closed; the parent's connections stay up) and the child connects
+    on its own: a client made before a fork (a pre-forking web server loading
+    the app) would otherwise send the child's requests on the parent's
+    connections and mix up their answers.
     """
 
     def __init__(self, address: Address, token: str | None, timeout: float,
@@ -246,6 +265,7 @@ class _Links:
         self._settings = (address, token, timeout, keep_leases, ssl_context, server_hostname)
         self._idle: list[_Link] = []
         self._closes = 0  # how many times close() ran: a link taken before one is not kept
+        self._forks = _forks
 
     def call(self, op: str, args: dict[str, Any], wait: float = 0.0) -> Any:
         closes = self._closes
@@ -265,6 +285,11 @@ class _Links:
             self._give_back(link, closes)
 
     def _take(self) -> _Link:
+        if self._forks != _forks:  # this process is a child of the one that made them
+            self._forks = _forks
+            inherited, self._idle = self._idle, []
+            for link in inherited:
+                link.close()
         try:
             return self._idle.pop()
         except IndexError:

@@ -1,11 +1,13 @@
 """A sync client shared by threads: one connection per thread calling at the same
-moment, reused by a thread calling alone, all closed by ``close()``.
+moment, reused by a thread calling alone, all closed by ``close()``; and one
+inherited across a fork, which the child must not share with its parent.
 
 The counts are the server's own (its Prometheus ``qstore_connections`` gauge).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -53,3 +55,29 @@ def test_a_shared_client_opens_a_connection_per_concurrent_call_and_closes_them_
         assert q.stats().total == 0  # the next call connects again
         assert connections() == 1
         client.close()
+
+
+def test_a_client_inherited_across_fork_opens_its_own_connection(server: Any) -> None:
+    """A client made before a fork (a pre-forking web server importing the app) is
+    used by parent and child at once: each must get its own answers."""
+    client = qstore.connect(server.address)
+    q = client.create_queue("f", order="fifo")
+    q.push_many([b"%d" % i for i in range(400)])
+    pid = os.fork()
+    if pid == 0:  # the child: half the messages, through the inherited client
+        code = 1
+        try:
+            mine = [q.pop() for _ in range(200)]
+            q.ack_many([m for m in mine if m is not None])
+            code = 0 if all(m is not None for m in mine) else 2
+        finally:
+            os._exit(code)
+    try:
+        mine = [q.pop() for _ in range(200)]
+        q.ack_many([m for m in mine if m is not None])
+    finally:
+        _, status = os.waitpid(pid, 0)
+    assert all(m is not None for m in mine)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert q.stats().total == 0  # each message taken once, by one of the two
+    client.close()
