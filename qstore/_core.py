@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -88,6 +89,38 @@ def _release_writer(key: tuple[int, int] | None) -> None:
     if key is not None:
         with _writers_lock:
             _writers.discard(key)
+
+
+# Every core open in this process, for the fork hook below.
+_cores: weakref.WeakSet[Core] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits its parent's open stores, and must leave them alone.
+
+    Its copy shares the parent's files and file offsets, but none of its
+    threads (syncer, compactor, sweeper) and possibly locks a parent thread
+    held at the fork. Used, it would write into the parent's segment and
+    log; closed (a ``with`` block unwinding in the child), it would cut the
+    active segment's preallocated tail under the parent's writes and wait
+    forever for threads that do not exist here. So each inherited core is
+    marked closed, with fresh locks, and refuses every call with a message
+    that says why (:meth:`Core.check_open`); closing it does nothing.
+    """
+    global _writers_lock
+    _writers_lock = threading.Lock()
+    _writers.clear()  # the parent's claims; this process holds no store yet
+    parent = os.getppid()
+    for core in list(_cores):
+        core.forked_from = parent
+        core.lock = threading.RLock()
+        core.ready = ReadySignal(core.lock)
+        core.waiters = 0
+        core.closed = True
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # The payload journal (durability="always", _durability.py) is used only with
@@ -251,6 +284,7 @@ class Core(HotPaths):
         self.wait_clock = time.monotonic if config.clock is time.time else self.clock
         self.writing = GroupWriting(self) if config.durability == "always" else Writing(self)
         self.closed = False
+        self.forked_from: int | None = None  # set in a forked child: see _after_fork_in_child
         self._records = {}  # the record cache (see _hot.py)
         # The payload journal (durability="always", _durability.py): whether
         # batches carry their bodies now (set by _journal_policy), (file_id,
@@ -309,6 +343,7 @@ class Core(HotPaths):
             self.syncer.start()
         # Last: a clock that tells of its moves wakes the blocked pops (_waits.py).
         self._unwatch_clock = watch(config.clock, self._clock_moved)
+        _cores.add(self)
 
     # -- waiting --------------------------------------------------------------
 
@@ -660,6 +695,12 @@ class Core(HotPaths):
 
     def check_open(self) -> None:
         if self.closed:
+            if self.forked_from is not None:
+                raise StoreClosed(
+                    f"store {self.path!r} was opened by process {self.forked_from}, which "
+                    "this process was forked from; a forked child cannot use it. Open "
+                    "stores after forking, or share one through `qstore serve` and "
+                    "qstore.connect")
             raise StoreClosed(f"store {self.path!r} is closed")
 
     def check_writable(self) -> None:
