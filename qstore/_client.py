@@ -535,9 +535,12 @@ def connect(address: str | os.PathLike[str], *, token: str | None = None,
             server_hostname: str | None = None) -> Client:
     """Connect to the server at ``address`` (``unix:///p``, ``tcp://h:p`` or a store path).
 
-    ``keep_leases=True`` keeps this connection's leases until their deadline
-    when it closes (by default they go back to ready at once). ``tls=True``
-    (trusting ``cafile`` or the system's CAs) or an ``ssl.SSLContext`` for TLS.
+    ``keep_leases=True`` keeps this client's leases until their deadline when
+    a connection of it closes (by default they go back to ready at once).
+    ``tls=True`` (trusting ``cafile`` or the system's CAs) or an
+    ``ssl.SSLContext`` for TLS. Threads may share the client (it opens one
+    connection per thread calling at the same moment), and a child process
+    forked after this call gets connections of its own on first use.
     """
     ctx = tls if isinstance(tls, ssl.SSLContext) else (
         base.client_tls(cafile) if tls or cafile else None)
