@@ -214,7 +214,7 @@ class Compactor:
         if self._stop.is_set():
             raise StoreClosed(f"store {core.path!r} is closing")
         started = time.perf_counter()
-        with core.lock:
+        with core.settling:
             core.check_writable()
             core.resume()  # after a failed metadata write (a full disk): reopen it first
         sealed = self._seal_if_worth(threshold)
@@ -228,7 +228,7 @@ class Compactor:
             deleted.extend(more)
         self.passes += 1
         if deleted:
-            with core.lock:
+            with core.settling:
                 core.reserve.restore()  # a full disk released it: space is back
         return CompactionResult(
             sealed=sealed,
@@ -255,13 +255,13 @@ class Compactor:
 
     def _seal_if_worth(self, threshold: float) -> int | None:
         core = self._core
-        with core.lock:
+        with core.settling:
             if not self._active_worth_sealing(threshold):
                 return None
         # Flush the active segment outside the writer lock, so that the fsync
         # sealing does under the lock finds next to nothing left to write.
         core.payload.sync()
-        with core.lock:
+        with core.settling:
             if not self._active_worth_sealing(threshold):
                 return None
             return core.payload.seal()
@@ -291,7 +291,7 @@ class Compactor:
         live) for the next pass.
         """
         core = self._core
-        with core.lock:
+        with core.settling:
             dead = [(fid, size) for fid, size, _, count in self._sealed_segments() if count == 0]
             if not dead:
                 return []
@@ -337,7 +337,7 @@ class Compactor:
     def _choose(self, threshold: float, max_bytes: int) -> list[int]:
         """Sources of this pass: carried over, or garbage >= threshold; oldest first."""
         core = self._core
-        with core.lock:
+        with core.settling:
             segments = self._sealed_segments()
         carry = set(self._carry)
         chosen: list[int] = []
@@ -450,7 +450,7 @@ class Compactor:
             ks.clear()
             vs.clear()
 
-        with self._core.lock:
+        with self._core.settling:
             live.mark = meta.write_mark()
             items = meta.scan(keys.MESSAGE, keys.prefix_end(keys.MESSAGE))
             first = next(items, None)  # makes the iterator: its view is of this moment
@@ -530,7 +530,7 @@ class Compactor:
         moved = 0
         for start in range(0, len(mkeys), REPOINT_CHUNK):
             stop = min(start + REPOINT_CHUNK, len(mkeys))
-            with core.lock:
+            with core.settling:
                 txn = Txn()
                 txn.cache_records = False
                 if start == 0:
@@ -573,7 +573,7 @@ class Compactor:
                       live: _Live | None = None) -> None:
         """Write the record; ``live``'s write mark moves past it if nothing else wrote."""
         core = self._core
-        with core.lock:
+        with core.settling:
             unchanged = live is not None and core.meta.write_mark() == live.mark
             core.write_synced([(keys.COMPACTION_KEY,
                                 records.encode_compaction(phase, output, sources))])
@@ -594,7 +594,7 @@ class Compactor:
         """Undo a pass that failed before any message referred to its output."""
         core = self._core
         try:
-            with core.lock:
+            with core.settling:
                 # By name, whether or not copy_live got as far as listing it.
                 core.payload.delete([output])
         except StorageError as exc:  # the copy's error is the one to report

@@ -221,9 +221,38 @@ class Writing:
             except BaseException:
                 core.lock.release()
                 raise
+        core.write_mark = core.meta.writes
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self._core.lock.release()
+        try:
+            if exc_type is not None:
+                self._core.settle_if_written()
+        finally:
+            self._core.lock.release()
+
+
+class Settling:
+    """The writer lock for sections that do not need :class:`Writing`'s checks (passes,
+    inspections that promote, compaction): like ``with core.lock``, and an
+    exception leaving after a metadata write reads memory back (Core.settle)."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: Core) -> None:
+        self._core = core
+
+    def __enter__(self) -> None:
+        core = self._core
+        core.lock.acquire()
+        meta = getattr(core, "meta", None)  # a view between two opens has none
+        core.write_mark = meta.writes if meta is not None else 0
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        try:
+            if exc_type is not None:
+                self._core.settle_if_written()
+        finally:
+            self._core.lock.release()
 
 
 class GroupWriting(Writing):
@@ -240,7 +269,12 @@ class GroupWriting(Writing):
             # The failed operation may have appended payload that no journal key
             # covers: the next sync must fdatasync the segment too (_durability.py).
             syncer.payload_needed = True
-        core.lock.release()
+            try:
+                core.settle_if_written()
+            finally:
+                core.lock.release()
+        else:
+            core.lock.release()
         if ticket is not None and exc_type is None:
             syncer.wait(ticket)
 
@@ -283,7 +317,9 @@ class Core(HotPaths):
         # wall clock (NTP, a resumed VM) neither stretches nor cuts a wait.
         self.wait_clock = time.monotonic if config.clock is time.time else self.clock
         self.writing = GroupWriting(self) if config.durability == "always" else Writing(self)
+        self.settling = Settling(self)
         self.closed = False
+        self.write_mark = 0  # meta.writes when the writer lock was last taken (settle)
         self.forked_from: int | None = None  # set in a forked child: see _after_fork_in_child
         self._records = {}  # the record cache (see _hot.py)
         # The payload journal (durability="always", _durability.py): whether
@@ -547,6 +583,11 @@ class Core(HotPaths):
             err.errno = errno.ENOSPC
             raise err
         self.meta.reopen()
+        self._reload()
+        log.warning("metadata writes work again: the database was reopened after %s", failed)
+
+    def _reload(self) -> None:
+        """Read back from the database everything kept in memory about it (lock held)."""
         self._records.clear()
         self._synced_mark = None
         hwm = self.meta.get(keys.ID_HWM_KEY)
@@ -559,7 +600,39 @@ class Core(HotPaths):
         self._load_queues()
         self.segments = self._load_segments()
         self.reserve.restore()
-        log.warning("metadata writes work again: the database was reopened after %s", failed)
+
+    def settle_if_written(self) -> None:
+        """:meth:`settle`, if a metadata write started since the writer lock was taken."""
+        meta = getattr(self, "meta", None)
+        if meta is not None and meta.writes != self.write_mark and not self.readonly:
+            self.settle()
+
+    def settle(self) -> None:
+        """After an exception left a writer section that had started a metadata write
+        (writer lock held): read the in-memory state back from the database.
+
+        A write's in-memory changes (counters, heads, segment accounting, the
+        record cache) follow it in Python, and an exception can cut them short:
+        above all KeyboardInterrupt, which lands at whatever bytecode runs when
+        Ctrl-C or SIGINT arrives, or SystemExit from a signal handler. The
+        database holds the whole batch; memory would hold part of it, and the
+        next operation would act on that (a pop delivering the message the cut
+        one had delivered, counters written back wrong). Reading it back makes
+        memory what the database holds, as after a failed write (:meth:`resume`).
+        If reading fails, the database is marked failed, so that the next writer
+        reopens it and reads everything back then.
+        """
+        if self.meta.failed is not None:
+            return  # a failed write: the next writer reopens and reads back (resume)
+        try:
+            self._reload()
+        except Exception as exc:
+            log.error("reading the store's state back after an interrupted write failed: %s",
+                      exc)
+            if self.meta.failed is None:
+                self.meta.failed = exc if isinstance(exc, StorageError) else StorageError(
+                    f"the in-memory state could not be read back: {exc}")
+        self.write_mark = self.meta.writes
 
     def _open_view(self) -> None:
         """A read-only view: segments pinned first, then a metadata view they cover.

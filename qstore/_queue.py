@@ -612,7 +612,7 @@ class Queue:
         """The first ``n`` ready messages in pop order, without leasing them."""
         _check_count(n)
         self._catch_up()
-        with self._core.lock:
+        with self._core.settling:
             q = self._maybe_promote()
             while True:
                 ready_keys = q.heads.plan(self._core.meta, n).keys
@@ -640,7 +640,7 @@ class Queue:
                 or not 0 <= message_id < 2**64):
             raise InvalidArgument(f"message id must be an int in [0, 2**64), not {message_id!r}")
         self._catch_up()
-        with self._core.lock:
+        with self._core.settling:
             q = self._maybe_promote()
             raw = self._core.meta.get(keys.message_key(q.qid, message_id))
             if raw is None:
@@ -651,7 +651,7 @@ class Queue:
         """Up to ``n`` dead letters, oldest id first."""
         _check_count(n)
         self._catch_up()
-        with self._core.lock:
+        with self._core.settling:
             q = self._maybe_promote()
             lo = keys.prefix(keys.DEAD, q.qid)
             dead = self._core.meta.scan_keys(lo, keys.prefix_end(lo), n)
@@ -706,7 +706,7 @@ class Queue:
     def stats(self) -> QueueStats:
         """Counts by state; expired leases and due delays are promoted first."""
         self._catch_up()
-        with self._core.lock:
+        with self._core.settling:
             q = self._maybe_promote()
             c = q.counts
             r = q.rec

@@ -54,7 +54,7 @@ def _write(core: Core, dest: str) -> None:
         os.makedirs(os.path.join(dest, "payload"), exist_ok=True)
     except OSError as exc:
         raise _storage_error(f"cannot create the snapshot directory {dest!r}", exc) from exc
-    with core.lock:
+    with core.settling:
         core.check_open()
         if not core.readonly:
             # The S record of the segment pushes defer catches up, so the snapshot's

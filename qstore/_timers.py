@@ -79,7 +79,7 @@ def catch_up(core: Core, q: QueueState) -> None:
     """Run the due passes of ``q`` to the end, one :func:`promote` call per hold of the
     writer lock (not held by the caller), so other operations interleave."""
     while True:
-        with core.lock:
+        with core.settling:
             if core.closed or core.readonly or q.deleted:
                 return
             now_us = keys.to_us(core.clock())
@@ -261,7 +261,7 @@ def _skip_capped(q: QueueState, rnd: aging.Round, start: bytes, front: list[byte
 
 def promote_due(core: Core) -> None:
     """Run the passes of every queue with something due (the sweeper thread)."""
-    with core.lock:
+    with core.settling:
         if core.closed:
             return
         core.resume()  # after a failed metadata write: no client write may come to do it

@@ -169,6 +169,10 @@ class MetaDB:
         # Why writes are refused (a failed write put RocksDB in its error state),
         # or None. Cleared by a successful reopen().
         self.failed: StorageError | None = None
+        # Batches and ingestions started through this handle, counted before each
+        # starts: a caller whose in-memory changes an exception cut short after a
+        # write sees the count move (Core.settle).
+        self.writes = 0
         self._scratch: str | None = None  # a read-only open's private copy (see _open)
         self._opens = 1  # this handle's open count (see write_mark)
         self._db = self._open(create=not readonly)
@@ -263,6 +267,7 @@ class MetaDB:
     def write(self, batch: WriteBatch, *, sync: bool = False) -> None:
         if self.failed is not None:
             raise self._refused()
+        self.writes += 1
         try:
             self._db.write(batch, self._wopts_sync if sync else self._wopts)
         except Exception as exc:
@@ -407,6 +412,7 @@ class MetaDB:
         """
         opts = IngestExternalFileOptions()
         opts.set_move_files(True)
+        self.writes += 1
         try:
             self._db.ingest_external_file(paths, opts)
         except Exception as exc:
