@@ -200,41 +200,11 @@ def require_store(path: str) -> None:
         raise StorageError(f"cannot read the store at {path!r}: {current!r} is not a file")
 
 
-class Writing:
-    """The writer-lock context of one core (a class: cheaper than a generator per call).
-
-    Durability ``none`` and ``interval``; ``always`` uses :class:`GroupWriting`.
-    """
-
-    __slots__ = ("_core",)
-
-    def __init__(self, core: Core) -> None:
-        self._core = core
-
-    def __enter__(self) -> None:
-        core = self._core
-        core.lock.acquire()
-        if core.closed or core.readonly or core.meta.failed is not None:
-            try:
-                core.check_writable()
-                core.resume()  # after a failed metadata write
-            except BaseException:
-                core.lock.release()
-                raise
-        core.write_mark = core.meta.writes
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        try:
-            if exc_type is not None:
-                self._core.settle_if_written()
-        finally:
-            self._core.lock.release()
-
-
 class Settling:
-    """The writer lock for sections that do not need :class:`Writing`'s checks (passes,
-    inspections that promote, compaction): like ``with core.lock``, and an
-    exception leaving after a metadata write reads memory back (Core.settle)."""
+    """The writer lock, taken as ``with core.lock`` would, for sections with no checks
+    to make first (passes, inspections that promote, compaction, snapshots); an
+    exception leaving after a metadata write started reads memory back
+    (:meth:`Core.settle`)."""
 
     __slots__ = ("_core",)
 
@@ -253,6 +223,28 @@ class Settling:
                 self._core.settle_if_written()
         finally:
             self._core.lock.release()
+
+
+class Writing(Settling):
+    """The writer-lock context of the queue operations (a class: cheaper than a
+    generator per call): a closed, read-only or failed store is checked first.
+
+    Durability ``none`` and ``interval``; ``always`` uses :class:`GroupWriting`.
+    """
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        core = self._core
+        core.lock.acquire()
+        if core.closed or core.readonly or core.meta.failed is not None:
+            try:
+                core.check_writable()
+                core.resume()  # after a failed metadata write
+            except BaseException:
+                core.lock.release()
+                raise
+        core.write_mark = core.meta.writes
 
 
 class GroupWriting(Writing):
