@@ -23,7 +23,7 @@ from . import _client_base as base
 from . import _wire as wire
 from ._address import Address, parse_address
 from ._check_report import CheckReport
-from ._errors import QStoreError
+from ._errors import QStoreError, StoreClosed
 from ._message import CompactionResult, Message, QueueStats, StoreStats
 from ._net_errors import ConnectionLost, ProtocolError
 
@@ -249,8 +249,8 @@ class _Links:
     alone always gets back the link it used last (the idle list is a stack).
     ``list.pop`` and ``list.append`` are atomic in CPython, so taking and
     giving back a link needs no lock. :meth:`close` closes the idle links; one
-    in use when it ran is closed as its call returns. The next call opens a
-    link again, as one after a dropped connection does. In a child process
+    in use when it ran is closed as its call returns, and every later call
+    raises :class:`~qstore.StoreClosed`, as a closed embedded store does. In a child process
     the links its parent made are dropped (the child's copies of their
     sockets closed; the parent's connections stay up) and the child connects
     on its own: a client made before a fork (a pre-forking web server loading
@@ -264,27 +264,27 @@ class _Links:
         self.address = address
         self._settings = (address, token, timeout, keep_leases, ssl_context, server_hostname)
         self._idle: list[_Link] = []
-        self._closes = 0  # how many times close() ran: a link taken before one is not kept
+        self.closed = False
         self._forks = _forks
 
     def call(self, op: str, args: dict[str, Any], wait: float = 0.0) -> Any:
-        closes = self._closes
         link = self._take()
         try:
             return link.call(op, args, wait)
         finally:
-            self._give_back(link, closes)
+            self._give_back(link)
 
     def call_many(self, calls: list[tuple[str, dict[str, Any], float]]) -> list[Any]:
         """:meth:`_Link.call_many` on one link: a pipeline's answers come back on it."""
-        closes = self._closes
         link = self._take()
         try:
             return link.call_many(calls)
         finally:
-            self._give_back(link, closes)
+            self._give_back(link)
 
     def _take(self) -> _Link:
+        if self.closed:
+            raise StoreClosed(f"the client of {self.address} is closed")
         if self._forks != _forks:  # this process is a child of the one that made them
             self._forks = _forks
             inherited, self._idle = self._idle, []
@@ -295,14 +295,14 @@ class _Links:
         except IndexError:
             return _Link(*self._settings)
 
-    def _give_back(self, link: _Link, closes: int) -> None:
-        if closes == self._closes:
-            self._idle.append(link)
-        else:  # the client was closed while this call ran
+    def _give_back(self, link: _Link) -> None:
+        if self.closed:  # while this call ran
             link.close()
+        else:
+            self._idle.append(link)
 
     def close(self) -> None:
-        self._closes += 1
+        self.closed = True
         idle, self._idle = self._idle, []
         for link in idle:
             link.close()

@@ -20,6 +20,7 @@ from . import _client_base as base
 from . import _wire as wire
 from ._address import Address, parse_address
 from ._check_report import CheckReport
+from ._errors import StoreClosed
 from ._message import CompactionResult, Message, QueueStats, StoreStats
 from ._net_errors import ConnectionLost, ProtocolError
 
@@ -37,6 +38,7 @@ class _Link(base.LinkSettings):
         super().__init__(address, token, timeout, keep_leases, ssl_context, server_hostname)
         self._proto: _Protocol | None = None
         self._opening = asyncio.Lock()
+        self.closed = False
 
     async def _open(self) -> _Protocol:
         a = self.address
@@ -69,6 +71,8 @@ class _Link(base.LinkSettings):
     async def call(self, op: str, args: dict[str, Any], wait: float = 0.0) -> Any:
         proto = self._proto
         if proto is None or proto.lost:
+            if self.closed:
+                raise StoreClosed(f"the client of {self.address} is closed")
             async with self._opening:
                 proto = self._proto
                 if proto is None or proto.lost:
@@ -99,6 +103,9 @@ class _Link(base.LinkSettings):
         return base.result(value, rid)
 
     async def close(self) -> None:
+        """Close the connection; every later call raises StoreClosed, as a closed
+        embedded store's do."""
+        self.closed = True
         proto, self._proto = self._proto, None
         if proto is not None:
             await proto.close()

@@ -79,6 +79,20 @@ def test_a_killed_server_fails_what_is_in_flight_and_the_next_call_reconnects(
         holder["srv"].kill()
 
 
+def test_a_closed_client_raises_store_closed(server: ServerProcess, run: Run) -> None:
+    async def main() -> None:
+        client = qstore.aio.connect(server.address)
+        q = await client.create_queue("c")
+        await q.push(b"x")
+        await client.close()
+        await client.close()  # idempotent
+        for call in (lambda: q.push(b"y"), q.pop, q.stats, client.queues):
+            with pytest.raises(qstore.StoreClosed):
+                await call()
+
+    run(main())
+
+
 def test_large_frames_and_small_ones_pipelined_on_one_link(server: ServerProcess,
                                                             run: Run) -> None:
     big = bytes(range(256)) * (6 * 4096 + 7)  # about 6 MiB: many reads on the client side

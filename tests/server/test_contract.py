@@ -255,3 +255,13 @@ def test_threads_share_one_store_handle(store: Any) -> None:
     assert not waiter.is_alive() and got[0] is not None and got[0].payload == b"wake up"
     q.ack(got[0])
     assert q.stats() == qstore.QueueStats("t", 0, 0, 0, 0, 0)
+
+
+def test_a_closed_store_or_client_raises_store_closed(store: Any) -> None:
+    q = store.create_queue("c")
+    q.push(b"x")
+    store.close()
+    store.close()  # idempotent
+    for call in (lambda: q.push(b"y"), q.pop, q.stats, store.queues, lambda: store.queue("c")):
+        with pytest.raises(qstore.StoreClosed):
+            call()
