@@ -250,12 +250,12 @@ class _Links:
     ``list.pop`` and ``list.append`` are atomic in CPython, so taking and
     giving back a link needs no lock. :meth:`close` closes the idle links; one
     in use when it ran is closed as its call returns, and every later call
-    raises :class:`~qstore.StoreClosed`, as a closed embedded store does. In a child process
-    the links its parent made are dropped (the child's copies of their
-    sockets closed; the parent's connections stay up) and the child connects
-    on its own: a client made before a fork (a pre-forking web server loading
-    the app) would otherwise send the child's requests on the parent's
-    connections and mix up their answers.
+    raises :class:`~qstore.StoreClosed`, as a closed embedded store does. In
+    a child process the links its parent made are dropped (the child's copies
+    of their sockets closed; the parent's connections stay up) and the child
+    connects on its own: a client made before a fork (a pre-forking web
+    server loading the app) would otherwise send the child's requests on the
+    parent's connections and mix up their answers.
     """
 
     def __init__(self, address: Address, token: str | None, timeout: float,

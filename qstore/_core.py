@@ -214,8 +214,7 @@ class Settling:
     def __enter__(self) -> None:
         core = self._core
         core.lock.acquire()
-        meta = getattr(core, "meta", None)  # a view between two opens has none
-        core.write_mark = meta.writes if meta is not None else 0
+        core.write_mark = core.meta.writes
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
@@ -595,8 +594,7 @@ class Core(HotPaths):
 
     def settle_if_written(self) -> None:
         """:meth:`settle`, if a metadata write started since the writer lock was taken."""
-        meta = getattr(self, "meta", None)
-        if meta is not None and meta.writes != self.write_mark and not self.readonly:
+        if self.meta.writes != self.write_mark:  # a read-only view never writes
             self.settle()
 
     def settle(self) -> None:
