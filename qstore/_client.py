@@ -70,7 +70,12 @@ class _Link(base.LinkSettings):
             self._start = self._end = 0
             self._timeout_now = -1.0
             self._set_timeout(self.timeout)
-            sock.sendall(base.hello(self._token, self._keep))
+            try:
+                sock.sendall(base.hello(self._token, self._keep))
+            except OSError:
+                # A server that refuses the connection (over its limit) sends why
+                # and closes at once: the reason is still there to read.
+                pass
             self.welcome = base.check_welcome(self._read())
         except (OSError, EOFError) as exc:
             self.close()

@@ -51,6 +51,9 @@ class Connection(asyncio.Protocol):
         self.out: list[bytes] = []  # responses gathered during a round
         self.idle: asyncio.Event | None = None  # set by the server while it waits for pending
         self.hello_timer: asyncio.TimerHandle | None = None
+        # An error frame to send, then close, as soon as the connection is made
+        # (the server is over its connection limit).
+        self.refusal: bytes | None = None
         self._buf = bytearray()
         self._need = 4  # bytes the buffer must hold before a frame can be cut
         self._write_paused = False
@@ -60,6 +63,8 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        if self.refusal is not None:
+            self.close(self.refusal)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:

@@ -164,7 +164,9 @@ class Server:
     def _accept(self) -> Connection:
         conn = Connection(self, self.limits.max_frame)
         if len(self._conns) >= self.limits.max_connections:
-            self.loop.call_soon(self._refuse, conn)
+            # Told why and closed once made (before that it has no transport).
+            conn.refusal = _error_frame(ServerBusy(
+                f"over the limit of {self.limits.max_connections} connections"))
             return conn
         self._conns.add(conn)
         if self.metrics:
@@ -177,10 +179,6 @@ class Server:
     def loop(self) -> asyncio.AbstractEventLoop:
         assert self._loop is not None
         return self._loop
-
-    def _refuse(self, conn: Connection) -> None:
-        conn.close(_error_frame(ServerBusy(
-            f"over the limit of {self.limits.max_connections} connections")))
 
     def _hello_late(self, conn: Connection) -> None:
         if not conn.greeted and not conn.closed:

@@ -1,0 +1,98 @@
+"""The server's connection and waiting-pop limits, against a real server process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+import time
+from typing import Any
+
+import msgpack
+import pytest
+
+import qstore
+import qstore.aio
+
+from ._support import raw_socket, running
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _refusal(s: socket.socket) -> Any:
+    """The one frame a refusing server sends before it closes, then EOF."""
+    data = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    (n,) = struct.unpack(">I", data[:4])
+    assert len(data) == 4 + n, "the server sends one frame, then closes"
+    return msgpack.unpackb(data[4:], raw=False)
+
+
+def test_connections_over_the_limit_are_told_why_and_closed(tmp_path: Any) -> None:
+    with running(str(tmp_path / "s"), "--max-connections", "2") as srv:
+        pid = srv.proc.pid
+        with qstore.connect(srv.address) as a, qstore.connect(srv.address) as b:
+            a.create_queue("q").push(b"one")
+            b.queue("q").push(b"two")  # both connections made and counted
+            baseline = _open_fds(pid)
+            with pytest.raises(qstore.ServerBusy, match="limit of 2 connections"):
+                qstore.connect(srv.address).stats()
+
+            async def aio_third() -> None:
+                async with qstore.aio.connect(srv.address) as c:
+                    await c.stats()
+            with pytest.raises(qstore.ServerBusy, match="limit of 2 connections"):
+                asyncio.run(aio_third())
+
+            # Refused connections that never send a byte are closed by the server,
+            # not left open: its descriptors do not grow with them.
+            extra = [raw_socket(srv.address) for _ in range(100)]
+            try:
+                for s in extra:
+                    answer = _refusal(s)
+                    assert answer[0] == 0 and answer[1] == 1  # the connection's error frame
+                    assert answer[2][0] == "ServerBusy"
+            finally:
+                for s in extra:
+                    s.close()
+            assert _open_fds(pid) <= baseline + 2
+            assert a.queue("q").stats().ready == 2  # the two connections work on
+        # Once they are closed, a new client gets in: as soon as the server has
+        # finished with one of them (it counts a closing connection until then).
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with qstore.connect(srv.address) as c:
+                    assert [m.payload for m in c.queue("q").pop_many(5)] == [b"one", b"two"]
+                break
+            except qstore.ServerBusy:
+                assert time.monotonic() < deadline, "the closed connections were never let go"
+
+
+def test_waiting_pops_over_the_limit_raise_server_busy(tmp_path: Any) -> None:
+    async def main(address: str) -> None:
+        async with qstore.aio.connect(address) as a, qstore.aio.connect(address) as b:
+            qa = await a.create_queue("q")
+            qb = await b.queue("q")
+            first = asyncio.ensure_future(qa.pop(wait=60))
+            second = asyncio.ensure_future(qb.pop(wait=60))
+            # Whichever the server parks first waits; the other is over the limit.
+            done, _ = await asyncio.wait([first, second], return_when=asyncio.FIRST_COMPLETED)
+            refused = done.pop()
+            with pytest.raises(qstore.ServerBusy, match="limit of 1 waiting pops"):
+                refused.result()
+            waiting = second if refused is first else first
+            assert not waiting.done()
+            await qb.push(b"job")
+            got = await asyncio.wait_for(waiting, 30)
+            assert got is not None and got.payload == b"job"
+
+    with running(str(tmp_path / "s"), "--max-waiting", "1") as srv:
+        asyncio.run(main(srv.address))
