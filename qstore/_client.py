@@ -13,6 +13,7 @@ call runs on a connection no other thread is using at that moment
 from __future__ import annotations
 
 import os
+import select
 import socket
 import ssl
 import struct
@@ -43,6 +44,7 @@ class _Link(base.LinkSettings):
         self._start = self._end = 0
         self._kernel_timeout = False  # the timeout is SO_RCVTIMEO/SO_SNDTIMEO, not Python's
         self._timeout_now = -1.0
+        self._poll: select.poll | None = None  # readable while idle: see dropped()
 
     def _open(self) -> None:
         a = self.address
@@ -67,6 +69,8 @@ class _Link(base.LinkSettings):
                 sock.settimeout(None)
                 self._kernel_timeout = True
             self._sock = sock
+            self._poll = select.poll()
+            self._poll.register(sock, select.POLLIN)
             self._start = self._end = 0
             self._timeout_now = -1.0
             self._set_timeout(self.timeout)
@@ -222,10 +226,22 @@ class _Link(base.LinkSettings):
                 out.append(exc)
         return out
 
+    def dropped(self) -> bool:
+        """Whether the server ended this idle connection (closed it, or sent on it
+        unasked, which it does only to say why it closes): a restarted or
+        stopped server. One ``poll`` with no timeout, about 0.3 us.
+
+        Nothing is sent on a connection found dropped: it is closed, and the
+        call connects anew, so a request never goes out on a connection known
+        to be dead (where it would fail as "may or may not have run").
+        """
+        return self._poll is not None and bool(self._poll.poll(0))
+
     def close(self) -> None:
         self._start = self._end = 0
         if len(self._in) > _RECV:
             self._in = bytearray(_RECV)
+        self._poll = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -296,9 +312,12 @@ class _Links:
             for link in inherited:
                 link.close()
         try:
-            return self._idle.pop()
+            link = self._idle.pop()
         except IndexError:
             return _Link(*self._settings)
+        if link.dropped():  # the server went away while it was idle (a restart)
+            link.close()    # it reconnects on this call
+        return link
 
     def _give_back(self, link: _Link) -> None:
         if self.closed:  # while this call ran

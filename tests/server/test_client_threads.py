@@ -17,8 +17,35 @@ import pytest
 
 import qstore
 
-from ._support import running
+from ._support import ServerProcess, running
 from .test_metrics import _free_port, _scrape
+
+
+def _connections(port: int) -> float:
+    return _scrape(port)[("qstore_connections", ())]
+
+
+def _until(port: int, count: float) -> None:
+    """Until the server counts ``count`` connections (it counts a close when it sees it)."""
+    deadline = time.monotonic() + 30
+    while _connections(port) != count:
+        assert time.monotonic() < deadline, f"{_connections(port)} connections, not {count}"
+
+
+def _waiting_pops(q: Any, n: int, port: int) -> tuple[list[threading.Thread], list[Any]]:
+    """``n`` threads each waiting in a pop on ``q``, so each holds a connection of
+    the shared client; their results (a Message, or the error raised) in ``got``."""
+    got: list[Any] = []
+
+    def pop() -> None:
+        try:
+            got.append(q.pop(wait=30.0))
+        except Exception as exc:
+            got.append(exc)
+    threads = [threading.Thread(target=pop) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads, got
 
 
 def test_a_shared_client_opens_a_connection_per_concurrent_call_and_closes_them_all(
@@ -26,12 +53,10 @@ def test_a_shared_client_opens_a_connection_per_concurrent_call_and_closes_them_
     port = _free_port()
     with running(str(tmp_path / "store"), "--metrics-port", str(port)) as srv:
         def connections() -> float:
-            return _scrape(port)[("qstore_connections", ())]
+            return _connections(port)
 
-        def until(count: float) -> None:  # the server counts a close when it sees it
-            deadline = time.monotonic() + 30
-            while connections() != count:
-                assert time.monotonic() < deadline, f"{connections()} connections, not {count}"
+        def until(count: float) -> None:
+            _until(port, count)
 
         client = qstore.connect(srv.address)
         q = client.create_queue("w")
@@ -40,11 +65,7 @@ def test_a_shared_client_opens_a_connection_per_concurrent_call_and_closes_them_
             q.ack(q.pop())
         assert connections() == 1
 
-        got: list[Any] = []
-        waiters = [threading.Thread(target=lambda: got.append(q.pop(wait=30.0)))
-                   for _ in range(3)]
-        for t in waiters:
-            t.start()
+        waiters, got = _waiting_pops(q, 3, port)
         until(3)  # each waiting pop holds a connection of its own
         q.push_many([b"a", b"b", b"c"])  # from this thread: a fourth
         for t in waiters:
@@ -84,3 +105,32 @@ def test_a_client_inherited_across_fork_opens_its_own_connection(server: Any) ->
     assert os.waitstatus_to_exitcode(status) == 0
     assert q.stats().total == 0  # each message taken once, by one of the two
     client.close()
+
+
+def test_a_shared_client_carries_on_after_a_server_restart(tmp_path: Any) -> None:
+    """Its idle connections to the old server are not used: no call raises
+    ConnectionLost for a request that never left the client."""
+    path, port = str(tmp_path / "store"), _free_port()
+    srv = ServerProcess(path, "--metrics-port", str(port))
+    try:
+        client = qstore.connect(srv.address)
+        q = client.create_queue("w")
+        waiters, got = _waiting_pops(q, 3, port)
+        _until(port, 3)
+        q.push_many([b"a", b"b", b"c"])  # a fourth connection
+        for t in waiters:
+            t.join(60)
+        assert q.ack_many(got) == 3
+        assert _connections(port) == 4  # all four idle in the client now
+    finally:
+        srv.kill()  # SIGKILL: the client's four connections are dead
+    with running(path, "--metrics-port", str(port)):
+        waiters, got = _waiting_pops(q, 4, port)  # each takes one of the dead four
+        _until(port, 4)
+        q.push_many([b"%d" % i for i in range(4)])
+        for t in waiters:
+            t.join(60)
+        assert sorted(m.payload for m in got) == [b"0", b"1", b"2", b"3"]
+        assert q.ack_many(got) == 4
+        assert q.stats().total == 0
+        client.close()
