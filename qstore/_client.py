@@ -12,6 +12,7 @@ call runs on a connection no other thread is using at that moment
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -74,12 +75,10 @@ class _Link(base.LinkSettings):
             self._start = self._end = 0
             self._timeout_now = -1.0
             self._set_timeout(self.timeout)
-            try:
+            # A server that refuses the connection (over its limit) sends why and
+            # closes at once: if sending fails, the reason is still there to read.
+            with contextlib.suppress(OSError):
                 sock.sendall(base.hello(self._token, self._keep))
-            except OSError:
-                # A server that refuses the connection (over its limit) sends why
-                # and closes at once: the reason is still there to read.
-                pass
             self.welcome = base.check_welcome(self._read())
         except (OSError, EOFError) as exc:
             self.close()

@@ -116,7 +116,13 @@ class Compactor:
         # Sources of an interrupted pass that still hold live records: the next
         # pass takes them whatever their garbage ratio, so it finishes that pass.
         self._carry: list[int] = []
+        # Since the store opened (the server's metrics): passes done and failed,
+        # and what the done ones moved, freed and took.
         self.passes = 0
+        self.failed_passes = 0
+        self.messages_moved = 0
+        self.bytes_freed = 0
+        self.seconds = 0.0
 
     # -- crash recovery on open -----------------------------------------------
 
@@ -199,13 +205,22 @@ class Compactor:
         with self._pass_lock:
             self._pass_owner = threading.get_ident()
             try:
-                return self._run(threshold, max_bytes, progress)
+                result = self._run(threshold, max_bytes, progress)
             except OSError as exc:  # the pass rolled back or stopped where it was safe to
+                self.failed_passes += 1
                 err = StorageError(f"compaction pass failed: {exc}")
                 err.errno = exc.errno
                 raise err from exc
+            except StorageError:
+                self.failed_passes += 1
+                raise
             finally:
                 self._pass_owner = None
+            self.passes += 1
+            self.messages_moved += result.messages_moved
+            self.bytes_freed += result.bytes_freed
+            self.seconds += result.seconds
+            return result
 
     def _run(
         self, threshold: float, max_bytes: int, progress: Callable[[int, int], None] | None
@@ -226,7 +241,6 @@ class Compactor:
         if sources:
             output, moved, copied, written, more = self._compact(sources, progress)
             deleted.extend(more)
-        self.passes += 1
         if deleted:
             with core.settling:
                 core.reserve.restore()  # a full disk released it: space is back

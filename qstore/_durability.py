@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -72,6 +73,7 @@ class Syncer:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.syncs = 0
+        self.sync_seconds = 0.0  # spent in the syncs counted by ``syncs``
         self._retries = RetryLog(log, "background sync", interval)
         # always mode: the WAL sync alone makes journaled appends durable (see above)
         self.journal = mode == "always"
@@ -113,6 +115,7 @@ class Syncer:
     def sync_now(self) -> None:
         """Make everything written so far durable: payload first, then the WAL."""
         self._dirty = False
+        started = time.perf_counter()
         payload = self._payload
         needed, self.payload_needed = self.payload_needed, False
         try:
@@ -140,6 +143,7 @@ class Syncer:
                 raise StorageError(f"sync failed: {exc}") from exc
             raise
         self.syncs += 1
+        self.sync_seconds += time.perf_counter() - started
         if self.on_synced is not None:
             self.on_synced()
 

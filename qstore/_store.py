@@ -71,6 +71,12 @@ class Store:
             self._compactor.start()
 
     @property
+    def compactor(self) -> Compactor | None:
+        """The store's compactor (None when read-only), for the server's metrics;
+        not public API."""
+        return self._compactor
+
+    @property
     def core(self) -> Core:
         """The layer under this facade, for qstore's own jobs (Spark ingest); not public API."""
         return self._core

@@ -21,7 +21,7 @@ import struct
 from typing import Protocol, cast
 
 from .._net_errors import ProtocolError
-from ._ops import Leases
+from ._ops import LeaseBook, Leases
 
 HELLO_MAX_FRAME = 64 * 1024  # the handshake is a small map: an unauthenticated peer buffers no more
 MAX_PIPELINE = 1024  # requests of one connection in progress before it stops reading
@@ -39,11 +39,11 @@ class Owner(Protocol):
 
 
 class Connection(asyncio.Protocol):
-    def __init__(self, owner: Owner, max_frame: int) -> None:
+    def __init__(self, owner: Owner, max_frame: int, book: LeaseBook) -> None:
         self.owner = owner
         self.max_frame = max_frame
         self.transport: asyncio.Transport | None = None
-        self.leases = Leases()
+        self.leases = Leases(book)
         self.keep_leases = False
         self.greeted = False
         self.closed = False

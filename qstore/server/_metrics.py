@@ -8,8 +8,14 @@ process-global one), served over HTTP by the library's own thread:
 - ``qstore_connections`` (open now);
 - ``qstore_queue_messages{queue,state}`` and ``qstore_queue_bytes{queue}``,
   read from the store at each scrape;
-- ``qstore_syncs_total`` (durability syncs), ``qstore_disk_bytes``,
-  ``qstore_live_bytes`` and ``qstore_garbage_ratio`` (what compaction works on).
+- ``qstore_syncs_total`` and ``qstore_sync_seconds_total`` (durability syncs
+  and the time they took), ``qstore_disk_bytes``, ``qstore_live_bytes`` and
+  ``qstore_garbage_ratio`` (what compaction works on);
+- ``qstore_compaction_passes_total``, ``..._failed_passes_total``,
+  ``..._messages_moved_total``, ``..._bytes_freed_total`` and
+  ``..._seconds_total`` (the passes since the server opened the store);
+- ``qstore_leases_held`` (leases handed to open connections and not settled:
+  what goes back to ready if their clients go away).
 """
 
 from __future__ import annotations
@@ -45,8 +51,25 @@ class _StoreCollector(Collector):
             size.add_metric([q.queue], q.bytes)
         yield depth
         yield size
+        syncer = store.core.syncer
         yield CounterMetricFamily("qstore_syncs", "Durability syncs (WAL and payload)",
-                                  value=store.core.syncer.syncs)
+                                  value=syncer.syncs)
+        yield CounterMetricFamily("qstore_sync_seconds", "Time spent in those syncs",
+                                  value=syncer.sync_seconds)
+        c = store.compactor
+        if c is not None:
+            yield CounterMetricFamily("qstore_compaction_passes", "Compaction passes done",
+                                      value=c.passes)
+            yield CounterMetricFamily("qstore_compaction_failed_passes",
+                                      "Compaction passes that failed (rolled back)",
+                                      value=c.failed_passes)
+            yield CounterMetricFamily("qstore_compaction_messages_moved",
+                                      "Live messages rewritten by compaction",
+                                      value=c.messages_moved)
+            yield CounterMetricFamily("qstore_compaction_bytes_freed",
+                                      "Disk bytes compaction gave back", value=c.bytes_freed)
+            yield CounterMetricFamily("qstore_compaction_seconds",
+                                      "Time spent in compaction passes", value=c.seconds)
         yield GaugeMetricFamily("qstore_disk_bytes", "Payload segment bytes on disk",
                                 value=stats.disk_bytes)
         yield GaugeMetricFamily("qstore_live_bytes", "Payload bytes still referenced",
@@ -63,6 +86,9 @@ class Metrics:
         self.latency = Histogram("qstore_request_seconds", "Request time in the server",
                                  ["op"], buckets=_BUCKETS, registry=r)
         self.connections = Gauge("qstore_connections", "Open client connections", registry=r)
+        self.leases_held = Gauge("qstore_leases_held",
+                                 "Leases handed to open connections and not settled",
+                                 registry=r)
         r.register(_StoreCollector(store))
 
     def request(self, op: str, seconds: float, ok: bool) -> None:

@@ -6,12 +6,16 @@ method of that name, so arguments are checked by the same code and raise
 the same errors as in-process. Results are encoded by :mod:`qstore._wire`.
 
 Each connection has a :class:`Leases` table of the receipts it was handed and
-has not settled; when the connection ends they are nacked at once (attempts
-kept, as when a lease expires), unless the client asked to keep them.
+that were not settled since (through it or another connection: the server's
+:class:`LeaseBook`); when the connection ends they are nacked at once
+(attempts kept, as when a lease expires), unless the client asked to keep
+them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -24,29 +28,70 @@ from .._store import Store
 PARK = object()  # a pop with wait that found nothing: the server parks it
 
 
-class Leases:
-    """Receipts handed to one connection and not yet acked or nacked through it."""
+class LeaseBook:
+    """Which connection's table holds each receipt handed out and not settled (one
+    per server).
+
+    A receipt may be acked or nacked through any connection (threads sharing a
+    client use several), so settling one drops it from the table of the
+    connection that popped it, not only from the settling one's; and a message
+    delivered again (its lease ran out) drops its earlier receipt, which can
+    no longer be settled. A table then holds only leases its connection may
+    still hand back: it does not grow with work settled elsewhere.
+    """
 
     def __init__(self) -> None:
-        self.held: dict[str, str] = {}  # receipt -> queue name
+        self.owner: dict[str, Leases] = {}  # receipt -> the table that holds it
+        self.latest: dict[tuple[str, int], str] = {}  # (queue, id) -> its newest receipt
+
+    def settle(self, receipt: str) -> None:
+        """``receipt`` was acked or nacked, through whichever connection."""
+        owner = self.owner.pop(receipt, None)
+        if owner is not None:
+            key = owner.held.pop(receipt)
+            if self.latest.get(key) == receipt:
+                del self.latest[key]
+
+
+class Leases:
+    """Receipts handed to one connection and not yet settled (through any connection)."""
+
+    def __init__(self, book: LeaseBook) -> None:
+        self.book = book
+        self.held: dict[str, tuple[str, int]] = {}  # receipt -> (queue name, message id)
 
     def hold(self, queue: str, fields: tuple[Any, ...]) -> tuple[Any, ...]:
         """Hold the receipt of a popped message given as its wire fields (encoded
         first: a pop's receipt is written when read); returns ``fields``."""
-        self.held[fields[7]] = queue
+        receipt, key = fields[7], (queue, fields[0])
+        book = self.book
+        earlier = book.latest.get(key)
+        if earlier is not None:  # delivered before: that receipt is void now
+            book.settle(earlier)
+        book.latest[key] = receipt
+        book.owner[receipt] = self
+        self.held[receipt] = key
         return fields
 
-    def release(self, store: Store) -> int:
-        """Nack every lease still held (store thread); returns how many went back."""
-        back = 0
-        held, self.held = self.held, {}
-        for receipt, name in held.items():
-            try:
+    def forget(self) -> None:
+        """Take every receipt off the table and the book, nacking none (a
+        connection that keeps its leases, or whose release failed, has ended)."""
+        settle = self.book.settle
+        for receipt in list(self.held):
+            settle(receipt)
+
+    def release(self, store: Store, most: int) -> int:
+        """Nack up to ``most`` of the leases still held (store thread); returns how
+        many it took off the table (the caller repeats until none is held)."""
+        held = self.held
+        taken = list(itertools.islice(held, most))
+        for receipt in taken:
+            name = held[receipt][0]
+            self.book.settle(receipt)
+            # Expired, dead-lettered, or the queue is gone: nothing to give back.
+            with contextlib.suppress(LeaseExpired, MessageNotFound, QueueNotFound):
                 store.queue(name).nack(receipt)
-                back += 1
-            except (LeaseExpired, MessageNotFound, QueueNotFound):
-                pass  # acked through another connection, expired, or the queue is gone
-        return back
+        return len(taken)
 
 
 def _wait(args: dict[str, Any]) -> float:
@@ -96,22 +141,25 @@ def _pop_many(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> A
 def _ack(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
     receipt = _receipt(args)
     q.ack(receipt, **args)
-    leases.held.pop(receipt, None)
+    if type(receipt) is str:
+        leases.book.settle(receipt)
 
 
 def _ack_many(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
     receipts = _receipt(args, "receipts")
     n = q.ack_many(receipts, **args)
+    settle = leases.book.settle
     for r in receipts:
-        if isinstance(r, str):
-            leases.held.pop(r, None)
+        if type(r) is str:
+            settle(r)
     return n
 
 
 def _nack(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
     receipt = _receipt(args)
     q.nack(receipt, **args)
-    leases.held.pop(receipt, None)
+    if type(receipt) is str:
+        leases.book.settle(receipt)
 
 
 def _extend(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
@@ -208,8 +256,9 @@ def ack_group(store: Store, name: str, receipts: list[str], takers: list[Leases]
     """Acks in a row as one ``ack_many``: all or nothing, so on an error the caller
     runs them one by one to give each its own answer."""
     store.queue(name).ack_many(receipts)
-    for leases, r in zip(takers, receipts, strict=True):
-        leases.held.pop(r, None)
+    settle = takers[0].book.settle
+    for r in receipts:
+        settle(r)
 
 
 def store_op(store: Store, op: str, args: dict[str, Any]) -> Any:

@@ -42,12 +42,13 @@ from .._store import Store
 from .._txn import NO_EVENT_US
 from ._conn import Connection
 from ._metrics import Metrics
-from ._ops import PARK, ack_group, group_key, pop_group, queue_op, store_op
+from ._ops import PARK, LeaseBook, ack_group, group_key, pop_group, queue_op, store_op
 from ._waiting import Waiter, WaitingPops, try_round
 from ._worker import InlineStore, StoreThread
 
 log = logging.getLogger("qstore.server")
 
+RELEASE_SLICE = 500  # leases of a closed connection given back per store call
 SLOW_OPS = frozenset({"compact", "snapshot", "check"})
 _POPS = frozenset({"pop", "pop_many"})
 _Request = tuple[Connection, int, str, dict[str, Any], float]
@@ -85,6 +86,9 @@ class Server:
         self.limits = limits = limits or Limits()
         self.metrics = metrics
         self._conns: set[Connection] = set()
+        self._leases = book = LeaseBook()
+        if metrics is not None:
+            metrics.leases_held.set_function(lambda: len(book.owner))
         self._ending: set[asyncio.Task[None]] = set()
         self._inbox: list[_Request] = []
         self._round_due = False
@@ -162,7 +166,7 @@ class Server:
     # -- connections (called by _conn.Connection) -------------------------------------
 
     def _accept(self) -> Connection:
-        conn = Connection(self, self.limits.max_frame)
+        conn = Connection(self, self.limits.max_frame, self._leases)
         if len(self._conns) >= self.limits.max_connections:
             # Told why and closed once made (before that it has no transport).
             conn.refusal = _error_frame(ServerBusy(
@@ -256,10 +260,19 @@ class Server:
             if conn.pending:
                 with contextlib.suppress(Exception):
                     await conn.idle.wait()
-        if not conn.keep_leases and conn.leases.held and self._thread is not None:
+        if not conn.keep_leases and self._thread is not None:
             store, leases = self.store, conn.leases
-            with contextlib.suppress(Exception):
-                await self._thread.submit(lambda: leases.release(store))
+            # In slices, each its own store call: with the store on the loop
+            # (interval, none), a consumer that dies holding many leases must not
+            # stall every other connection while they all go back.
+            while leases.held:
+                try:
+                    await self._thread.submit(lambda: leases.release(store, RELEASE_SLICE))
+                except Exception:  # those left run out as leases do
+                    log.exception("giving back the leases of a closed connection failed")
+                    break
+                await asyncio.sleep(0)  # let other connections' requests run
+        conn.leases.forget()  # kept leases, or those a failed release left
         self._conns.discard(conn)
         if self.metrics:
             self.metrics.connections.dec()

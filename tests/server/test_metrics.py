@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 import urllib.request
 from typing import Any
 
@@ -62,3 +63,59 @@ def test_metrics_report_queue_depths_requests_and_connections(tmp_path: Any) -> 
         assert after[("qstore_queue_messages", (("queue", "jobs"), ("state", "in_flight")))] == 2
         assert after[("qstore_queue_messages", (("queue", "jobs"), ("state", "ready")))] == 0
         assert after[("qstore_requests_total", (("op", "ack"), *ok))] == 1
+
+
+def test_metrics_count_syncs_compaction_and_the_leases_connections_hold(
+        tmp_path: Any) -> None:
+    port = _free_port()
+    with running(str(tmp_path / "store"), "--metrics-port", str(port),
+                 "--durability", "always") as srv, \
+            qstore.connect(srv.address) as a, qstore.connect(srv.address) as b:
+        qa = a.create_queue("jobs")
+        qb = b.queue("jobs")
+        qa.push_many([bytes([i]) * 1000 for i in range(100)])
+        qa.push(b"last")  # returns once synced
+        got = _scrape(port)
+        assert got[("qstore_syncs_total", ())] >= 1
+        assert got[("qstore_sync_seconds_total", ())] > 0
+
+        # Popped through one connection, settled through another: off the first's table.
+        popped = qa.pop_many(60)
+        assert _scrape(port)[("qstore_leases_held", ())] == 60
+        qb.ack_many(popped[:50])
+        for m in popped[50:55]:
+            qb.ack(m)
+        qb.nack(popped[55])
+        assert _scrape(port)[("qstore_leases_held", ())] == 4
+
+        rest = qa.pop_many(100)
+        assert len(rest) == 42  # 40 never popped, the one nacked, "last"
+        qa.ack_many(rest + popped[56:])
+        assert _scrape(port)[("qstore_leases_held", ())] == 0
+        before = _scrape(port)
+        result = a.compact(threshold=0.0)
+        after = _scrape(port)
+
+        def grew(name: str) -> float:
+            return after[(name, ())] - before[(name, ())]
+        assert result.bytes_freed > 100_000 and result.segments_deleted
+        assert grew("qstore_compaction_passes_total") >= 1
+        assert grew("qstore_compaction_bytes_freed_total") >= result.bytes_freed
+        assert grew("qstore_compaction_seconds_total") >= result.seconds
+        assert after[("qstore_compaction_failed_passes_total", ())] == 0
+
+
+def test_the_leases_of_a_closed_connection_go_back_and_leave_the_book(
+        tmp_path: Any) -> None:
+    port = _free_port()
+    with running(str(tmp_path / "store"), "--metrics-port", str(port)) as srv, \
+            qstore.connect(srv.address) as other:
+        q = other.create_queue("jobs")
+        q.push_many([b"%d" % i for i in range(1200)])  # more than one release slice
+        with qstore.connect(srv.address) as consumer:
+            assert len(consumer.queue("jobs").pop_many(1100)) == 1100
+        deadline = time.monotonic() + 30
+        while q.stats().ready != 1200:  # the server gives them back once it sees the close
+            assert time.monotonic() < deadline
+        assert _scrape(port)[("qstore_leases_held", ())] == 0
+        assert sorted(m.attempts for m in q.pop_many(1200)) == [1] * 100 + [2] * 1100

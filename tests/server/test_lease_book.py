@@ -1,0 +1,43 @@
+"""The server's book of leases held by connections (qstore/server/_ops.py), in process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import qstore
+from qstore.server._ops import LeaseBook, Leases, queue_op
+
+from ..conftest import FakeClock
+
+
+def test_a_message_delivered_again_voids_its_earlier_receipt(tmp_path: Any) -> None:
+    clock = FakeClock()
+    with qstore.open(str(tmp_path / "s"), clock=clock) as store:
+        store.create_queue("q").push(b"x")
+        book = LeaseBook()
+        first, second = Leases(book), Leases(book)
+        old = queue_op(store, first, "pop", {"queue": "q", "lease": 10.0})
+        assert list(first.held) == [old[7]]
+        clock.advance(11.0)  # the lease runs out; another connection gets it again
+        new = queue_op(store, second, "pop", {"queue": "q", "lease": 10.0})
+        assert new[0] == old[0] and new[7] != old[7]
+        assert first.held == {} and list(second.held) == [new[7]]
+        assert book.owner == {new[7]: second} and book.latest == {("q", old[0]): new[7]}
+        queue_op(store, first, "ack", {"queue": "q", "receipt": new[7]})  # through another
+        assert second.held == {} and book.owner == {} and book.latest == {}
+
+
+def test_release_gives_back_in_slices_and_forget_nacks_nothing(tmp_path: Any) -> None:
+    with qstore.open(str(tmp_path / "s")) as store:
+        store.create_queue("q").push_many([b"%d" % i for i in range(7)])
+        book = LeaseBook()
+        mine, kept = Leases(book), Leases(book)
+        queue_op(store, mine, "pop_many", {"queue": "q", "n": 5})
+        queue_op(store, kept, "pop_many", {"queue": "q", "n": 2})
+        assert mine.release(store, 3) == 3 and len(mine.held) == 2
+        assert store.queue("q").stats().ready == 3
+        assert mine.release(store, 3) == 2 and mine.held == {}
+        kept.forget()
+        assert kept.held == {} and book.owner == {} and book.latest == {}
+        stats = store.queue("q").stats()
+        assert (stats.ready, stats.in_flight) == (5, 2)  # forgotten, still leased
