@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from .._net_errors import ProtocolError
 from ._ops import LeaseBook, Leases
@@ -54,6 +54,11 @@ class Connection(asyncio.Protocol):
         # An error frame to send, then close, as soon as the connection is made
         # (the server is over its connection limit).
         self.refusal: bytes | None = None
+        # While a compact, snapshot or check of this connection runs in a thread,
+        # its later requests wait here, so they take effect and are answered after
+        # it, in order (the server's _dispatch and _slow_done).
+        self.blocked = False
+        self.backlog: list[tuple[Connection, int, str, dict[str, Any], float]] = []
         self._buf = bytearray()
         self._need = 4  # bytes the buffer must hold before a frame can be cut
         self._write_paused = False

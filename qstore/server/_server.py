@@ -15,8 +15,9 @@ With ``durability="always"`` the store calls run in the store thread
 (_worker.py) instead, answered as they complete. A pop that finds nothing
 and may wait is parked (_waiting.py) and does not hold up later requests. A
 frame that breaks the protocol gets an error frame with id 0 and closes only
-its own connection. ``compact`` and ``snapshot`` run in a thread of their
-own: they take seconds and must not stall the store.
+its own connection. ``compact``, ``snapshot`` and ``check`` run in a thread
+of their own: they take seconds and must not stall the store; the requests
+their connection sent after them wait for them (``Connection.backlog``).
 """
 
 from __future__ import annotations
@@ -300,11 +301,12 @@ class Server:
             i, n = 0, len(reqs)
             while i < n:
                 conn, rid, op, args, started = reqs[i]
-                if (op == "pop" or op == "ack") and i + 1 < n:
+                if (op == "pop" or op == "ack") and i + 1 < n and not conn.blocked:
                     key = group_key(op, args)
                     j = i + 1
                     if key is not None:
-                        while j < n and reqs[j][2] == op and group_key(op, reqs[j][3]) == key:
+                        while (j < n and reqs[j][2] == op and not reqs[j][0].blocked
+                               and group_key(op, reqs[j][3]) == key):
                             j += 1
                     if j > i + 1:
                         self._group(key, reqs[i:j])  # type: ignore[arg-type]
@@ -381,6 +383,9 @@ class Server:
         if conn.closed:  # read, never started: the client sees ConnectionLost
             conn.settled()
             return
+        if conn.blocked:  # behind its own compact/snapshot/check: runs after it
+            conn.backlog.append((conn, rid, op, args, started))
+            return
         store = self.store
         kept = args
         if op in wire.QUEUE_OPS:
@@ -394,8 +399,11 @@ class Server:
             def run() -> Any:
                 return queue_op(store, leases, op, args)
         elif op in SLOW_OPS:
-            slow = asyncio.ensure_future(asyncio.to_thread(store_op, store, op, args))
-            slow.add_done_callback(lambda f: self._settled(conn, rid, op, kept, started, f))
+            # In a thread of its own (it takes seconds); the connection's later
+            # requests wait for it, other connections go on.
+            conn.blocked = True
+            slow = asyncio.ensure_future(self._run_slow(op, args))
+            slow.add_done_callback(lambda f: self._slow_done(conn, rid, op, kept, started, f))
             return
         elif op in wire.STORE_OPS:
             def run() -> Any:
@@ -433,6 +441,24 @@ class Server:
             self._reply_error(conn, rid, op, started, exc)
             return
         self._answer(conn, rid, op, args, started, fut.result())
+
+    async def _run_slow(self, op: str, args: dict[str, Any]) -> Any:
+        if not self._inline:  # after every call the store thread was given before it
+            await self._submit(_nothing)
+        return await asyncio.to_thread(store_op, self.store, op, args)
+
+    def _slow_done(self, conn: Connection, rid: int, op: str, args: dict[str, Any],
+                   started: float, fut: asyncio.Future[Any]) -> None:
+        """A compact/snapshot/check finished: answer it, then run the requests its
+        connection sent after it, before any that connection sent later still."""
+        conn.blocked = False
+        self._settled(conn, rid, op, args, started, fut)
+        backlog, conn.backlog = conn.backlog, []
+        if backlog:
+            self._inbox[:0] = backlog
+            if not self._round_due:
+                self._round_due = True
+                self.loop.call_soon(self._round)
 
     def _answer(self, conn: Connection, rid: int, op: str, args: dict[str, Any],
                 started: float, result: Any) -> None:
@@ -636,6 +662,10 @@ def _layered(reqs: list[_Request]) -> list[_Request]:
         keyed.append((layer, slot, i))
     keyed.sort()
     return [reqs[i] for _, _, i in keyed]
+
+
+def _nothing() -> None:
+    return None
 
 
 def _error_frame(exc: BaseException) -> bytes:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import socket
+import struct
+from typing import Any
+
+import msgpack
 import pytest
 
 import qstore
 
-from ._support import ServerProcess
+from ._support import ServerProcess, raw_socket, running
 
 
 def test_a_pipeline_returns_each_result_as_the_direct_call_would(
@@ -93,3 +98,52 @@ def test_answers_larger_than_the_read_buffer_arrive_whole_between_small_ones(
         assert got == [b"small", big, b"small", big]
         assert q.get(big_id).payload == big  # a direct call after the buffer shrank back
         assert q.get(small_id).payload == b"small"
+
+
+def _frame(value: object) -> bytes:
+    body: bytes = msgpack.packb(value, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+def _answers(s: socket.socket, n: int) -> list[list[object]]:
+    """The next ``n`` answers on raw connection ``s``, in the order they came."""
+    buf, out = b"", list[list[object]]()
+    while len(out) < n:
+        while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
+            chunk = s.recv(65536)
+            assert chunk, "the server closed the connection"
+            buf += chunk
+        (size,) = struct.unpack(">I", buf[:4])
+        out.append(msgpack.unpackb(buf[4:4 + size], raw=False))
+        buf = buf[4 + size:]
+    return out
+
+
+@pytest.mark.parametrize("durability", ["interval", "always"])
+def test_requests_after_a_snapshot_wait_for_it_and_answer_after_it(
+        tmp_path: Any, durability: str) -> None:
+    """compact, snapshot and check run in a thread; the connection's later
+    requests still take effect, and are answered, after them."""
+    path, dest = str(tmp_path / "s"), str(tmp_path / "snap")
+    with running(path, "--durability", durability) as srv:
+        with qstore.connect(srv.address) as client:
+            client.create_queue("q")
+        s = raw_socket(srv.address)
+        try:
+            s.sendall(_frame({"qstore": 1}))
+            assert isinstance(_answers(s, 1)[0], dict)
+            s.sendall(b"".join([
+                _frame([10, "push", {"queue": "q", "payload": b"before"}]),
+                _frame([11, "snapshot", {"dest": dest}]),
+                _frame([12, "push", {"queue": "q", "payload": b"after"}]),
+                _frame([13, "check", {}]),
+                _frame([14, "push", {"queue": "q", "payload": b"last"}]),
+                _frame([15, "ping", {}]),
+            ]))
+            got = _answers(s, 6)
+        finally:
+            s.close()
+        assert [a[0] for a in got] == [10, 11, 12, 13, 14, 15]
+        assert all(a[1] == 0 for a in got), got
+    with qstore.open(dest, readonly=True) as snap:
+        assert [m.payload for m in snap.queue("q").peek(10)] == [b"before"]
