@@ -186,7 +186,13 @@ def _stats(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
     return wire.encode_stats(q.stats(**args))
 
 
+def _no_args(op: str, args: dict[str, Any]) -> None:
+    if args:  # what a Python call with an unknown keyword raises
+        raise InvalidArgument(f"{op}: unexpected argument(s) {', '.join(map(repr, args))}")
+
+
 def _info(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
+    _no_args("queue", args)
     return queue_info(q)
 
 
@@ -282,6 +288,7 @@ def store_op(store: Store, op: str, args: dict[str, Any]) -> Any:
         if op == "check":
             return wire.encode_check(store.check(**args))
         if op == "ping":
+            _no_args(op, args)
             return None
     except TypeError as exc:
         raise InvalidArgument(f"{op}: {exc}") from None

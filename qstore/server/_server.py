@@ -195,7 +195,7 @@ class Server:
         if conn.hello_timer is not None:
             conn.hello_timer.cancel()
         conn.greeted = True
-        conn.keep_leases = bool(hello.get("keep_leases", False))
+        conn.keep_leases = hello.get("keep_leases", False)
         conn.write(wire.pack({"qstore": wire.PROTOCOL_VERSION, "server": __version__,
                               "max_frame": self.limits.max_frame,
                               "max_payload": self.store.config.max_payload_bytes}))
@@ -245,6 +245,8 @@ class Server:
         if hello["qstore"] != wire.PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {hello['qstore']!r} is not supported; "
                                 f"this server speaks {wire.PROTOCOL_VERSION}")
+        if type(hello.get("keep_leases", False)) is not bool:
+            raise ProtocolError("keep_leases in the handshake must be a bool")
         if self._token is not None:
             given = hello.get("token")
             if not isinstance(given, str) or not hmac.compare_digest(

@@ -147,3 +147,33 @@ def test_requests_after_a_snapshot_wait_for_it_and_answer_after_it(
         assert all(a[1] == 0 for a in got), got
     with qstore.open(dest, readonly=True) as snap:
         assert [m.payload for m in snap.queue("q").peek(10)] == [b"before"]
+
+
+def test_unknown_arguments_are_refused_by_every_op_and_a_bad_handshake_closes(
+        server: ServerProcess) -> None:
+    with qstore.connect(server.address) as client:
+        client.create_queue("q")
+    s = raw_socket(server.address)
+    try:
+        s.sendall(_frame({"qstore": 1}))
+        _answers(s, 1)
+        s.sendall(b"".join([_frame([2, "queue", {"queue": "q", "bogus": 1}]),
+                            _frame([3, "ping", {"bogus": 1}]),
+                            _frame([4, "queues", {"bogus": 1}]),
+                            _frame([5, "ping", {}])]))
+        got = _answers(s, 4)
+    finally:
+        s.close()
+    for answer in got[:3]:
+        assert answer[1] == 1 and answer[2][0] == "InvalidArgument", answer  # type: ignore[index]
+    assert "bogus" in got[0][2][1]  # type: ignore[index]
+    assert got[3] == [5, 0, None]
+    s = raw_socket(server.address)
+    try:
+        s.sendall(_frame({"qstore": 1, "keep_leases": "yes"}))
+        answer = _answers(s, 1)[0]
+        assert answer[0] == 0 and answer[2][0] == "ProtocolError"  # type: ignore[index]
+        assert "keep_leases" in answer[2][1]  # type: ignore[index]
+        assert s.recv(1) == b""  # and the connection is closed
+    finally:
+        s.close()
