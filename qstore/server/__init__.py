@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 
 from .._address import LOOPS, Address, parse_address
+from .._errors import QStoreError
 from .._store import Store
 from ._metrics import Metrics
 from ._server import Limits, Server, default_max_frame
@@ -78,12 +79,20 @@ def serve(store: Store, listen: str | None = None, *, token: str | None = None,
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         try:
-            await server.start()
+            try:
+                await server.start()
+            except OSError as exc:  # the address is taken, not ours to bind...
+                raise QStoreError(f"cannot listen on {address}: {exc.strerror or exc}") \
+                    from exc
+            if metrics is not None and metrics_port is not None:
+                try:
+                    metrics.serve(metrics_port)
+                except OSError as exc:
+                    raise QStoreError(f"cannot serve metrics on port {metrics_port}: "
+                                      f"{exc.strerror or exc}") from exc
         except BaseException:
-            await server.shutdown()
+            await server.shutdown()  # the socket file goes, the store closes
             raise
-        if metrics is not None and metrics_port is not None:
-            metrics.serve(metrics_port)
         if ready is not None:
             ready(server.listening_on)
         await stop.wait()

@@ -159,7 +159,7 @@ class Server:
             self._due_timer.cancel()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.stop)
-        if self.address.kind == "unix":
+        if self.address.kind == "unix" and self._server is not None:  # ours to remove
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.address.path)
         await asyncio.to_thread(self.store.close)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
 from typing import Any
 
@@ -14,7 +16,7 @@ from click.testing import CliRunner
 import qstore
 from qstore.cli import main
 
-from ._support import ServerProcess, running
+from ._support import ServerProcess, env, running
 
 
 def _run(*args: str) -> Any:
@@ -126,3 +128,32 @@ def test_the_event_loop_is_uvloop_by_default_and_can_be_chosen(tmp_path: Any,
     r = _run("serve", str(tmp_path / "c"), "--loop", "uvloop")
     assert r.exit_code == 2 and "uvloop event loop is not installed" in r.output
     assert not os.path.exists(tmp_path / "c")  # refused before the store was made
+
+
+def test_serve_on_a_taken_port_says_so_and_leaves_nothing_behind(tmp_path: Any) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    store = str(tmp_path / "s")
+    try:
+        for args in (["--listen", f"tcp://127.0.0.1:{port}"], ["--metrics-port", str(port)]):
+            r = subprocess.run([sys.executable, "-m", "qstore.cli", "serve", store, *args],
+                               capture_output=True, text=True, timeout=60, env=env())
+            assert r.returncode == 5, r.stderr  # an error, not "found something" (1)
+            assert "Traceback" not in r.stderr
+            assert "address already in use" in r.stderr.lower()
+            assert "qstore.sock" not in os.listdir(store)  # no stale socket file
+    finally:
+        taken.close()
+    with qstore.open(store) as s:  # closed cleanly: it opens
+        assert s.queues() == []
+
+
+def test_python_dash_m_qstore_is_the_command_line(tmp_path: Any) -> None:
+    r = subprocess.run([sys.executable, "-m", "qstore", "push", str(tmp_path / "s"), "jobs",
+                        "hello", "--create"], capture_output=True, text=True, timeout=60,
+                       env=env())
+    assert r.returncode == 0, r.stderr
+    with qstore.open(str(tmp_path / "s")) as s:
+        assert [m.payload for m in s.queue("jobs").peek(5)] == [b"hello"]
