@@ -6,8 +6,10 @@ default (``STORE/qstore.sock``). Used by ``qstore serve`` and both clients.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
+import stat
 from dataclasses import dataclass
 
 from ._errors import InvalidArgument
@@ -42,7 +44,8 @@ class Address:
 
 
 def parse_address(text: str | os.PathLike[str]) -> Address:
-    """An Address from ``unix:///p``, ``tcp://h:p`` or a store directory path."""
+    """An Address from ``unix:///p``, ``tcp://h:p``, a store directory path (its
+    ``qstore.sock``) or the path of a unix socket."""
     text = os.fspath(text)
     if text.startswith("unix://"):
         path = text[len("unix://"):]
@@ -56,4 +59,7 @@ def parse_address(text: str | os.PathLike[str]) -> Address:
         return Address("tcp", host=host.strip("[]"), port=int(port))
     if "://" in text:
         raise InvalidArgument(f"unknown address scheme in {text!r}; use unix:// or tcp://")
+    with contextlib.suppress(OSError):  # no such path: a store the connect names as missing
+        if stat.S_ISSOCK(os.stat(text).st_mode):  # the socket itself, not a store
+            return Address("unix", path=text)
     return Address("unix", path=os.path.join(text, SOCKET_NAME))

@@ -1,4 +1,5 @@
-"""The server's connection and waiting-pop limits, against a real server process."""
+"""The server's connection and waiting-pop limits, and how clients address it,
+against real server processes."""
 
 from __future__ import annotations
 
@@ -96,3 +97,18 @@ def test_waiting_pops_over_the_limit_raise_server_busy(tmp_path: Any) -> None:
 
     with running(str(tmp_path / "s"), "--max-waiting", "1") as srv:
         asyncio.run(main(srv.address))
+
+
+def test_a_client_connects_by_store_directory_socket_path_or_address(
+        tmp_path: Any) -> None:
+    store = str(tmp_path / "s")
+    sock = str(tmp_path / "elsewhere.sock")
+    with running(store, "--listen", f"unix://{sock}") as srv:
+        assert srv.address == f"unix://{sock}"
+        for target in (sock, f"unix://{sock}"):
+            with qstore.connect(target) as client:
+                client.create_queue(f"q{len(target)}")
+        with pytest.raises(qstore.ConnectionLost, match="qstore.sock"):
+            qstore.connect(store).queues()  # its default socket is not where it listens
+    with running(store) as srv, qstore.connect(store) as client:
+        assert sorted(client.queues()) == sorted(f"q{len(t)}" for t in (sock, f"unix://{sock}"))
