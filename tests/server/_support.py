@@ -56,8 +56,8 @@ class ServerProcess:
         assert text.startswith(prefix), text
         return text[len(prefix):]
 
-    def terminate(self, timeout: float = 30.0) -> int:
-        self.proc.send_signal(signal.SIGTERM)
+    def terminate(self, timeout: float = 30.0, sig: int = signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
         return self.proc.wait(timeout)
 
     def kill(self) -> None:

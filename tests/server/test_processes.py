@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 
 import qstore
 
+from ._consumer import produced
 from ._support import ServerProcess, env, running
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,6 +37,25 @@ def test_producers_and_consumers_each_message_exactly_once(server: ServerProcess
         assert all(p.returncode == 0 for p in procs)
         got = [bytes.fromhex(h) for out in outs for h in out]
         assert sorted(got) == sorted(bodies)  # every one, exact bytes, none twice
+        assert q.stats().total == 0
+
+
+def test_producer_and_consumer_processes_at_once_each_message_exactly_once(
+        server: ServerProcess) -> None:
+    with qstore.connect(server.address) as client:
+        q = client.create_queue("busy", order="fifo")
+        consumers = [_consumer(server.address, "busy", "until-stop", 0) for _ in range(3)]
+        producers = [_consumer(server.address, "busy", f"produce:{k}", 400) for k in range(3)]
+        for p in producers:
+            p.communicate(timeout=120)
+        assert all(p.returncode == 0 for p in producers)
+        q.push_many([b"STOP"] * 3)  # after every produced message (fifo): one per consumer
+        outs = [p.communicate(timeout=120)[0].decode().split() for p in consumers]
+        assert all(p.returncode == 0 for p in consumers)
+        got = [bytes.fromhex(h) for out in outs for h in out]
+        expected = [b for k in range(3) for b in produced(k, 400)]
+        assert len(got) == len(expected) == 1200
+        assert sorted(got) == sorted(expected)  # every one, exact bytes, none twice
         assert q.stats().total == 0
 
 
@@ -88,8 +109,9 @@ def test_killed_server_loses_nothing_that_returned_and_clients_reconnect(tmp_pat
 
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])  # each loop installs its own handlers
-def test_sigterm_shuts_down_cleanly_and_the_store_opens_embedded(tmp_path: Any,
-                                                                 loop: str) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_shuts_down_cleanly_and_the_store_opens_embedded(tmp_path: Any, loop: str,
+                                                                 sig: int) -> None:
     path = str(tmp_path / "store")
     with running(path, "--loop", loop) as srv:
         assert srv.loop == loop
@@ -97,7 +119,7 @@ def test_sigterm_shuts_down_cleanly_and_the_store_opens_embedded(tmp_path: Any,
             q = client.create_queue("t")
             q.push_many([b"1", b"2"])
             q.pop()  # leased when the server stops: goes back to ready
-        assert srv.terminate() == 0
+        assert srv.terminate(sig=sig) == 0
         assert not os.path.exists(os.path.join(path, "qstore.sock"))
     with qstore.open(path) as store:
         assert store.queue("t").stats().ready == 2
