@@ -525,7 +525,8 @@ class Client:
 
     def snapshot(self, dest: str) -> str:
         """A snapshot taken by the server at ``dest`` (a path on the server's machine)."""
-        return str(self._link.call("snapshot", {"dest": os.path.abspath(dest)}, wait=3600.0))
+        return str(self._link.call("snapshot", base.snapshot_args(self._link.address, dest),
+                                   wait=3600.0))
 
     def check(self, *, repair: bool = False) -> CheckReport:
         """The integrity check, run by the server on its store (``Store.check``);

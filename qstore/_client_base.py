@@ -7,6 +7,7 @@ encode a request or decode a result differently.
 from __future__ import annotations
 
 import itertools
+import os
 import ssl
 from collections.abc import Iterable
 from typing import Any
@@ -71,6 +72,19 @@ def result(value: Any, rid: int) -> Any:
     if value[0] != rid:
         raise ProtocolError(f"response to request {value[0]}, expected {rid}")
     return value[2]
+
+
+def snapshot_args(address: Address, dest: str) -> dict[str, Any]:
+    """The ``snapshot`` request's arguments: ``dest`` is a path on the server's
+    machine. Through a unix socket that is this machine, so a relative one is
+    this process's; over TCP the server may be elsewhere, so it must be absolute."""
+    dest = os.fspath(dest)
+    if os.path.isabs(dest):
+        return {"dest": dest}
+    if address.kind == "unix":
+        return {"dest": os.path.abspath(dest)}
+    raise InvalidArgument(f"snapshot through {address}: give DEST as an absolute path on the "
+                          f"server's machine, not {dest!r}")
 
 
 def receipt_of(item: object) -> object:

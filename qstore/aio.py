@@ -339,8 +339,8 @@ class AsyncClient:
                                                        wait=3600.0))
 
     async def snapshot(self, dest: str) -> str:
-        return str(await self._link.call("snapshot", {"dest": os.path.abspath(dest)},
-                                         wait=3600.0))
+        return str(await self._link.call(
+            "snapshot", base.snapshot_args(self._link.address, dest), wait=3600.0))
 
     async def ping(self) -> None:
         await self._link.call("ping", {})

@@ -112,3 +112,27 @@ def test_a_client_connects_by_store_directory_socket_path_or_address(
             qstore.connect(store).queues()  # its default socket is not where it listens
     with running(store) as srv, qstore.connect(store) as client:
         assert sorted(client.queues()) == sorted(f"q{len(t)}" for t in (sock, f"unix://{sock}"))
+
+
+def test_a_snapshot_destination_is_a_path_on_the_servers_machine(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """Through a unix socket (this machine) a relative DEST is this process's; over
+    TCP the server may be elsewhere, so a relative one is refused."""
+    monkeypatch.chdir(tmp_path)
+    with running(str(tmp_path / "s")) as srv, qstore.connect(srv.address) as client:
+        client.create_queue("q").push(b"x")
+        assert client.snapshot("snap") == str(tmp_path / "snap")
+    with running(str(tmp_path / "t"), "--listen", "tcp://127.0.0.1:0") as srv, \
+            qstore.connect(srv.address) as client:
+        with pytest.raises(qstore.InvalidArgument, match="absolute path"):
+            client.snapshot("snap2")
+
+        async def aio_snapshot() -> None:
+            async with qstore.aio.connect(srv.address) as c:
+                await c.snapshot("snap2")
+        with pytest.raises(qstore.InvalidArgument, match="absolute path"):
+            asyncio.run(aio_snapshot())
+        assert client.snapshot(str(tmp_path / "snap3")) == str(tmp_path / "snap3")
+    assert not os.path.exists(tmp_path / "snap2")
+    with qstore.open(str(tmp_path / "snap"), readonly=True) as snap:
+        assert [m.payload for m in snap.queue("q").peek(5)] == [b"x"]
