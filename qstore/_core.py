@@ -213,7 +213,11 @@ class Settling:
 
     def __enter__(self) -> None:
         core = self._core
-        core.lock.acquire()
+        lock = core.lock
+        if lock._is_owned():  # type: ignore[attr-defined]  # nested: the outer mark stands
+            lock.acquire()
+            return
+        lock.acquire()
         core.write_mark = core.meta.writes
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
@@ -255,16 +259,15 @@ class GroupWriting(Writing):
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         core = self._core
         syncer = core.syncer
-        ticket = syncer.ticket()
-        if exc_type is not None:
-            # The failed operation may have appended payload that no journal key
-            # covers: the next sync must fdatasync the segment too (_durability.py).
-            syncer.payload_needed = True
-            try:
+        ticket = None
+        try:  # one finally for every path: an interrupt anywhere here frees the lock
+            ticket = syncer.ticket()
+            if exc_type is not None:
+                # The failed operation may have appended payload that no journal key
+                # covers: the next sync must fdatasync the segment too (_durability.py).
+                syncer.payload_needed = True
                 core.settle_if_written()
-            finally:
-                core.lock.release()
-        else:
+        finally:
             core.lock.release()
         if ticket is not None and exc_type is None:
             syncer.wait(ticket)
@@ -591,6 +594,13 @@ class Core(HotPaths):
         self._load_queues()
         self.segments = self._load_segments()
         self.reserve.restore()
+        if self.always:
+            # The journal keys the database holds, for the checkpoints to delete
+            # (an interrupted push may have written some it did not note).
+            self._journaled = [
+                (fid, offset + FRAME_SIZE + len(body), key)
+                for key, body in self.meta.scan(keys.JOURNAL, keys.prefix_end(keys.JOURNAL))
+                for fid, offset in (keys.journal_parts(key),)]
 
     def settle_if_written(self) -> None:
         """:meth:`settle`, if a metadata write started since the writer lock was taken."""
@@ -885,7 +895,7 @@ class Core(HotPaths):
         keeps it): a record below the mark is never taken for an unsynced tail
         on open (see _durability.py).
         """
-        with self.lock:
+        with self.settling:  # an interrupt after the write reads the journal keys back
             synced = self.payload.synced_position()
             covered = self._journal_covered(synced) if self._journaled else 0
             if synced == self._synced_mark and not covered:

@@ -67,7 +67,10 @@ class Syncer:
         self._written = 0  # batches written (under the writer lock)
         self._synced = 0  # batches known to be on stable storage
         self._syncing = False
-        self._cv = threading.Condition(threading.Lock())
+        self._leader = 0  # the thread whose sync ``_syncing`` is
+        # An RLock, which knows its owner: wait() must tell, whatever cut it short.
+        self._cv_lock = threading.RLock()
+        self._cv = threading.Condition(self._cv_lock)
         self._dirty = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -96,21 +99,34 @@ class Syncer:
     def wait(self, ticket: int | None) -> None:
         if ticket is None:
             return
-        with self._cv:
+        cv, lock, me = self._cv, self._cv_lock, threading.get_ident()
+        lock.acquire()
+        try:
             while self._synced < ticket:
                 if self._syncing:
-                    self._cv.wait()
+                    cv.wait()
                     continue
-                self._syncing = True
+                self._syncing, self._leader = True, me
                 target = self._written
-                self._cv.release()
+                lock.release()
                 try:
                     self.sync_now()
                 finally:
-                    self._cv.acquire()
-                    self._syncing = False
-                    self._cv.notify_all()
+                    lock.acquire()
+                self._syncing = False
+                cv.notify_all()
                 self._synced = max(self._synced, target)
+        finally:
+            # Also when cut short at any point (a failed sync, or KeyboardInterrupt
+            # between two lines): the lock held once more, a sync this thread led
+            # marked over so that the other waiters take their turn instead of
+            # waiting for it for good, then the lock released.
+            if not lock._is_owned():  # type: ignore[attr-defined]
+                lock.acquire()
+            if self._syncing and self._leader == me:
+                self._syncing = False
+                cv.notify_all()
+            lock.release()
 
     def sync_now(self) -> None:
         """Make everything written so far durable: payload first, then the WAL."""

@@ -19,6 +19,7 @@ that no Python context manager can close; see docs/faults.md).
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import pytest
 
 import qstore
-from qstore.meta import _db
+from qstore.meta import _db, keys
 from tests.queue._support import assert_consistent
 
 _QSTORE = "/qstore/"
@@ -46,7 +47,9 @@ class InterruptAfterWrite:
 
         def write(db: Any, batch: Any, *, sync: bool = False) -> None:
             real(db, batch, sync=sync)
-            if self.k is not None and not self.fired and sys.getprofile() is None:
+            # Signals reach the main thread only (not the syncer's checkpoints).
+            if (self.k is not None and not self.fired and sys.getprofile() is None
+                    and threading.current_thread() is threading.main_thread()):
                 sys.setprofile(self._profile)
 
         monkeypatch.setattr(_db.MetaDB, "write", write)
@@ -123,10 +126,24 @@ OPS = [_push, _push_many, _delayed, _promote_and_pop, _pop, _pop_many, _ack, _ac
        _extend]
 
 
+@pytest.mark.parametrize("durability", ["interval", "always"])
 @pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__.strip("_"))
 def test_an_interrupt_after_a_write_leaves_memory_as_the_database_says(
-        store: qstore.Store, clock: Any, monkeypatch: pytest.MonkeyPatch,
-        op: Callable[[qstore.Queue, list[qstore.Message]], None]) -> None:
+        tmp_path: Any, clock: Any, monkeypatch: pytest.MonkeyPatch,
+        op: Callable[[qstore.Queue, list[qstore.Message]], None], durability: str) -> None:
+    store = qstore.open(str(tmp_path / "s"), clock=clock, durability=durability,
+                        compactor=False)
+    try:
+        _interrupt_each_point(store, clock, monkeypatch, op)
+    finally:
+        store.close()
+    with qstore.open(store.path, clock=clock, compactor=False) as again:
+        assert again.check().ok
+        assert_consistent(again, again.queue("q"))
+
+
+def _interrupt_each_point(store: qstore.Store, clock: Any, monkeypatch: pytest.MonkeyPatch,
+                          op: Callable[[qstore.Queue, list[qstore.Message]], None]) -> None:
     q = store.create_queue("q")
     interrupt = InterruptAfterWrite(monkeypatch)
     held: list[qstore.Message] = []  # popped here, leases live (the clock stands still)
@@ -144,7 +161,7 @@ def test_an_interrupt_after_a_write_leaves_memory_as_the_database_says(
             interrupted += 1
         finally:
             interrupt.disarm()
-        assert not store.core.lock._is_owned(), "the writer lock was left taken"
+        assert not store.core.lock._is_owned(), "the writer lock was left taken"  # type: ignore[attr-defined]
         assert_consistent(store, q)
         assert len({m.id for m in held}) == len(held), "a message handed out twice"
         if not interrupt.fired:
@@ -157,7 +174,36 @@ def test_an_interrupt_after_a_write_leaves_memory_as_the_database_says(
     while got := q.pop_many(100):
         q.ack_many(got)
     assert_consistent(store, q)
-    store.close()
-    with qstore.open(store.path, clock=clock, compactor=False) as again:
-        assert again.check().ok
-        assert_consistent(again, again.queue("q"))
+
+
+@pytest.mark.parametrize("op", [_push, _push_many], ids=["push", "push_many"])
+def test_an_interrupted_push_in_always_mode_leaves_its_journal_keys_tracked(
+        tmp_path: Any, clock: Any, monkeypatch: pytest.MonkeyPatch,
+        op: Callable[[qstore.Queue, list[qstore.Message]], None]) -> None:
+    """durability="always" carries small bodies in journal keys, which the next
+    checkpoint deletes once their segment is synced: an interrupted push's keys
+    must be among those it knows of, or they stay until the store is reopened."""
+    with qstore.open(str(tmp_path / "s"), durability="always", clock=clock,
+                     compactor=False) as store:
+        core = store.core
+        assert core.journaling
+        q = store.create_queue("q")
+        interrupt = InterruptAfterWrite(monkeypatch)
+        for k in range(400):
+            interrupt.arm(k)
+            try:
+                op(q, [])
+            except KeyboardInterrupt:
+                pass
+            finally:
+                interrupt.disarm()
+            assert not core.lock._is_owned(), "the writer lock was left taken"  # type: ignore[attr-defined]
+            with core.lock:  # the syncer's checkpoints change both under it
+                stored = [key for key, _ in core.meta.scan(keys.JOURNAL,
+                                                           keys.prefix_end(keys.JOURNAL))]
+                assert [key for _, _, key in core._journaled] == stored
+            if not interrupt.fired:
+                break
+        core.syncer.checkpoint()  # the segment synced: every journal key is covered now
+        assert list(core.meta.scan(keys.JOURNAL, keys.prefix_end(keys.JOURNAL))) == []
+        assert_consistent(store, q)
