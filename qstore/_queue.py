@@ -1,12 +1,14 @@
 """The queue facade: push, pop, ack, nack, extend and friends.
 
 This module validates arguments and turns each public operation into one
-:class:`~qstore._txn.Txn`, built from the transitions of :mod:`qstore._states`
-and committed by the core (:meth:`qstore._core.Core.commit`) under the writer
-lock. Pop order is plain key order of the ready index (``r qid priority-key
-id``); delayed and in-flight messages sit in indexes ordered by time and are
-promoted back to ready lazily (on pop, peek, stats) and by the store's
-sweeper thread.
+metadata batch under the writer lock: plain push, pop and ack (single and
+batch) through the core's hot paths (``_hot.py``, which build the batch
+directly), every other operation as one :class:`~qstore._txn.Txn` built from
+the transitions of :mod:`qstore._states` and committed by the core
+(:meth:`qstore._core.Core.commit`). Pop order is plain key order of the
+ready index (``r qid priority-key id``); delayed and in-flight messages sit
+in indexes ordered by time and are promoted back to ready lazily (on pop,
+peek, stats) and by the store's sweeper thread.
 """
 
 from __future__ import annotations

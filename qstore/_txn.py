@@ -32,8 +32,13 @@ def plain_push(rec: records.QueueRecord) -> bool:
 class QueueState:
     """What the store keeps in memory per queue (shared by all its handles).
 
-    Changed only by the core, under the writer lock, after the batch it
-    reflects was written.
+    Changed only with the writer lock held, and what reflects a batch only
+    after that batch was written: by the core (its commit, the hot paths, the
+    queue registry) and, in the core's writer sections they run as part of,
+    by the time-driven passes (``_timers.py``: resume points, time floor,
+    next event and aging times, ``expired``, the heads) and the queue facade
+    (``_queue.py``: the heads after a pop or a burial of damaged messages,
+    the rate tokens). docs/architecture.md says who changes what.
     """
 
     __slots__ = ("name", "rec", "qid", "counts", "counts_key", "heads", "next_event_us",

@@ -424,12 +424,6 @@ class MetaDB:
         except Exception as exc:
             raise storage_error(f"checkpoint to {dest} failed", exc) from None
 
-    def compact_range(self, lo: bytes | None, hi: bytes | None) -> None:
-        try:
-            self._db.compact_range(lo, hi)
-        except Exception as exc:
-            raise self._failure("metadata compaction failed", exc) from None
-
     def flush(self) -> None:
         if self.failed is not None:
             raise self._refused()

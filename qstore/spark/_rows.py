@@ -76,10 +76,6 @@ class Rows:
     def body(self, i: int) -> memoryview:
         return self.data[int(self.offsets[i]): int(self.offsets[i + 1])]
 
-    @property
-    def all_valid(self) -> bool:
-        return all(r is None for r in self.reasons)
-
 
 def _reject(reasons: list[str | None], i: int, reason: str) -> None:
     if reasons[i] is None:  # the first problem found is the one reported

@@ -306,11 +306,6 @@ def expected_index_key(qid: int, rec: records.QueueRecord, mid: int, state: int,
     return None
 
 
-def decode_records(ks: list[bytes], vs: list[bytes]) -> list[tuple[Any, ...]]:
-    """Message records as tuples; a damaged one raises StorageError naming its key."""
-    return records.decode_messages(ks, vs)
-
-
 _LIMIT = 1 << 63
 _NATURAL = ((3, "file_id"), (4, "offset"), (5, "length"), (6, "attempts"), (7, "deliveries"),
             (9, "when_us"))  # positions in the record tuple of the fields that are int >= 0

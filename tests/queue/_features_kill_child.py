@@ -33,7 +33,13 @@ LEASE = 20.0
 
 
 class StepClock:
-    """Moved by the workload itself: half a second before each operation."""
+    """Moved by the workload itself: half a second before each operation.
+
+    Not ``tests.conftest.FakeClock``: this file runs as a script, whose
+    ``sys.path`` holds tests/queue/ but not the repository root, and
+    conftest.py is a pytest plugin (it imports pytest and hypothesis and sets
+    hypothesis's profile), which a plain child process should not load.
+    """
 
     def __init__(self, start: float) -> None:
         self.now = start

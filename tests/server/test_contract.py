@@ -112,7 +112,14 @@ def test_store_methods(store: Any) -> None:
     with pytest.raises(qstore.QueueNotFound) as missing:
         store.queue("two")
     assert missing.value.name == "two"
-    assert store.compact().messages_moved >= 0
+    # The segment now holds the deleted queue's message (garbage) and one live
+    # message of "one": more than half garbage, so the pass seals it, copies
+    # the one live message out (frame and body) and deletes it.
+    keep = q.push(b"k")
+    done = store.compact()
+    assert (done.messages_moved, done.bytes_copied) == (1, 8 + 1)
+    assert done.segments_read == done.segments_deleted == (done.sealed,)
+    assert q.get(keep).payload == b"k"
 
 
 @pytest.mark.parametrize("call", [
@@ -137,7 +144,10 @@ def test_bad_arguments_raise_invalid_argument(store: Any, call: Any) -> None:
     q = store.create_queue("bad")
     with pytest.raises(qstore.InvalidArgument):
         call(q)
-    assert q.push(b"still fine") >= 0
+    mid = q.push(b"still fine")  # the queue (and the connection) still work
+    assert len(q) == 1  # and the refused call left nothing in it
+    got = q.pop()
+    assert (got.id, got.payload) == (mid, b"still fine")
 
 
 @pytest.mark.parametrize("call", [
@@ -154,7 +164,10 @@ def test_unencodable_and_oversized_arguments_raise_invalid_argument(store: Any,
                                                                     call: Any) -> None:
     with pytest.raises(qstore.InvalidArgument):
         call(store)
-    assert store.create_queue("after", exist_ok=True).push(b"still fine") >= 0
+    after = store.create_queue("after", exist_ok=True)
+    mid = after.push(b"still fine")
+    got = after.pop()
+    assert (got.id, got.payload) == (mid, b"still fine")
     assert "q\udc80" not in store.queues()
 
 

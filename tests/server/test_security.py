@@ -33,7 +33,9 @@ def test_wrong_token_is_refused_and_right_token_accepted(tmp_path: Any) -> None:
         with pytest.raises(qstore.AuthenticationFailed):
             qstore.connect(srv.address)
         with qstore.connect(srv.address, token="s3cret-token") as client:
-            assert client.create_queue("q").push(b"x") >= 0
+            q = client.create_queue("q")
+            mid = q.push(b"x")
+            assert q.get(mid).payload == b"x"
 
 
 def test_non_loopback_tcp_without_token_refuses_to_start(tmp_path: Any) -> None:

@@ -29,6 +29,7 @@ from qstore._errors import InvalidArgument
 from qstore._message import Message
 from qstore.server import loop_factory
 from qstore.server._conn import Connection
+from qstore.server._ops import LeaseBook
 
 _MESSAGE = wire.encode_message(Message(1, "bench", 5, b"x" * 1024, 1, 1.7e9, 1.7e9 + 60,
                                        "r1.1.1"))
@@ -87,8 +88,9 @@ class FloorOwner:
 async def _serve() -> None:
     loop = asyncio.get_running_loop()
     owner = FloorOwner(loop)
-    server = await loop.create_server(lambda: Connection(owner, wire.DEFAULT_MAX_FRAME),
-                                      "127.0.0.1", 0)
+    book = LeaseBook()
+    server = await loop.create_server(
+        lambda: Connection(owner, wire.DEFAULT_MAX_FRAME, book), "127.0.0.1", 0)
     host, port = server.sockets[0].getsockname()[:2]
     print(f"listening on tcp://{host}:{port}", flush=True)
     await asyncio.Event().wait()  # until the bench kills it

@@ -272,10 +272,6 @@ class PersistAckPeer(Peer):
             for body, _ in items:
                 self._q.put(body)
 
-    @property
-    def synchronous(self) -> int:
-        return int(self._q._putter.execute("PRAGMA synchronous").fetchone()[0])
-
     def close(self) -> None:
         self._q.close()
 
