@@ -338,10 +338,6 @@ def _none(value: Any) -> None:
     return None
 
 
-def _same(value: Any) -> Any:
-    return value
-
-
 class RemoteQueue(base.QueueInfo):
     """A queue of a server; the methods of :class:`qstore.Queue`."""
 

@@ -555,6 +555,27 @@ class Core(HotPaths):
         with ``segments``)."""
         return load_segments(self.meta)[0]
 
+    def drift(self, *, segment_ends: bool = True) -> list[str]:
+        """Where the in-memory state differs from what the database holds (lock
+        held): each queue's counters, and each segment's live bytes and count
+        (and data end, with ``segment_ends``). Empty when memory follows the
+        database, as it must after every operation (for the tests and the crash
+        harness; ``check()`` compares the database with itself)."""
+        problems = []
+        for name, state in self.queues.items():
+            raw = self.meta.get(keys.counts_key(state.qid))
+            if raw is not None and records.decode_counts(raw) != list(state.counts):
+                problems.append(f"queue {name!r}: in-memory counters {state.counts} differ "
+                                f"from the stored {records.decode_counts(raw)}")
+        stored = self.stored_segments()
+        width = 3 if segment_ends else 2
+        for fid in sorted(set(stored) | set(self.segments)):
+            on_disk, in_memory = stored.get(fid), self.segments.get(fid)
+            if (on_disk or [0, 0, 0])[:width] != (in_memory or [0, 0, 0])[:width]:
+                problems.append(f"segment {fid}: accounting stored {on_disk}, "
+                                f"in memory {in_memory}")
+        return problems
+
     def resume(self) -> None:
         """Make metadata writes work again after a failed one (writer lock held).
 

@@ -302,17 +302,19 @@ def snapshot(store_path: str, dest: str, token_file: str | None) -> None:
 @click.option("--master", default=None, help="Spark master URL (default local[2]).")
 @click.option("--out", "out_dir", default=None,
               help="Where to write the report (default SNAPSHOT/audit).")
-def audit(snapshot_path: str, master: str | None, out_dir: str | None) -> None:
+@click.option("--quiet", is_flag=True, help="Do not print the summary.")
+def audit(snapshot_path: str, master: str | None, out_dir: str | None, quiet: bool) -> None:
     """Audit a snapshot with Spark (docs/spark.md).
 
     Exit 0 clean, 1 findings, 2 bad usage (including a path that is not a
     snapshot), 3 the audit could not complete (the Spark run failed: an
-    unreachable master, a failed job); the message says why.
+    unreachable master, a failed job); the message says why. Under
+    spark-submit (spark/audit.py), the session and master are spark-submit's.
     """
     from .spark.audit import EXIT_INCOMPLETE, run_audit
 
     try:
-        result = run_audit(snapshot_path, master=master, out=out_dir)
+        result = run_audit(snapshot_path, master=master, out=out_dir, quiet=quiet)
     except errors.InvalidArgument as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         sys.exit(errors.EXIT_USAGE)

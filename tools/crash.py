@@ -53,7 +53,7 @@ from typing import Any
 import qstore
 from qstore import _compact
 from qstore.meta import MetaDB, keys, records
-from qstore.payload import PayloadRef
+from qstore.payload import PayloadRef, segment_name
 
 STEPS = ("sealed", "copied", "repointed_chunk", "repointed", "deleting", "done")
 QUEUE = "jobs"
@@ -75,16 +75,7 @@ def recount(store: qstore.Store) -> list[str]:
         for name in store.queues():
             store.queue(name).stats()  # promotes due messages first
         problems = [str(f) for f in store.check().findings]
-        for name, state in store.core.queues.items():
-            raw = store.core.meta.get(keys.counts_key(state.qid))
-            if raw is not None and records.decode_counts(raw) != list(state.counts):
-                problems.append(f"queue {name}: in-memory counters {state.counts} differ "
-                                f"from the stored ones")
-        stored = store.core.stored_segments()  # S records, the pushes they defer counted
-        for fid in sorted(set(stored) | set(store.core.segments)):
-            if stored.get(fid, [0, 0, 0])[:2] != store.core.segments.get(fid, [0, 0, 0])[:2]:
-                problems.append(f"segment {fid}: live (bytes, count) stored {stored.get(fid)}, "
-                                f"in memory {store.core.segments.get(fid)}")
+        problems += store.core.drift(segment_ends=False)
     return problems
 
 
@@ -183,7 +174,7 @@ def check_store(path: str, journal: Journal, durability: str) -> tuple[list[str]
         raw = view.get(keys.COMPACTION_KEY)
     finally:
         view.close()
-    phase = records.unpack(raw, "compaction")[1] if raw is not None else "none"
+    phase = records.decode_compaction(raw)[0] if raw is not None else "none"
     problems = []
     with qstore.open(path, compactor=False, durability=durability,
                      segment_max_bytes=SEGMENT_MAX_BYTES) as store:
@@ -307,7 +298,8 @@ def lose_unsynced_payload(path: str) -> int:
     if raw is None:
         return 0
     _, fid, offset = records.unpack(raw, "synced")
-    seg = os.path.join(path, "payload", f"{fid:010d}.seg")
+    seg = os.path.join(path, "payload", segment_name(int(fid)))
+    offset = int(offset)
     try:
         with open(seg, "r+b") as f:
             size = f.seek(0, os.SEEK_END)

@@ -177,6 +177,9 @@ def ready_key(qid: int, pkey: bytes, mid: int) -> bytes:
 
 # The index each message state lives in (states as in _records: never change).
 _STATE_INDEX = (READY, DELAYED, INFLIGHT, DEAD)
+# The same as a map: state code -> its index's key prefix byte (what the audit
+# and the Spark scan iterate over).
+STATE_INDEX = dict(enumerate(_STATE_INDEX))
 
 
 def index_key(state: int, qid: int, mid: int, pkey: bytes, when_us: int) -> bytes:

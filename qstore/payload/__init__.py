@@ -4,7 +4,14 @@ Message bodies live here; the metadata refers to them by
 :class:`PayloadRef` ``(file_id, offset, length)``. See docs/payload-format.md.
 """
 
-from ._format import FRAME_SIZE, HEADER_SIZE, Located, PayloadRef, parse_segment_name
+from ._format import (
+    FRAME_SIZE,
+    HEADER_SIZE,
+    Located,
+    PayloadRef,
+    parse_segment_name,
+    segment_name,
+)
 from ._reader import SegmentCheck, SegmentReader
 from ._segments import RecoveryReport, SegmentSet, TailRepair
 from ._views import VIEWS_LOCK, viewing
@@ -23,5 +30,6 @@ __all__ = [
     "VIEWS_LOCK",
     "parse_segment_name",
     "restore_records",
+    "segment_name",
     "viewing",
 ]

@@ -50,8 +50,6 @@ FINDING, COUNT, SEGMENT, RUN, SIZE, SIZE_BUCKET, INDEX, READY, ATTEMPTS, NOTE = 
     "note")
 STATE_NAMES = records.STATE_NAMES
 DEFERRED = "deferred"  # a segment row's state: messages its S record defers (_seg_accounts.py)
-INDEX_KINDS = {records.READY: keys.READY, records.DELAYED: keys.DELAYED,
-               records.INFLIGHT: keys.INFLIGHT, records.DEAD: keys.DEAD}
 
 AUDIT_SCHEMA = pa.schema([
     pa.field("row", pa.string()),
@@ -320,7 +318,7 @@ class _RangeAudit:
             if len(at):
                 self._add_fingerprint("expiry", len(at), ih.hash_rows(
                     keys.key_rows(keys.EXPIRY, qid, expires[at], umids[at])))
-        for code, kind in INDEX_KINDS.items():
+        for code, kind in keys.STATE_INDEX.items():
             at = np.flatnonzero(st == code)
             if not len(at):
                 continue

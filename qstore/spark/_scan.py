@@ -32,8 +32,6 @@ BATCH_ROWS = 8192  # message records decoded per Arrow batch
 BATCH_PAYLOAD_BYTES = 32 * 1024 * 1024  # a batch with payloads is cut at about this size
 
 _STATE_BY_CODE = dict(enumerate(records.STATE_NAMES))
-_INDEX_KIND = {records.READY: keys.READY, records.DELAYED: keys.DELAYED,
-               records.INFLIGHT: keys.INFLIGHT, records.DEAD: keys.DEAD}
 
 # The message table. Every column is nullable, as Spark's are by default, so
 # that batches match the schema Spark derives from the data source's schema.
@@ -291,19 +289,17 @@ class _BatchBuilder:
 
 def expected_index_key(qid: int, rec: records.QueueRecord, mid: int, state: int,
                        priority: Any, when_us: int) -> bytes | None:
-    """The index key a message in ``state`` must have, or None if it cannot have one."""
-    kind = _INDEX_KIND.get(state)
-    if kind == keys.READY:
+    """The index key a message in ``state`` must have (:func:`keys.index_key`), or
+    None if it cannot have one (an unknown state, a priority of the wrong type)."""
+    if state not in keys.STATE_INDEX:
+        return None
+    pkey = b""
+    if state == records.READY:
         try:
             pkey = keys.priority_key(rec.order, rec.priority_type, priority)
         except (TypeError, ValueError, OverflowError):
             return None
-        return keys.ready_key(qid, pkey, mid)
-    if kind in (keys.DELAYED, keys.INFLIGHT):
-        return keys.timed_key(kind, qid, when_us, mid)
-    if kind == keys.DEAD:
-        return keys.dead_key(qid, mid)
-    return None
+    return keys.index_key(state, qid, mid, pkey, when_us)
 
 
 _LIMIT = 1 << 63

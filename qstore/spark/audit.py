@@ -24,21 +24,17 @@ a path that is not a snapshot), 3 the audit could not complete.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import os
-import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import pyarrow.parquet as pq
 
 from .. import _check_report as kinds
 from .._check_report import Finding
-from .._errors import InvalidArgument
 from .._fs import write_json_durably
 from ..payload import _format as fmt
 from . import _audit_checks as checks
@@ -306,34 +302,3 @@ def _examples(findings: list[Finding]) -> list[Finding]:
     seen = set(map(id, chosen))
     chosen += [f for f in findings if id(f) not in seen][:max(0, MAX_EXAMPLES - len(chosen))]
     return sorted(chosen, key=Finding.sort_key)
-
-
-def main(argv: Sequence[str] | None = None, *, spark: Any = None) -> int:
-    """``python -m qstore.spark.audit SNAPSHOT [--master URL] [--out DIR] [--quiet]``."""
-    parser = argparse.ArgumentParser(
-        prog="qstore-audit",
-        description="Audit a qstore snapshot with Spark. Exit codes: 0 clean, 1 findings, "
-                    "2 bad usage, 3 the audit could not complete.")
-    parser.add_argument("snapshot", help="snapshot directory (from `qstore snapshot`)")
-    parser.add_argument("--master", help="Spark master URL (default: $QSTORE_SPARK_MASTER "
-                        "or local[2]), e.g. spark://host:7077")
-    parser.add_argument("--out", help="output directory (default: SNAPSHOT/audit)")
-    parser.add_argument("--quiet", action="store_true", help="do not print the summary")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on bad usage and 0 for --help
-        return exc.code if isinstance(exc.code, int) else 2
-    try:
-        result = run_audit(args.snapshot, master=args.master, out=args.out, spark=spark,
-                           quiet=args.quiet)
-    except InvalidArgument as exc:
-        print(f"qstore-audit: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # reported, not swallowed: the exit code says the audit failed
-        print(f"qstore-audit: the audit could not complete: {exc}", file=sys.stderr)
-        return EXIT_INCOMPLETE
-    return result.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

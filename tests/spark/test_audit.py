@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 
 import qstore
+from qstore.cli import main as qstore_cli
 from qstore.meta import MetaDB, keys, new_batch, records
 from qstore.payload._format import segment_name
 from qstore.payload._writer import SegmentWriter, create_segment_file
@@ -20,10 +25,12 @@ from qstore.spark._audit_merge import cross_task_overlaps, merge
 from qstore.spark._audit_source import AUDIT_SCHEMA, audit_range
 from qstore.spark._scan import scan_snapshot
 from qstore.spark._snapshot_view import Snapshot, plan_ranges
-from qstore.spark.audit import AuditResult, main, run_audit
+from qstore.spark.audit import AuditResult, run_audit
 from tests.conftest import FakeClock
 
 from .conftest import Snap
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.spark
 
@@ -209,12 +216,22 @@ def test_damaged_audit_exits_1_and_reports_only_the_damage(damage: Damage) -> No
     assert "FINDINGS" in result.text and "crc_mismatch" in result.text
 
 
-def test_main_exit_codes_for_bad_usage(tmp_path: Any,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--help"]) == 0
-    assert main([]) == 2
-    assert main([str(tmp_path)]) == 2  # not a snapshot: no Spark needed to say so
-    assert "not a qstore snapshot" in capsys.readouterr().err
+def test_audit_command_exit_codes_for_bad_usage(tmp_path: Any) -> None:
+    runner = CliRunner()
+    assert runner.invoke(qstore_cli, ["audit", "--help"]).exit_code == 0
+    assert runner.invoke(qstore_cli, ["audit"]).exit_code == 2
+    bad = runner.invoke(qstore_cli, ["audit", str(tmp_path)])  # not a snapshot: no Spark
+    assert bad.exit_code == 2 and "no MANIFEST.json" in bad.output
+
+
+def test_the_spark_submit_entry_point_runs_the_qstore_audit_command(tmp_path: Any) -> None:
+    entry = [sys.executable, str(ROOT / "spark" / "audit.py")]
+    run = subprocess.run([*entry, "--help"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("Usage: spark-submit spark/audit.py")
+    assert "--master" in run.stdout and "--quiet" in run.stdout
+    run = subprocess.run([*entry, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "no MANIFEST.json" in run.stderr
 
 
 def test_expiry_index_missing_extra_and_mismatched_keys_are_findings(
