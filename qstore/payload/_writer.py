@@ -51,9 +51,7 @@ def create_segment_file(path: str, file_id: int, *, durable: bool = True) -> Non
     fd = fcalls.open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         try:
-            header = fmt.encode_header(file_id)
-            if fcalls.write(fd, header) != len(header):
-                raise OSError(errno.ENOSPC, "short write of a segment header", path)
+            write_at(fd, [fmt.encode_header(file_id)], 0)  # a short write is finished
             if durable:
                 fcalls.fsync(fd)
         finally:

@@ -290,13 +290,12 @@ class PartitionLoader:
         elif spec.priority_type == "int":
             self._ready.append((keys.int_priority_keys(prios[soon], spec.order), mids[soon]))
         else:
-            prefix = keys.prefix(keys.READY, spec.qid)
+            qid, order = spec.qid, spec.order
             for p, mid in zip(prios[soon].tolist(), mids[soon].tolist(), strict=True):
-                self._ready_keys.append(prefix + keys.priority_key(spec.order, "str", p)
-                                        + keys.U64.pack(mid))
+                self._ready_keys.append(
+                    keys.ready_key(qid, keys.priority_key(order, "str", p), mid))
         if spec.dedup:
-            prefix = keys.prefix(keys.DEDUP, spec.qid)
-            self._dedup.extend((prefix + dg, keys.U64.pack(mid))
+            self._dedup.extend((keys.dedup_key(spec.qid, dg), keys.U64.pack(mid))
                                for dg, mid in zip(digests, mids.tolist(), strict=True)
                                if dg is not None)
 
