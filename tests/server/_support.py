@@ -1,16 +1,24 @@
-"""Real server processes for the server tests: started, awaited, always killed."""
+"""Real server processes for the server tests (started, awaited, always killed), and
+a server in this process on a thread of its own (:func:`serving`)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import selectors
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
+
+import qstore
+from qstore._address import parse_address
+from qstore.server import Limits, Server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT = 30.0
@@ -101,3 +109,30 @@ def send_junk(address: str, data: bytes) -> None:
         pass
     finally:
         s.close()
+
+
+@contextmanager
+def serving(path: str, limits: Limits | None = None, *, sweep_interval: float = 60.0,
+            **options: Any) -> Iterator[str]:
+    """A server in this process (on a thread of its own) on the store at ``path``."""
+    store = qstore.open(path, sweep_interval=sweep_interval, **options)
+    server = Server(store, parse_address(path), limits=limits)
+    loop = asyncio.new_event_loop()
+    up = threading.Event()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.start())
+        up.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert up.wait(30)
+    try:
+        yield server.listening_on
+    finally:
+        asyncio.run_coroutine_threadsafe(server.shutdown(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()

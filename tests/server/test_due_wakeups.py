@@ -16,41 +16,16 @@ from contextlib import contextmanager
 from typing import Any
 
 import qstore
-from qstore._address import parse_address
-from qstore.server import Server
 
 from ..conftest import FakeClock, wait_blocks
+from ._support import serving
 
 SWEEP = 60.0  # seconds: far beyond every wait below
 
 
-@contextmanager
-def _serving(path: str, **options: Any) -> Iterator[str]:
-    store = qstore.open(path, sweep_interval=SWEEP, **options)
-    server = Server(store, parse_address(path))
-    loop = asyncio.new_event_loop()
-    up = threading.Event()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(server.start())
-        up.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert up.wait(30)
-    try:
-        yield server.listening_on
-    finally:
-        asyncio.run_coroutine_threadsafe(server.shutdown(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
-
-
 def test_a_parked_pop_wakes_when_a_delay_runs_out_not_at_the_sweep(tmp_path: Any) -> None:
-    with _serving(str(tmp_path / "s")) as address, qstore.connect(address) as client:
+    with serving(str(tmp_path / "s"), sweep_interval=SWEEP) as address, \
+            qstore.connect(address) as client:
         q = client.create_queue("d")
         q.push(b"later", delay=0.3)
         started = time.monotonic()
@@ -72,14 +47,14 @@ def test_a_delayed_push_after_the_pop_parked_moves_the_wake_up(tmp_path: Any) ->
             got = await asyncio.wait_for(waiter, SWEEP)
             return got, time.monotonic() - started
 
-    with _serving(str(tmp_path / "s")) as address:
+    with serving(str(tmp_path / "s"), sweep_interval=SWEEP) as address:
         got, waited = asyncio.run(main(address))
     assert got is not None and got.payload == b"soon"
     assert waited < SWEEP / 4
 
 
 def test_a_parked_pop_gets_a_message_whose_lease_ran_out(tmp_path: Any) -> None:
-    with _serving(str(tmp_path / "s")) as address, \
+    with serving(str(tmp_path / "s"), sweep_interval=SWEEP) as address, \
             qstore.connect(address, keep_leases=True) as holder, \
             qstore.connect(address) as waiter:
         q = holder.create_queue("l")
@@ -101,7 +76,7 @@ def _autojump_queue(tmp_path: Any) -> Iterator[tuple[Any, FakeClock, float]]:
     and the time it read at the start."""
     clock = FakeClock(autojump=True)
     start = clock.now
-    with _serving(str(tmp_path / "s"), clock=clock) as address, \
+    with serving(str(tmp_path / "s"), sweep_interval=SWEEP, clock=clock) as address, \
             qstore.connect(address) as client:
         yield client.create_queue("q"), clock, start
 
@@ -125,7 +100,7 @@ def test_an_autojump_clock_jumps_to_a_due_message_before_the_deadline(tmp_path: 
 def test_a_parked_pop_ends_when_a_hand_moved_clock_passes_its_deadline(
         tmp_path: Any) -> None:
     clock = FakeClock()
-    with _serving(str(tmp_path / "s"), clock=clock) as address, \
+    with serving(str(tmp_path / "s"), sweep_interval=SWEEP, clock=clock) as address, \
             qstore.connect(address) as client:
         client.create_queue("empty")
         got: list[Any] = []

@@ -15,8 +15,9 @@ import pytest
 
 import qstore
 import qstore.aio
+from qstore.server import Limits
 
-from ._support import raw_socket, running
+from ._support import raw_socket, running, serving
 
 
 def _open_fds(pid: int) -> int:
@@ -136,3 +137,16 @@ def test_a_snapshot_destination_is_a_path_on_the_servers_machine(
     assert not os.path.exists(tmp_path / "snap2")
     with qstore.open(str(tmp_path / "snap"), readonly=True) as snap:
         assert [m.payload for m in snap.queue("q").peek(5)] == [b"x"]
+
+
+def test_a_connection_silent_past_the_handshake_timeout_is_closed(tmp_path: Any) -> None:
+    limits = Limits(handshake_timeout=0.2)
+    with serving(str(tmp_path / "s"), limits) as address:
+        silent = raw_socket(address)
+        try:
+            silent.settimeout(30)
+            assert silent.recv(1) == b""  # closed by the server, nothing sent
+        finally:
+            silent.close()
+        with qstore.connect(address) as client:  # one that says hello works
+            assert client.queues() == []
