@@ -8,6 +8,7 @@ import os
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -15,6 +16,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+import msgpack
 
 import qstore
 from qstore._address import parse_address
@@ -94,6 +97,44 @@ def raw_socket(address: str) -> socket.socket:
     s.connect(address[len("unix://"):])
     s.settimeout(10)
     return s
+
+
+def frame(value: Any) -> bytes:
+    """``value`` as one protocol frame (docs/protocol.md), for raw connections."""
+    body: bytes = msgpack.packb(value, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+def _cut(data: bytes) -> tuple[list[Any], bytes]:
+    """The whole frames at the front of ``data``, decoded, and what is left."""
+    out = []
+    while len(data) >= 4 and len(data) >= 4 + struct.unpack(">I", data[:4])[0]:
+        (n,) = struct.unpack(">I", data[:4])
+        out.append(msgpack.unpackb(data[4:4 + n], raw=False))
+        data = data[4 + n:]
+    return out, data
+
+
+def read_frames(s: socket.socket, n: int) -> list[Any]:
+    """The next ``n`` frames on raw connection ``s``, in the order they came."""
+    data, got = b"", []
+    while len(got) < n:
+        chunk = s.recv(65536)
+        assert chunk, "the server closed the connection"
+        more, data = _cut(data + chunk)
+        got += more
+    assert len(got) == n and not data, "more arrived than was asked for"
+    return got
+
+
+def frames_until_closed(s: socket.socket) -> list[Any]:
+    """Every frame the server sends on ``s`` until it closes the connection."""
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    frames, rest = _cut(data)
+    assert not rest, "the server closed in the middle of a frame"
+    return frames
 
 
 def send_junk(address: str, data: bytes) -> None:

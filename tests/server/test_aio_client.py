@@ -29,8 +29,8 @@ import qstore
 import qstore.aio
 from qstore._address import parse_address
 
-from ._support import ServerProcess, running
-from .test_security import _frame, _make_cert, _token_file
+from ._support import ServerProcess, frame, running
+from .test_security import _make_cert, _token_file
 
 Run = Callable[[Any], Any]
 
@@ -190,7 +190,7 @@ def _fake_server(after_hello: Callable[[socket.socket], None]) -> Iterator[str]:
         conn, _ = listener.accept()
         with conn:
             _read_frame(conn)
-            conn.sendall(_frame({"qstore": 1, "server": "fake"}))
+            conn.sendall(frame({"qstore": 1, "server": "fake"}))
             after_hello(conn)
             done.wait(30)
 
@@ -219,7 +219,7 @@ def test_an_error_about_the_connection_fails_every_request_in_flight(run: Run) -
     def refuse(conn: socket.socket) -> None:
         _read_frame(conn)
         _read_frame(conn)
-        conn.sendall(_frame([0, 1, ["ServerBusy", "too many waiting pops", {}]]))
+        conn.sendall(frame([0, 1, ["ServerBusy", "too many waiting pops", {}]]))
 
     with _fake_server(refuse) as address:
         async def main() -> None:
@@ -276,8 +276,8 @@ def test_answers_come_out_whole_however_the_reads_split_them(answers: list[Any],
         proto.connection_made(transport)  # type: ignore[arg-type]
         futs = {rid: proto.loop.create_future() for rid in range(1, len(answers) + 1)}
         proto.waiting.update(futs)
-        stream = _frame({"qstore": 1}) + b"".join(
-            _frame([rid, 0, value]) for rid, value in zip(futs, answers, strict=True))
+        stream = frame({"qstore": 1}) + b"".join(
+            frame([rid, 0, value]) for rid, value in zip(futs, answers, strict=True))
         edges = sorted({0, len(stream), *(c % (len(stream) + 1) for c in cuts)})
         for a, b in zip(edges, edges[1:], strict=False):
             proto.data_received(stream[a:b])
@@ -295,10 +295,10 @@ def test_a_truncated_answer_waits_and_a_garbled_one_fails_everything(cut: int) -
         proto = qstore.aio._Protocol(parse_address("tcp://127.0.0.1:1"))
         transport = _Transport()
         proto.connection_made(transport)  # type: ignore[arg-type]
-        proto.data_received(_frame({"qstore": 1}))
+        proto.data_received(frame({"qstore": 1}))
         first, second = proto.loop.create_future(), proto.loop.create_future()
         proto.waiting.update({1: first, 2: second})
-        whole = _frame([1, 0, b"x" * 20])
+        whole = frame([1, 0, b"x" * 20])
         proto.data_received(whole[:cut])  # not all of it yet: nothing happens
         assert not first.done() and not transport.closed
         proto.data_received(whole[cut:] + struct.pack(">I", 2) + b"\xc1\xc1")

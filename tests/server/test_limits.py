@@ -5,36 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import struct
 import time
 from typing import Any
 
-import msgpack
 import pytest
 
 import qstore
 import qstore.aio
 from qstore.server import Limits
 
-from ._support import raw_socket, running, serving
+from ._support import frames_until_closed, raw_socket, running, serving
 
 
 def _open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def _refusal(s: socket.socket) -> Any:
-    """The one frame a refusing server sends before it closes, then EOF."""
-    data = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    (n,) = struct.unpack(">I", data[:4])
-    assert len(data) == 4 + n, "the server sends one frame, then closes"
-    return msgpack.unpackb(data[4:], raw=False)
 
 
 def test_connections_over_the_limit_are_told_why_and_closed(tmp_path: Any) -> None:
@@ -58,7 +42,9 @@ def test_connections_over_the_limit_are_told_why_and_closed(tmp_path: Any) -> No
             extra = [raw_socket(srv.address) for _ in range(100)]
             try:
                 for s in extra:
-                    answer = _refusal(s)
+                    answers = frames_until_closed(s)
+                    assert len(answers) == 1, "the server sends one frame, then closes"
+                    answer = answers[0]
                     assert answer[0] == 0 and answer[1] == 1  # the connection's error frame
                     assert answer[2][0] == "ServerBusy"
             finally:

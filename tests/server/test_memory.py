@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import qstore
 
-from ._support import ServerProcess, raw_socket, running, send_junk
+from ._support import ServerProcess, frame, raw_socket, running, send_junk
 
 PAYLOAD_LIMIT = 64 * 1024
 FRAME_LIMIT = PAYLOAD_LIMIT + 1024 * 1024  # what --max-payload-bytes 65536 gives
@@ -32,12 +32,7 @@ def _rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def _frame(value: Any) -> bytes:
-    body = msgpack.packb(value, use_bin_type=True)
-    return struct.pack(">I", len(body)) + body
-
-
-HELLO = _frame({"qstore": 1})
+HELLO = frame({"qstore": 1})
 
 
 def _works(address: str) -> None:
@@ -83,7 +78,7 @@ def _abuse(address: str) -> list[socket.socket]:
 
 JUNK = st.lists(st.one_of(
     st.binary(max_size=256),
-    st.builds(_frame, st.lists(st.one_of(st.integers(-1, 2**40), st.text(max_size=8),
+    st.builds(frame, st.lists(st.one_of(st.integers(-1, 2**40), st.text(max_size=8),
                                          st.binary(max_size=64)), max_size=3)),
     st.builds(lambda n, tail: struct.pack(">I", n) + tail,
               st.integers(0, 2**32 - 1), st.binary(max_size=128)),

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-import struct
 from typing import Any
 
-import msgpack
 import pytest
 
 import qstore
 
-from ._support import ServerProcess, raw_socket, running
+from ._support import ServerProcess, frame, raw_socket, read_frames, running
 
 
 def test_a_pipeline_returns_each_result_as_the_direct_call_would(
@@ -100,25 +97,6 @@ def test_answers_larger_than_the_read_buffer_arrive_whole_between_small_ones(
         assert q.get(small_id).payload == b"small"
 
 
-def _frame(value: object) -> bytes:
-    body: bytes = msgpack.packb(value, use_bin_type=True)
-    return struct.pack(">I", len(body)) + body
-
-
-def _answers(s: socket.socket, n: int) -> list[list[object]]:
-    """The next ``n`` answers on raw connection ``s``, in the order they came."""
-    buf, out = b"", list[list[object]]()
-    while len(out) < n:
-        while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
-            chunk = s.recv(65536)
-            assert chunk, "the server closed the connection"
-            buf += chunk
-        (size,) = struct.unpack(">I", buf[:4])
-        out.append(msgpack.unpackb(buf[4:4 + size], raw=False))
-        buf = buf[4 + size:]
-    return out
-
-
 @pytest.mark.parametrize("durability", ["interval", "always"])
 def test_requests_after_a_snapshot_wait_for_it_and_answer_after_it(
         tmp_path: Any, durability: str) -> None:
@@ -130,17 +108,17 @@ def test_requests_after_a_snapshot_wait_for_it_and_answer_after_it(
             client.create_queue("q")
         s = raw_socket(srv.address)
         try:
-            s.sendall(_frame({"qstore": 1}))
-            assert isinstance(_answers(s, 1)[0], dict)
+            s.sendall(frame({"qstore": 1}))
+            assert isinstance(read_frames(s, 1)[0], dict)
             s.sendall(b"".join([
-                _frame([10, "push", {"queue": "q", "payload": b"before"}]),
-                _frame([11, "snapshot", {"dest": dest}]),
-                _frame([12, "push", {"queue": "q", "payload": b"after"}]),
-                _frame([13, "check", {}]),
-                _frame([14, "push", {"queue": "q", "payload": b"last"}]),
-                _frame([15, "ping", {}]),
+                frame([10, "push", {"queue": "q", "payload": b"before"}]),
+                frame([11, "snapshot", {"dest": dest}]),
+                frame([12, "push", {"queue": "q", "payload": b"after"}]),
+                frame([13, "check", {}]),
+                frame([14, "push", {"queue": "q", "payload": b"last"}]),
+                frame([15, "ping", {}]),
             ]))
-            got = _answers(s, 6)
+            got = read_frames(s, 6)
         finally:
             s.close()
         assert [a[0] for a in got] == [10, 11, 12, 13, 14, 15]
@@ -155,13 +133,13 @@ def test_unknown_arguments_are_refused_by_every_op_and_a_bad_handshake_closes(
         client.create_queue("q")
     s = raw_socket(server.address)
     try:
-        s.sendall(_frame({"qstore": 1}))
-        _answers(s, 1)
-        s.sendall(b"".join([_frame([2, "queue", {"queue": "q", "bogus": 1}]),
-                            _frame([3, "ping", {"bogus": 1}]),
-                            _frame([4, "queues", {"bogus": 1}]),
-                            _frame([5, "ping", {}])]))
-        got = _answers(s, 4)
+        s.sendall(frame({"qstore": 1}))
+        read_frames(s, 1)
+        s.sendall(b"".join([frame([2, "queue", {"queue": "q", "bogus": 1}]),
+                            frame([3, "ping", {"bogus": 1}]),
+                            frame([4, "queues", {"bogus": 1}]),
+                            frame([5, "ping", {}])]))
+        got = read_frames(s, 4)
     finally:
         s.close()
     for answer in got[:3]:
@@ -170,8 +148,8 @@ def test_unknown_arguments_are_refused_by_every_op_and_a_bad_handshake_closes(
     assert got[3] == [5, 0, None]
     s = raw_socket(server.address)
     try:
-        s.sendall(_frame({"qstore": 1, "keep_leases": "yes"}))
-        answer = _answers(s, 1)[0]
+        s.sendall(frame({"qstore": 1, "keep_leases": "yes"}))
+        answer = read_frames(s, 1)[0]
         assert answer[0] == 0 and answer[2][0] == "ProtocolError"  # type: ignore[index]
         assert "keep_leases" in answer[2][1]  # type: ignore[index]
         assert s.recv(1) == b""  # and the connection is closed

@@ -9,14 +9,13 @@ import struct
 import subprocess
 from typing import Any
 
-import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qstore
 
-from ._support import ServerProcess, raw_socket, running, send_junk
+from ._support import ServerProcess, frame, frames_until_closed, raw_socket, running, send_junk
 
 
 def _token_file(tmp_path: Any) -> str:
@@ -73,23 +72,12 @@ def test_tls_round_trip_with_a_throwaway_certificate(tmp_path: Any, loop: str) -
             qstore.connect(srv.address, tls=ssl.create_default_context(), timeout=5.0)
 
 
-def _frame(value: Any) -> bytes:
-    body = msgpack.packb(value, use_bin_type=True)
-    return struct.pack(">I", len(body)) + body
-
-
 def _closed_with_error(s: socket.socket) -> Any:
     """The last frame the server sent (its error) before it closed the connection."""
-    data = b""
-    while chunk := s.recv(65536):
-        data += chunk
-    s.close()
-    frames = []
-    while data:
-        n = struct.unpack(">I", data[:4])[0]
-        frames.append(msgpack.unpackb(data[4:4 + n], raw=False))
-        data = data[4 + n:]
-    return frames[-1]
+    try:
+        return frames_until_closed(s)[-1]
+    finally:
+        s.close()
 
 
 def test_oversized_malformed_and_unauthenticated_frames_close_only_that_connection(
@@ -100,14 +88,14 @@ def test_oversized_malformed_and_unauthenticated_frames_close_only_that_connecti
         bad.sendall(struct.pack(">I", 2**31))  # oversized
         assert _closed_with_error(bad)[2][0] == "ProtocolError"
         bad = raw_socket(server.address)
-        bad.sendall(_frame([1, "push", {"queue": "q", "payload": b"x"}]))  # no handshake
+        bad.sendall(frame([1, "push", {"queue": "q", "payload": b"x"}]))  # no handshake
         assert _closed_with_error(bad)[2][0] == "ProtocolError"
         bad = raw_socket(server.address)
-        bad.sendall(_frame({"qstore": 1}) + b"\x00\x00\x00\x02\xc1\xc1")  # malformed body
+        bad.sendall(frame({"qstore": 1}) + b"\x00\x00\x00\x02\xc1\xc1")  # malformed body
         error = _closed_with_error(bad)
         assert error[0] == 0 and error[2][0] == "ProtocolError"
         bad = raw_socket(server.address)
-        bad.sendall(_frame({"qstore": 99}))  # unknown version
+        bad.sendall(frame({"qstore": 99}))  # unknown version
         assert "version" in _closed_with_error(bad)[2][1]
         bad = raw_socket(server.address)
         bad.sendall(b"\x00\x00\x01\x00abc")  # truncated, then gone
@@ -131,7 +119,7 @@ def test_many_idle_connections_do_not_block_a_working_client(server: ServerProce
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(junk=st.one_of(
     st.binary(max_size=64),
-    st.builds(lambda v: _frame(v), st.recursive(
+    st.builds(lambda v: frame(v), st.recursive(
         st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.text(max_size=8)
         | st.binary(max_size=8),
         lambda inner: st.lists(inner, max_size=4)
@@ -139,7 +127,7 @@ def test_many_idle_connections_do_not_block_a_working_client(server: ServerProce
 ), handshake=st.booleans())
 def test_fuzzed_frames_never_harm_the_server(server: ServerProcess, junk: bytes,
                                              handshake: bool) -> None:
-    send_junk(server.address, (_frame({"qstore": 1}) if handshake else b"") + junk)
+    send_junk(server.address, (frame({"qstore": 1}) if handshake else b"") + junk)
     with qstore.connect(server.address) as client:
         q = client.create_queue("fz", exist_ok=True)
         q.push(b"alive")
