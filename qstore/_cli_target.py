@@ -11,6 +11,7 @@ left by a server that died (nothing answers) is ignored: the store opens.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,21 @@ def read_token(token_file: str | None) -> str | None:
         return None
     with open(token_file, encoding="utf-8") as f:
         return f.read().strip()
+
+
+def server_answers(store_path: str) -> bool:
+    """True when a server answers on ``STORE/qstore.sock`` (a connect succeeds;
+    no handshake, so no token is needed to tell)."""
+    path = os.path.join(store_path, SOCKET_NAME)
+    if not os.path.exists(path):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(CONNECT_TIMEOUT)
+        try:
+            sock.connect(path)
+        except OSError:
+            return False  # a stale socket file: no server runs
+    return True
 
 
 def server_of(target: str, token: str | None, keep_leases: bool = False) -> Client | None:

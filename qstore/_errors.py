@@ -27,11 +27,23 @@ class QStoreError(Exception):
 
 
 class StoreLocked(QStoreError):
-    """Another process (or another open in this one) holds the store read-write."""
+    """Another process (or another open in this one) holds the store read-write.
 
-    def __init__(self, path: str) -> None:
-        super().__init__(f"store {path!r} is locked by another writer; open it with readonly=True")
+    ``served``: the store directory holds a server's socket (``qstore serve``),
+    so the writer is most likely that server, which other processes reach
+    with ``qstore.connect(path)``.
+    """
+
+    def __init__(self, path: str, served: bool = False) -> None:
+        if served:
+            super().__init__(f"store {path!r} is locked by another writer, most likely the "
+                             f"qstore server whose socket is in it: use qstore.connect({path!r}) "
+                             "to go through it, or open it with readonly=True")
+        else:
+            super().__init__(f"store {path!r} is locked by another writer; open it with "
+                             "readonly=True")
         self.path = path
+        self.served = served
 
 
 class StoreClosed(QStoreError):

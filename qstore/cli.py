@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 from . import _errors as errors
-from ._address import LOOPS
-from ._cli_target import is_address, open_target
+from ._address import LOOPS, SOCKET_NAME
+from ._cli_target import is_address, open_target, server_answers
 from ._errors import EXIT_FOUND, exit_code
 from ._lazy import lazy
 from ._tables import print_stats
@@ -422,6 +422,13 @@ def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
     """
     import logging
 
+    if server_answers(into):
+        err.print(f"[red]error:[/red] a qstore server owns {into} (its socket "
+                  f"{os.path.join(into, SOCKET_NAME)} answers). A backfill writes the store's "
+                  "files and indexes itself, so it cannot go through the server: stop the "
+                  "server (SIGTERM), run the backfill, then start the server again.",
+                  markup=True, highlight=False)
+        sys.exit(errors.EXIT_LOCKED)
     from pyspark.sql import SparkSession
 
     from .spark.backfill import run_backfill

@@ -50,6 +50,7 @@ from rocksdict import (
     WriteOptions,
 )
 
+from .._address import SOCKET_NAME
 from .._errors import Corruption, StorageError, StoreLocked
 
 Batch = WriteBatch
@@ -187,7 +188,8 @@ class MetaDB:
             return Rdict(self.path, _options(create), access_type=access)
         except Exception as exc:
             if not readonly and _locked(exc):
-                raise StoreLocked(self._store_path) from None
+                served = os.path.exists(os.path.join(self._store_path, SOCKET_NAME))
+                raise StoreLocked(self._store_path, served) from None
             if readonly and _read_only_fs(exc):
                 # On a read-only filesystem nothing can change under the view, so
                 # a private copy linking the same table files is the same database.

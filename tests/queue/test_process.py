@@ -49,7 +49,7 @@ try:
     store = qstore.open(sys.argv[1], compactor=False)
 except qstore.QStoreError as exc:
     print(json.dumps({"error": type(exc).__name__, "path": getattr(exc, "path", None),
-                      "message": str(exc)}))
+                      "served": getattr(exc, "served", None), "message": str(exc)}))
 else:
     store.queue("q").push(b"from the child")
     store.close()
@@ -67,6 +67,8 @@ def test_a_second_writer_process_gets_store_locked_naming_the_path(store: qstore
     assert got["error"] == "StoreLocked"
     assert got["path"] == store_path
     assert store_path in got["message"]
+    assert got["served"] is False and "readonly=True" in got["message"]
+    assert "server" not in got["message"]  # no server's socket in the store: none is named
     assert dump(store) == before
     q.push(b"still writable")  # the owner is undisturbed
     assert q.stats().ready == 2
