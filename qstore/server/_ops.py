@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,9 @@ from .._queue import MAX_SECONDS, Queue
 from .._store import Store
 
 PARK = object()  # a pop with wait that found nothing: the server parks it
+# The lease book drops expired receipts once it holds more than this many and
+# has doubled since it last did (LeaseBook.sweep).
+SWEEP_MIN = 10_000
 
 
 class LeaseBook:
@@ -38,19 +42,51 @@ class LeaseBook:
     delivered again (its lease ran out) drops its earlier receipt, which can
     no longer be settled. A table then holds only leases its connection may
     still hand back: it does not grow with work settled elsewhere.
+
+
+    A message can also leave its lease without a settle: its lease runs out
+    and the timers make it a dead letter, or it is purged or its queue
+    deleted. Such a receipt can never be given back (a nack of it raises),
+    so once the book has doubled since it last looked, it drops every
+    receipt whose lease deadline has passed (``clock``: the store's). The
+    book stays within about twice the leases that are live.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.owner: dict[str, Leases] = {}  # receipt -> the table that holds it
         self.latest: dict[tuple[str, int], str] = {}  # (queue, id) -> its newest receipt
+        self.clock = clock
+        self.sweep_above = SWEEP_MIN  # the size at which hold() next drops expired leases
 
     def settle(self, receipt: str) -> None:
         """``receipt`` was acked or nacked, through whichever connection."""
         owner = self.owner.pop(receipt, None)
         if owner is not None:
-            key = owner.held.pop(receipt)
+            key = owner.held.pop(receipt)[:2]
             if self.latest.get(key) == receipt:
                 del self.latest[key]
+
+    def extended(self, receipt: str, deadline: float) -> None:
+        """``receipt``'s lease now runs to ``deadline`` (an extend, through any connection)."""
+        owner = self.owner.get(receipt)
+        held = None if owner is None else owner.held.get(receipt)
+        if held is not None:
+            owner.held[receipt] = (held[0], held[1], deadline)  # type: ignore[union-attr]
+
+    def sweep(self) -> int:
+        """Drop every receipt whose lease deadline has passed; returns how many."""
+        now = self.clock()
+        # A copy first: with durability="always" a closing connection forgets its
+        # leases on the event loop while this runs in the store thread.
+        gone = []
+        for receipt, owner in list(self.owner.items()):
+            held = owner.held.get(receipt)
+            if held is not None and held[2] <= now:
+                gone.append(receipt)
+        for receipt in gone:
+            self.settle(receipt)
+        self.sweep_above = max(SWEEP_MIN, 2 * len(self.owner))
+        return len(gone)
 
 
 class Leases:
@@ -58,7 +94,8 @@ class Leases:
 
     def __init__(self, book: LeaseBook) -> None:
         self.book = book
-        self.held: dict[str, tuple[str, int]] = {}  # receipt -> (queue name, message id)
+        # receipt -> (queue name, message id, lease deadline)
+        self.held: dict[str, tuple[str, int, float]] = {}
 
     def hold(self, queue: str, fields: tuple[Any, ...]) -> tuple[Any, ...]:
         """Hold the receipt of a popped message given as its wire fields (encoded
@@ -69,8 +106,11 @@ class Leases:
         if earlier is not None:  # delivered before: that receipt is void now
             book.settle(earlier)
         book.latest[key] = receipt
-        book.owner[receipt] = self
-        self.held[receipt] = key
+        owner = book.owner
+        owner[receipt] = self
+        self.held[receipt] = (queue, fields[0], fields[6])
+        if len(owner) > book.sweep_above:
+            book.sweep()
         return fields
 
     def forget(self) -> None:
@@ -163,7 +203,11 @@ def _nack(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
 
 
 def _extend(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
-    return wire.encode_message(q.extend(_receipt(args), **args))
+    receipt = _receipt(args)
+    m = q.extend(receipt, **args)
+    if type(receipt) is str and m.lease_deadline is not None:
+        leases.book.extended(receipt, m.lease_deadline)
+    return wire.encode_message(m)
 
 
 def _listing(method: str) -> Callable[[Queue, Leases, dict[str, Any], bool], Any]:

@@ -87,7 +87,7 @@ class Server:
         self.limits = limits = limits or Limits()
         self.metrics = metrics
         self._conns: set[Connection] = set()
-        self._leases = book = LeaseBook()
+        self._leases = book = LeaseBook(store.core.clock)
         if metrics is not None:
             metrics.leases_held.set_function(lambda: len(book.owner))
         self._ending: set[asyncio.Task[None]] = set()

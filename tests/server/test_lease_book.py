@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 import qstore
+from qstore.server import _ops
 from qstore.server._ops import LeaseBook, Leases, queue_op
 
 from ..conftest import FakeClock
@@ -41,3 +44,37 @@ def test_release_gives_back_in_slices_and_forget_nacks_nothing(tmp_path: Any) ->
         assert kept.held == {} and book.owner == {} and book.latest == {}
         stats = store.queue("q").stats()
         assert (stats.ready, stats.in_flight) == (5, 2)  # forgotten, still leased
+
+
+def test_receipts_whose_lease_ran_out_unsettled_are_dropped_once_the_book_doubles(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # max_attempts=1: a lease that runs out makes a dead letter, which no
+    # settle and no later delivery ever takes off the book. Without the sweep
+    # the book grows by every such message for as long as the connection lives.
+    monkeypatch.setattr(_ops, "SWEEP_MIN", 8)
+    clock = FakeClock()
+    with qstore.open(str(tmp_path / "s"), clock=clock) as store:
+        q = store.create_queue("q", max_attempts=1)
+        book = LeaseBook(clock)
+        book.sweep_above = _ops.SWEEP_MIN
+        stuck, worker = Leases(book), Leases(book)
+        kept = None
+        sizes = []
+        for i in range(40):
+            q.push_many([b"%d" % i] * 5)
+            got = queue_op(store, stuck, "pop_many", {"queue": "q", "n": 5, "lease": 10.0})
+            if i == 0:  # one lease extended far ahead: live, so never dropped
+                kept = got[0][7]
+                queue_op(store, worker, "extend", {"queue": "q", "receipt": kept,
+                                                   "lease": 10_000.0})
+            clock.advance(11.0)  # the others run out, unsettled
+            sizes.append(len(book.owner))
+        assert q.stats().dead == 39 * 5 + 4  # every lease ran out but the extended one
+        assert max(sizes) <= 2 * 9 + 5  # bounded: at most about twice the sweep's floor
+        assert kept in book.owner and kept in stuck.held
+        live = queue_op(store, worker, "pop_many", {"queue": "q", "n": 5})  # nothing ready
+        assert live == []
+        before = len(book.owner)
+        assert before > 1
+        assert book.sweep() == before - 1  # all but the extended one had expired
+        assert list(book.owner) == [kept] and list(book.latest.values()) == [kept]
