@@ -448,6 +448,7 @@ class Core(HotPaths):
         # Only the segment that was active may have lost unsynced bytes; any other
         # one was fsynced when sealed, and bytes missing from it are damage.
         self._active_at_crash = None if synced is None else sfid
+        self._durable_at_crash = 0 if synced is None else soff  # in that segment
         self._synced_mark: tuple[int, int] | None = None
         self._hints = hints
 
@@ -765,20 +766,32 @@ class Core(HotPaths):
                           "was damaged (cut); its messages are kept, reads of the lost ones "
                           "raise Corruption; run `qstore check`", fid, valid, end)
                 continue
+            # Bytes up to the durable mark were synced: if they are gone the file
+            # was damaged (cut), and those messages stay, as in a sealed segment.
+            # Only what lies past the mark was never known to be on disk.
+            durable = self._durable_at_crash if fid == self._active_at_crash else 0
+            if valid < durable:
+                log.error("segment %s ends at %d, short of the %d bytes known to be durable: "
+                          "the file was damaged (cut); the messages up to %d are kept, reads "
+                          "of the lost ones raise Corruption; run `qstore check`", fid, valid,
+                          durable, durable)
+            cut = max(valid, durable)
+            if cut >= end:
+                continue
             txn = Txn()
             lost = 0
             for key, value in self.meta.scan(keys.MESSAGE, keys.prefix_end(keys.MESSAGE)):
                 rec = records.MessageRecord.decode(value)
-                if rec.file_id != fid or rec.offset + FRAME_SIZE + rec.length <= valid:
+                if rec.file_id != fid or rec.offset + FRAME_SIZE + rec.length <= cut:
                     continue
                 states.remove(txn, self._state_of_key(key), keys.trailing_id(key), rec)
                 lost += 1
-            self.segments[fid][2] = valid
-            txn.set_end(fid, valid)
+            self.segments[fid][2] = cut
+            txn.set_end(fid, cut)
             self.commit(txn)
             self.syncer.sync_now()
             log.error("segment %s ends at %d but the metadata referred up to %d (a power loss "
-                      "before those bytes were synced): %d message(s) dropped", fid, valid,
+                      "before those bytes were synced): %d message(s) dropped", fid, cut,
                       end, lost)
 
     def _state_of_key(self, key: bytes) -> QueueState:

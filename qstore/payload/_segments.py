@@ -159,9 +159,13 @@ class SegmentSet:
             # The last file's header is damaged (a flipped byte, a cut, a renamed or
             # swapped file): never append to it; a new segment takes the pushes.
             # (All zeros shorter than a header is a crash while creating it: rewritten.)
+            # A short all-zero file that the metadata names data in (its hint past
+            # the header) was a segment once: damage, not a creation.
             problem = self._header_problem(ids[-1])
             if problem is not None and (problem != fmt.SHORT_HEADER
-                                        or not self._all_zeros(ids[-1])):
+                                        or not self._all_zeros(ids[-1])
+                                        or hints.get(ids[-1], fmt.HEADER_SIZE)
+                                        > fmt.HEADER_SIZE):
                 self.damaged[ids[-1]] = problem
         for fid in ids[:-1]:
             try:
@@ -186,8 +190,22 @@ class SegmentSet:
             if ids:
                 self.pin(ids[-1:])
             return
-        if ids and ids[-1] not in self.damaged:
-            self._open_active(ids[-1], hints.get(ids[-1], fmt.HEADER_SIZE))
+        last = ids[-1] if ids else None
+        mark = fmt.HEADER_SIZE if last is None else hints.get(last, fmt.HEADER_SIZE)
+        if last is not None and last not in self.damaged and mark > fmt.HEADER_SIZE \
+                and os.path.getsize(self._path(last)) < mark:
+            # Shorter than its durable mark: bytes known to be on disk are gone, so
+            # the file was damaged (cut), not torn by a power loss. It is read as
+            # a sealed segment (its intact messages stay readable, reads of the
+            # lost ones raise Corruption) and a new segment takes the pushes.
+            self._readers[last] = SegmentReader(self._path(last), last)
+            log.error("segment %s is %d bytes, short of the %d known to be durable: the file "
+                      "was damaged (cut); its intact messages stay readable, a new segment "
+                      "takes the pushes (run `qstore check`)", self._path(last),
+                      os.path.getsize(self._path(last)), mark)
+            self._start_segment()
+        elif last is not None and last not in self.damaged:
+            self._open_active(last, mark)
         else:
             if ids:
                 log.error("segment %s is damaged (%s): left as it is; a new segment takes "

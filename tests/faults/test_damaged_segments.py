@@ -1,7 +1,9 @@
 """Case 8: small damage to segment files never takes the whole store offline.
 
 One flipped byte in a segment header (a sealed one, or the active one), a
-0-byte segment, two swapped segments, a segment renamed to a later id or away:
+0-byte segment (sealed or active), the active one zeroed or cut below the
+mark the metadata knows to be durable, two swapped segments, a segment
+renamed to a later id or away:
 the store opens read-write and read-only; only the messages in the damaged
 files are affected (a read raises Corruption, a pop moves them to the dead
 letters), every other message reads back, the damaged file is kept as it is,
@@ -42,6 +44,13 @@ def _damage(path: str, case: str) -> list[str]:
     if case == "zero":
         open(seg[1], "wb").close()
         return [seg[1]]
+    if case in ("zero_active", "zeros_active"):  # what a crash creating a file leaves,
+        with open(seg[-1], "wb") as f:           # but the metadata names data in it
+            f.write(b"" if case == "zero_active" else bytes(10))
+        return [seg[-1]]
+    if case == "cut_active":  # the last segment cut below its durable mark (a clean close)
+        os.truncate(seg[-1], os.path.getsize(seg[-1]) - 100)
+        return []  # readable, so compacted as sealed ones are: its bytes copied as they are
     if case == "swap":
         os.rename(seg[1], seg[1] + ".t")
         os.rename(seg[2], seg[1])
@@ -56,7 +65,8 @@ def _damage(path: str, case: str) -> list[str]:
     return [seg[1] + ".bak"]
 
 
-CASES = ["flip_sealed", "flip_active", "zero", "swap", "rename_later", "rename_away"]
+CASES = ["flip_sealed", "flip_active", "zero", "zero_active", "zeros_active", "cut_active",
+         "swap", "rename_later", "rename_away"]
 
 
 @pytest.mark.parametrize("case", CASES)

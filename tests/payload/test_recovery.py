@@ -524,13 +524,26 @@ def test_torn_tail_after_the_tail_hint_is_still_cut_and_reported(
     segs.close()
 
 
-def test_tail_hint_past_the_end_of_the_active_segment_raises_corruption(tmp_path: Path) -> None:
-    write_records(tmp_path)
+def test_an_active_segment_shorter_than_its_tail_hint_is_read_as_sealed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The hint is a durable mark: bytes below it were on disk, so a file that
+    # ends before it was cut (damage), not torn. Nothing is cut or rewritten:
+    # its intact records read back, a read past its end raises, a new segment
+    # takes the appends.
+    refs = write_records(tmp_path)
     size = os.path.getsize(tmp_path / SEG1)
+    os.truncate(tmp_path / SEG1, size - 1)  # the last record loses its last byte
+    segs = open_set(tmp_path, tail_hints={1: size})
+    assert os.path.getsize(tmp_path / SEG1) == size - 1
+    assert segs.damaged == {} and segs.recovery.torn_tails == []
+    assert [segs.read(r) for r in refs[:-1]] == list(BODIES[:-1])
     with pytest.raises(Corruption) as info:
-        open_set(tmp_path, tail_hints={1: size + 1})
-    assert_corruption(info, tmp_path / SEG1, size, fmt.OUT_OF_BOUNDS)
-    assert os.path.getsize(tmp_path / SEG1) == size
+        segs.read(refs[-1])
+    assert_corruption(info, tmp_path / SEG1, refs[-1].offset, fmt.OUT_OF_BOUNDS)
+    assert segs.append(b"new").file_id == 2
+    segs.close()
+    assert any("short of the" in r.getMessage() and "damaged (cut)" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_discarded_segment_is_removed_and_reported(
