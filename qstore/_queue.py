@@ -616,25 +616,33 @@ class Queue:
         self._catch_up()
         with self._core.settling:
             q = self._maybe_promote()
+            want = n
             while True:
-                ready_keys = q.heads.plan(self._core.meta, n).keys
+                ready_keys = q.heads.plan(self._core.meta, want).keys
                 try:
-                    return self._messages(q, ready_keys)
+                    return self._messages(q, ready_keys[:n])
                 except Corruption:
                     recs = self._core.records_of(q, ready_keys)
-                    if self._core.readonly:  # a view cannot move them: leave them out
-                        return [self._message(q, keys.trailing_id(k), rec)
-                                for k, rec in zip(ready_keys, recs, strict=True)
-                                if not self._damaged(rec)]
-                    if not self._bury_damaged(q, ready_keys, recs):
-                        raise
+                    if not self._core.readonly:
+                        if not self._bury_damaged(q, ready_keys, recs):
+                            raise
+                        continue
+                # A view cannot move them: it leaves them out, and looks further
+                # until it has n intact messages or the queue ends.
+                intact = [(k, rec) for k, rec in zip(ready_keys, recs, strict=True)
+                          if self._damage_of(rec) is None]
+                if len(intact) >= n or len(ready_keys) < want:
+                    return [self._message(q, keys.trailing_id(k), rec)
+                            for k, rec in intact[:n]]
+                want += n - len(intact)
 
-    def _damaged(self, rec: records.MessageRecord) -> bool:
+    def _damage_of(self, rec: records.MessageRecord) -> str | None:
+        """What is wrong with ``rec``'s payload bytes, or None when they read back."""
         try:
             self._core.payload.read(rec)
-        except Corruption:
-            return True
-        return False
+        except Corruption as exc:
+            return exc.reason
+        return None
 
     def get(self, message_id: int) -> Message:
         """One message by id, in any state (MessageNotFound once acked or purged)."""
@@ -660,17 +668,21 @@ class Queue:
             try:
                 return self._messages(q, dead)
             except Corruption:
-                # A message moved aside for its damaged payload is listed with an
-                # empty payload (its reason says why); get() raises Corruption.
+                # A dead letter whose payload is damaged is listed with an empty
+                # payload and a reason that says so (the one recorded when it was
+                # moved aside for it; else what is wrong now); get() raises.
                 out = []
                 for k, rec in zip(dead, self._core.records_of(q, dead), strict=True):
-                    if self._damaged(rec) and (rec.reason or "").startswith(
-                            records.DAMAGED_REASON):
-                        out.append(Message(keys.trailing_id(k), q.name, rec.priority, b"",
-                                           rec.attempts, rec.enqueued_at, None, None,
-                                           _ST.STATE_NAMES[rec.state], dead_reason=rec.reason))
-                    else:
+                    problem = self._damage_of(rec)
+                    if problem is None:
                         out.append(self._message(q, keys.trailing_id(k), rec))
+                        continue
+                    reason = rec.reason
+                    if not (reason or "").startswith(records.DAMAGED_REASON):
+                        reason = f"{records.DAMAGED_REASON}: {problem}"
+                    out.append(Message(keys.trailing_id(k), q.name, rec.priority, b"",
+                                       rec.attempts, rec.enqueued_at, None, None,
+                                       _ST.STATE_NAMES[rec.state], dead_reason=reason))
                 return out
 
     def redrive(self, n: int = 100) -> int:

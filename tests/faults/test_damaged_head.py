@@ -70,7 +70,32 @@ def test_a_read_only_view_peeks_past_damaged_messages(store_path: str) -> None:
     store, q, ids = _damaged_store(store_path)
     store.close()
     with qstore.open(store_path, readonly=True) as view:
-        assert [m.id for m in view.queue("q").peek(3)] == [ids[1]]  # the others left out
+        vq = view.queue("q")
+        # It cannot move them aside: it leaves them out and looks further, so
+        # peek(n) still gives the first n intact messages while there are any.
+        assert [m.id for m in vq.peek(1)] == [ids[1]]
+        assert [m.id for m in vq.peek(3)] == [ids[1], ids[3], ids[4]]
+        assert [m.id for m in vq.peek(10)] == [ids[1], ids[3], ids[4], ids[5]]
+        assert vq.stats().ready == 6
+
+
+def test_a_dead_letter_damaged_after_it_died_does_not_hide_the_others(
+        store_path: str) -> None:
+    store = qstore.open(store_path, compactor=False)
+    with store:
+        q = store.create_queue("q", max_attempts=1)
+        ids = q.push_many([b"letter %d" % i for i in range(5)])
+        for _ in ids:
+            q.nack(q.pop())  # its last attempt: a dead letter, reason None
+        store.core.syncer.sync_now()
+        _flip(store, q, ids[1])
+        dead = q.dead_letters(10)
+        assert [m.id for m in dead] == ids
+        assert [m.payload for m in dead] == [b"letter 0", b"", b"letter 2", b"letter 3",
+                                             b"letter 4"]
+        assert dead[1].dead_reason is not None
+        assert dead[1].dead_reason.startswith("damaged payload: ")
+        assert [m.dead_reason for m in dead if m.id != ids[1]] == [None] * 4
 
 
 def test_compaction_of_a_segment_holding_a_damaged_record_completes(store_path: str) -> None:
