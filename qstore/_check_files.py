@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping
 
 from ._check_report import NOT_IN_MANIFEST
-from ._errors import Corruption
+from ._errors import Corruption, StorageError
 from .payload import PayloadRef, SegmentReader
 from .payload import _format as fmt
 
@@ -65,6 +65,10 @@ class SegmentFiles:
             reader = SegmentReader(path, file_id)
         except FileNotFoundError:
             reader = Corruption(path, 0, fmt.MISSING_SEGMENT)
+        except OSError as exc:  # EACCES, EIO...: the check cannot run, it finds nothing
+            err = StorageError(f"cannot read segment {path!r}: {exc}")
+            err.errno = exc.errno
+            raise err from exc
         except Corruption as exc:  # a damaged header: no record of the file can be read
             reader = exc
             self.sizes[file_id] = size

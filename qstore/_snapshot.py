@@ -20,7 +20,7 @@ import shutil
 from typing import Any
 
 from ._core import Core
-from ._errors import InvalidArgument, StorageError
+from ._errors import Corruption, InvalidArgument, StorageError
 from ._fs import calls, fsync_dir, write_json_durably
 from .payload._format import segment_name
 
@@ -111,12 +111,52 @@ def _remove_partial(dest: str, existed: bool) -> None:
 
 
 def read_manifest(snapshot: str) -> dict[str, Any]:
+    """The snapshot's manifest, its fields checked.
+
+    ``InvalidArgument`` if ``snapshot`` is not a snapshot (no manifest, or
+    another kind or format of file); ``Corruption`` if the manifest is
+    damaged (not JSON, fields missing or of the wrong type); ``StorageError``
+    if it cannot be read.
+    """
     path = os.path.join(snapshot, MANIFEST)
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest: dict[str, Any] = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
     except FileNotFoundError:
         raise InvalidArgument(f"{snapshot!r} is not a qstore snapshot (no {MANIFEST})") from None
-    if manifest.get("kind") != "qstore-snapshot" or manifest.get("format") != MANIFEST_FORMAT:
-        raise InvalidArgument(f"{path} is not a snapshot manifest of format {MANIFEST_FORMAT}")
+    except OSError as exc:
+        raise _storage_error(f"cannot read the snapshot manifest {path!r}", exc) from exc
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise Corruption(path, 0, f"damaged snapshot manifest: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("kind") != "qstore-snapshot":
+        raise InvalidArgument(f"{path} is not a snapshot manifest")
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise InvalidArgument(f"{path} is a snapshot manifest of format "
+                              f"{manifest.get('format')!r}; this version reads "
+                              f"{MANIFEST_FORMAT}")
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise Corruption(path, 0, f"damaged snapshot manifest: {problem}")
     return manifest
+
+
+def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+    def count(value: object) -> bool:
+        return type(value) is int and value >= 0
+
+    segments = manifest.get("segments")
+    if not isinstance(segments, list):
+        return "'segments' is not a list"
+    for seg in segments:
+        if not (isinstance(seg, dict) and count(seg.get("file_id"))
+                and count(seg.get("length"))):
+            return f"segment entry {seg!r:.80} is not {{'file_id': int, 'length': int}}"
+    active = manifest.get("active_id")
+    if active is not None and not count(active):
+        return f"'active_id' is {active!r:.40}, not an int or null"
+    created = manifest.get("created_at", 0.0)
+    if type(created) not in (int, float):
+        return f"'created_at' is {created!r:.40}, not a number"
+    return None

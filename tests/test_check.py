@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from typing import Any
@@ -17,6 +18,7 @@ from qstore.meta import MetaDB, keys, new_batch, records
 from qstore.payload import _format as fmt
 from qstore.spark._scan import checked_records
 from tests.conftest import FakeClock
+from tests.faults._inject import FaultyCalls
 
 SEGMENT_MAX = 4096
 
@@ -341,6 +343,55 @@ def test_cli_check_exits_0_clean_and_1_with_a_table_of_findings(
     assert f"message {mid}" in found.output
     missing = runner.invoke(main, ["check", str(tmp_path / "nothing")])
     assert missing.exit_code == 2
+
+
+@pytest.mark.parametrize(("damage", "code", "kind"), [
+    (b'{"format": 1, "kind": "qstore-snap', 5, qstore.Corruption),  # cut in half
+    (b"\xff\xfe not utf-8", 5, qstore.Corruption),
+    (b'{"format": 1, "kind": "qstore-snapshot", "active_id": 2, "created_at": 1.0, '
+     b'"segments": [{"file_id": 1, "length": "abc"}]}', 5, qstore.Corruption),
+    (b'{"format": 1, "kind": "qstore-snapshot", "active_id": 2, "created_at": 1.0}',
+     5, qstore.Corruption),  # no segments
+    (b'{"format": 9, "kind": "qstore-snapshot", "segments": []}', 2,
+     qstore.InvalidArgument),  # a later format: not readable here, not damage
+    (b"[1, 2]", 2, qstore.InvalidArgument),  # not a manifest at all
+])
+def test_a_damaged_snapshot_manifest_is_named_not_a_traceback(
+        tmp_path: Any, clock: FakeClock, damage: bytes, code: int, kind: type) -> None:
+    path, snap = str(tmp_path / "store"), str(tmp_path / "snap")
+    with qstore.open(path, clock=clock, compactor=False) as s:
+        s.create_queue("q").push(b"x")
+        s.snapshot(snap)
+    assert check_path(snap).ok
+    with open(os.path.join(snap, "MANIFEST.json"), "wb") as f:
+        f.write(damage)
+    with pytest.raises(kind) as info:
+        read_manifest(snap)
+    assert "MANIFEST.json" in str(info.value)
+    r = CliRunner().invoke(main, ["check", snap])
+    assert r.exit_code == code, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)  # no traceback
+    assert "MANIFEST.json" in r.output.replace("\n", "")  # (the console wraps lines)
+
+
+def test_a_segment_the_check_cannot_read_is_a_storage_error_not_a_finding(
+        tmp_path: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    # EACCES (tests run as root, which permissions do not stop: the file call
+    # fails by injection). The check could not run: exit 5, never exit 1 or a
+    # traceback, and the error is a QStoreError with the errno.
+    path = str(tmp_path / "store")
+    with qstore.open(path, clock=clock, compactor=False) as s:
+        s.create_queue("q").push(b"x")
+    faulty = FaultyCalls(monkeypatch, ("open_fd",), err=errno.EACCES,
+                         only=lambda name, args: str(args[0]).endswith(".seg"))
+    faulty.arm(1, persistent=True)
+    with pytest.raises(qstore.StorageError) as info:
+        check_path(path)
+    assert getattr(info.value, "errno", None) == errno.EACCES
+    assert "0000000001.seg" in str(info.value)
+    r = CliRunner().invoke(main, ["check", path])
+    assert r.exit_code == 5, r.output
+    assert "Permission denied" in r.output.replace("\n", " ")
 
 
 def _ttl_store(path: str, clock: FakeClock) -> dict[str, int]:
