@@ -470,6 +470,12 @@ def _open_error(path: str, exc: Exception) -> StorageError | Corruption:
     """The error of a failed open: ``Corruption`` when RocksDB found damage."""
     if _corruption(exc):
         return Corruption(path, 0, f"metadata is damaged: {exc}")
+    if "No such file" in str(exc) and os.path.exists(os.path.join(path, "CURRENT")):
+        # The database exists but a file it names is gone (its MANIFEST, a
+        # table): damage, as the contract says for missing metadata. A view
+        # racing the writer's deletion of a file retries on the same text.
+        return Corruption(path, 0, f"metadata is damaged: a file of the database is "
+                                   f"missing: {exc}")
     return storage_error(f"cannot open metadata at {path}", exc)
 
 

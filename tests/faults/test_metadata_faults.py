@@ -128,3 +128,20 @@ def test_the_cli_reports_a_damaged_sst_with_exit_5(damaged_sst: str) -> None:
                          capture_output=True, text=True, check=False)
     assert run.returncode == 5, run.stdout + run.stderr
     assert "corruption" in run.stderr.lower() and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("readonly", [True, False], ids=["readonly", "read-write"])
+def test_a_missing_rocksdb_manifest_is_corruption(tmp_path: Any, readonly: bool) -> None:
+    path = str(tmp_path / "store")
+    with qstore.open(path, compactor=False) as store:
+        store.create_queue("q").push(b"x")
+    for manifest in glob.glob(os.path.join(path, "meta", "MANIFEST-*")):
+        os.unlink(manifest)
+    with pytest.raises(qstore.Corruption) as info:
+        qstore.open(path, readonly=readonly, compactor=False)
+    assert "metadata is damaged: a file of the database is missing" in info.value.reason
+    assert "MANIFEST" in info.value.reason and info.value.path.endswith("meta")
+    run = subprocess.run([sys.executable, "-m", "qstore.cli", "check", path],
+                         capture_output=True, text=True, check=False)
+    assert run.returncode == 5 and "Traceback" not in run.stderr
+    assert "metadata is damaged" in run.stderr.replace("\n", " ")
