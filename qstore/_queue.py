@@ -486,7 +486,8 @@ class Queue:
         rec = self._core.message_record(q.message_prefix + keys.U64.pack(mid))
         if rec is None:
             raise MessageNotFound(q.name, mid)
-        if 0 < rec.expires_us <= now_us and q.rec.on_expire == "drop":
+        if (0 < rec.expires_us <= now_us and q.rec.on_expire == "drop"
+                and not states.lease_ended_it_first(q, rec)):
             raise MessageNotFound(q.name, mid)  # expired: as good as gone already
         if (rec.state != _ST.INFLIGHT or rec.deliveries != delivery or rec.when_us <= now_us
                 or 0 < rec.expires_us <= now_us):
@@ -520,17 +521,20 @@ class Queue:
         leases = [item._lease if type(item) is Message else None for item in items]
         mids: list[int] = []
         recs: list[records.MessageRecord] = []
+        seen: set[int] = set()
+        # In item order: the first item that is wrong (a lease not live, or a
+        # message named again) raises, whatever comes after it.
         for item, lease, rec in zip(items, leases, self._core.live_leases(q, leases, now_us),
                                     strict=True):
             if rec is None:
                 mid, rec = self._leased(item, now_us)
-                mids.append(mid)
             else:
-                mids.append(lease[1])  # type: ignore[index]
+                mid = lease[1]  # type: ignore[index]
+            if mid in seen:
+                raise InvalidArgument(f"message {mid} appears twice in one ack_many")
+            seen.add(mid)
+            mids.append(mid)
             recs.append(rec)
-        if len(set(mids)) != len(mids):
-            twice = next(m for i, m in enumerate(mids) if m in mids[:i])
-            raise InvalidArgument(f"message {twice} appears twice in one ack_many")
         return mids, recs
 
     def _ack(self, items: Sequence[Receipted]) -> int:

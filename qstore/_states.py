@@ -133,12 +133,26 @@ def remove(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> Non
     txn.live(PayloadRef(rec.file_id, rec.offset, rec.length), -1)
 
 
-def expire(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> None:
+def lease_ended_it_first(q: QueueState, rec: records.MessageRecord) -> bool:
+    """Whether an in-flight message died of its attempts before its TTL ran out: its
+    lease, on its last attempt, ended before the TTL did (a tie goes to the TTL)."""
+    return (rec.state == _INFLIGHT and rec.when_us < rec.expires_us
+            and rec.attempts >= q.rec.max_attempts)
+
+
+def expire(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> bool:
     """Its TTL ran out: drop the message, or make it a dead letter (``on_expire="dead"``).
 
     Either way it leaves its index and the expiry index, and a receipt of it
-    stops working (its record is gone, or no longer in flight).
+    stops working (its record is gone, or no longer in flight). Returns
+    False, expiring nothing, for a message whose lease on its last attempt
+    ended before its TTL (:func:`lease_ended_it_first`): it became a dead
+    letter of its attempts then (its TTL dropped), whenever a pass looks.
     """
+    if lease_ended_it_first(q, rec):
+        leave(txn, q, mid, rec)
+        requeue(txn, q, mid, rec, rec.when_us / 1e6, 0.0)
+        return False
     if q.rec.on_expire == "dead" and rec.state != _DEAD:
         leave(txn, q, mid, rec)
         txn.delete(keys.expiry_key(q.qid, rec.expires_us, mid))
@@ -150,6 +164,7 @@ def expire(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> Non
         txn.put_record(keys.message_key(q.qid, mid), rec.encode())
     else:
         remove(txn, q, mid, rec)
+    return True
 
 
 def bury(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord, reason: str) -> None:

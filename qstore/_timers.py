@@ -136,11 +136,12 @@ def expire_records(core: Core, q: QueueState, mids: list[int],
     """Expire these messages (their TTL ran out) in one batch, counted in the ``E`` key."""
     txn = Txn()
     gone = []
+    expired = 0
     for mid, rec in zip(mids, recs, strict=True):
         if rec.state == _READY:
             gone.append(q.index_key(mid, rec))
-        states.expire(txn, q, mid, rec)
-    total = q.expired + len(mids)
+        expired += states.expire(txn, q, mid, rec)
+    total = q.expired + expired
     txn.put(keys.totals_key(q.qid), records.encode_totals(total))
     core.commit(txn)
     q.expired = total

@@ -240,10 +240,17 @@ class ModelQueue:
 
     def settle(self, now: float) -> None:
         """What the store's pass does at ``now``, in its order: expire the TTLs that ran
-        out (clock() >= expires), then expire leases and release delays whose time has
-        come (clock() >= when), then age the ready messages."""
+        out (clock() >= expires; a message whose last lease ended first is a dead
+        letter of its attempts instead), then expire leases and release delays
+        whose time has come (clock() >= when), then age the ready messages."""
         for m in list(self.msgs.values()):
             if m.expires is not None and now >= m.expires:
+                if m.state == "in_flight" and m.when < m.expires \
+                        and m.attempts >= self.max_attempts:
+                    # Its last lease ended before its TTL: it died of its attempts
+                    # then, whenever the pass runs (a tie goes to the TTL).
+                    self.give_back(m, m.when, 0.0)
+                    continue
                 self.expired += 1
                 if self.opts.on_expire == "dead":
                     m.state, m.when, m.receipt = "dead", 0.0, None
@@ -645,6 +652,11 @@ class QueueMachine(RuleBasedStateMachine):
         else:
             self.clock.advance(tick)
         self._settle()
+        # The model settles every queue at this time, so the store must run the
+        # passes of every queue now too: what a pass left (the levels a message
+        # had gained when its TTL made it a dead letter) depends on when it ran.
+        for handle in self.handles.values():
+            handle.stats()
 
     @rule(tick=st.sampled_from(["event", "before"]))
     def advance_to_next_event(self, tick: str) -> None:

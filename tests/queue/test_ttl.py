@@ -104,6 +104,58 @@ def test_dead_letters_by_attempts_do_not_expire(store: qstore.Store, clock: Fake
     assert_consistent(store, q)
 
 
+@pytest.mark.parametrize("on_expire", ["drop", "dead"])
+@pytest.mark.parametrize("looked", [True, False], ids=["looked-between", "looked-after"])
+def test_a_last_lease_that_ran_out_before_the_ttl_makes_a_dead_letter_whenever_one_looks(
+        store_path: str, on_expire: str, looked: bool) -> None:
+    # The lease (5 s) on the last attempt ends before the TTL (10 s): the
+    # message died of its attempts at 5 s. Whether anything looked between the
+    # two times, or the store was closed across both, must not matter.
+    clock = FakeClock()
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        q = s.create_queue("q", max_attempts=1, on_expire=on_expire)
+        mid = q.push(b"job", ttl=10.0)
+        m = q.pop(lease=5.0)
+        assert m is not None
+        clock.advance(6)
+        if looked:
+            assert q.stats().dead == 1
+        clock.advance(14)
+        with pytest.raises(qstore.LeaseExpired):
+            q.ack(m)
+        st = q.stats()
+        assert (st.dead, st.expired) == (1, 0)
+        (dead,) = q.dead_letters(5)
+        assert (dead.id, dead.dead_reason, dead.expires_at) == (mid, None, None)
+        assert_consistent(s, q)
+    # Across a restart: popped, closed at once, reopened after both times.
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        q = s.queue("q")
+        mid = q.push(b"again", ttl=10.0)
+        assert q.pop(lease=5.0) is not None
+    clock.advance(20)
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        q = s.queue("q")
+        st = q.stats()
+        assert (st.dead, st.expired) == (2, 0)
+        assert q.get(mid).state == "dead"
+        assert_consistent(s, q)
+
+
+def test_a_ttl_that_runs_out_before_the_lease_still_expires(store: qstore.Store,
+                                                            clock: FakeClock) -> None:
+    q = store.create_queue("q", max_attempts=1)
+    mid = q.push(b"x", ttl=5.0)
+    m = q.pop(lease=10.0)
+    assert m is not None
+    clock.advance(20)
+    st = q.stats()
+    assert (st.dead, st.expired) == (0, 1)
+    with pytest.raises(qstore.MessageNotFound):
+        q.get(mid)
+    assert_consistent(store, q)
+
+
 def test_push_many_takes_a_batch_ttl_and_per_item_ttls(store: qstore.Store,
                                                        clock: FakeClock) -> None:
     q = store.create_queue("q", ttl=50)
