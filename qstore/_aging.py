@@ -78,11 +78,18 @@ class Round:
         self.broken: set[bytes] = set()
 
 
+MAX_LEVELS = keys.INT_MAX - keys.INT_MIN  # the span of int priorities
+
+
 def levels_gained(rec_q: records.QueueRecord, enqueued_at: float, now: float) -> int:
     """How many levels a message pushed at ``enqueued_at`` has gained by ``now``."""
     assert rec_q.aging is not None
     waited = now - enqueued_at
     gained = int(waited / rec_q.aging + 1e-9) if waited > 0 else 0
+    # More levels than the whole priority range cannot move a message further,
+    # and must still encode (as u64) in its record: a tiny aging (1e-300 s)
+    # would otherwise gain numbers msgpack cannot hold.
+    gained = min(gained, MAX_LEVELS)
     return gained if rec_q.aging_cap is None else min(gained, rec_q.aging_cap)
 
 

@@ -55,6 +55,26 @@ def _starve(store: qstore.Store, clock: FakeClock, aging: float | None) -> int |
     return None
 
 
+@pytest.mark.parametrize("order", ["max", "min"])
+def test_a_tiny_aging_period_clamps_at_the_priority_range(store_path: str, order: str) -> None:
+    # 1e-300 s a level: billions of billions of levels in a second. The levels a
+    # message can gain stop at the span of int priorities, so its record still
+    # encodes (an OverflowError on every pop, peek and stats before, also after
+    # a reopen), and the priority stops at the end of the range.
+    clock = FakeClock()
+    end = 2**63 - 1 if order == "max" else -(2**63)
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        q = s.create_queue("q", aging=1e-300, order=order)
+        first, second = q.push(b"a", priority=0), q.push(b"b", priority=5)
+        clock.advance(10)
+        assert [(m.id, m.priority) for m in q.peek(2)] == [(first, end), (second, end)]
+        assert_consistent(s, q)
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        m = s.queue("q").pop()
+        assert m is not None and (m.id, m.priority) == (first, end)
+        assert_consistent(s, s.queue("q"))
+
+
 def test_aging_ends_starvation_within_the_documented_bound(store: qstore.Store,
                                                            clock: FakeClock) -> None:
     # Documented bound (qstore/_aging.py): it reaches the top level P = 9 at
