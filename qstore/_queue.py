@@ -716,10 +716,20 @@ class Queue:
             return len(dead)
 
     def purge(self) -> int:
-        """Delete every message of the queue (all states) in one batch; returns how many."""
+        """Delete every message of the queue (all states) in one batch; returns how many.
+
+        The due passes run first, as for stats: a message whose TTL had run
+        out was expired (counted in ``stats().expired``), not purged, however
+        long ago any pass last looked.
+        """
         core = self._core
+        self._catch_up()
         with core.writing:
-            return core.purge(self._state())
+            q = self._state()
+            now_us = keys.to_us(core.clock())
+            if q.next_event_us <= now_us:
+                timers.promote_all(core, q, now_us)
+            return core.purge(q)
 
     def stats(self) -> QueueStats:
         """Counts by state; expired leases and due delays are promoted first."""

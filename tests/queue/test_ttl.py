@@ -156,6 +156,21 @@ def test_a_ttl_that_runs_out_before_the_lease_still_expires(store: qstore.Store,
     assert_consistent(store, q)
 
 
+@pytest.mark.parametrize("looked", [True, False], ids=["looked-first", "purged-at-once"])
+def test_purge_counts_messages_whose_ttl_ran_out_as_expired_not_purged(
+        store: qstore.Store, clock: FakeClock, looked: bool) -> None:
+    q = store.create_queue("q", ttl=1.0)
+    q.push_many([b"a", b"b", b"c"])
+    q.push(b"lives", ttl=100.0)
+    clock.advance(5)
+    if looked:
+        q.stats()
+    assert q.purge() == 1
+    st = q.stats()
+    assert (st.ready, st.expired) == (0, 3)
+    assert_consistent(store, q)
+
+
 def test_push_many_takes_a_batch_ttl_and_per_item_ttls(store: qstore.Store,
                                                        clock: FakeClock) -> None:
     q = store.create_queue("q", ttl=50)
