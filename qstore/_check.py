@@ -168,7 +168,8 @@ class Check:
         self.max_id = -1
         self._pending: list[tuple[bytes, bytes | None, str, int, str]] = []
         # Format 1 dead letters keep their dedup key; from format 2 they hold none.
-        self.dead_keep_dedup = self._format() == 1
+        self.dead_keep_dedup = records.dead_letters_own_dedup_keys(
+            records.store_format(meta.get(keys.FORMAT_KEY)))
         # What a repair (_repair.py) needs, beyond the findings:
         # messages with damaged payloads not yet set aside: (qid, id, reason)
         self.damaged: list[tuple[int, int, str]] = []
@@ -179,13 +180,6 @@ class Check:
         # (file id, offset) -> body length of the records the payload journal holds
         self.journal = {keys.journal_parts(key): len(body) for key, body in
                         meta.scan(keys.JOURNAL, keys.prefix_end(keys.JOURNAL))}
-
-    def _format(self) -> int:
-        raw = self.meta.get(keys.FORMAT_KEY)
-        try:
-            return int(records.unpack(raw, "format")[1]) if raw else records.STORE_FORMAT
-        except (StorageError, ValueError, TypeError, IndexError):
-            return records.STORE_FORMAT
 
     def add(self, kind: str, **where: object) -> None:
         self.findings.append(Finding(kind, **where))  # type: ignore[arg-type]

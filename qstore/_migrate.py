@@ -6,7 +6,8 @@ dedup key as ``blake2b(b"k" + key)``: a payload ``b"kfoo"`` and the key
 letter kept its dedup key, so no push with that key could enqueue until the
 letter was purged or redriven. Format 2 hashes payloads with a personalised
 BLAKE2b (:func:`keys.payload_digest`; explicit keys are hashed as before) and
-a dead letter holds no digest and no ``k`` key.
+a dead letter holds no ``k`` key (one that dies under format 2 keeps its
+digest in its record, for a redrive; one migrated here loses it).
 
 A read-write open of a format 1 store migrates it here before anything else
 runs; a read-only open reads format 1 as it is (the integrity check knows

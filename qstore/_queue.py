@@ -706,11 +706,22 @@ class Queue:
             if not dead:
                 return 0
             txn = Txn()
-            for dkey, rec in zip(dead, core.records_of(q, dead), strict=True):
+            recs = core.records_of(q, dead)
+            # Dedup keys free now, that the letters' digests may take back (the
+            # first letter of a digest gets it; a live message may own it).
+            digests = sorted({r.digest for r in recs if r.digest is not None})
+            owners = core.meta.multi_get([keys.dedup_key(q.qid, d) for d in digests]) \
+                if digests else []
+            taken = {d for d, raw in zip(digests, owners, strict=True) if raw is not None}
+            for dkey, rec in zip(dead, recs, strict=True):
                 mid = keys.trailing_id(dkey)
                 states.leave(txn, q, mid, rec)
                 rec.attempts = 0
                 rec.reason = None
+                owned = rec.digest in taken
+                states.take_back_dedup(txn, q, mid, rec, owned)
+                if rec.digest is not None:
+                    taken.add(rec.digest)
                 states.requeue(txn, q, mid, rec, now, 0.0)
             core.commit(txn)
             return len(dead)

@@ -123,7 +123,7 @@ def extend(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord,
 def remove(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> None:
     """Delete a message for good (ack, or its payload was lost): record, index, dedup."""
     txn.delete(q.index_key(mid, rec))
-    if rec.digest is not None:
+    if rec.digest is not None and rec.state != _DEAD:  # a dead letter's digest owns no key
         txn.delete(keys.dedup_key(q.qid, rec.digest))
     if rec.expires_us:
         txn.delete(keys.expiry_key(q.qid, rec.expires_us, mid))
@@ -186,17 +186,29 @@ def bury(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord, reason: 
 
 
 def release_dedup(txn: Txn, q: QueueState, rec: records.MessageRecord) -> None:
-    """A message becoming a dead letter gives up its dedup key, for good.
+    """A message becoming a dead letter gives up its dedup key (the ``k`` key).
 
     Dead letters do not dedup (contract section 2): a push with the same key
-    makes a new message. The digest leaves the record too, so that a record
-    holds a digest exactly when it owns that ``k`` key (an ack deletes the key
-    of the digest it holds), and a redriven letter comes back as a plain
-    message: it cannot take back a key another message may hold by then.
+    makes a new message, which then owns the key. The record keeps the
+    digest, owning nothing, so that a redrive (:func:`take_back_dedup`) can
+    make the message dedup again: a live message holds a digest exactly when
+    it owns that ``k`` key; a dead letter's digest owns none.
     """
     if rec.digest is not None:
         txn.delete(keys.dedup_key(q.qid, rec.digest))
+
+
+def take_back_dedup(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord,
+                    owned: bool) -> None:
+    """A dead letter being redriven takes its dedup key back, unless ``owned``
+    (another message holds it by now): then it comes back without a digest,
+    as a message pushed without dedup."""
+    if rec.digest is None:
+        return
+    if owned:
         rec.digest = None
+    else:
+        txn.put(keys.dedup_key(q.qid, rec.digest), keys.U64.pack(mid))
 
 
 def age(txn: Txn, q: QueueState, ready_key: bytes, mid: int, rec: records.MessageRecord,

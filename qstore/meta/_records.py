@@ -69,6 +69,21 @@ def unpack(data: bytes, what: str, versions: tuple[int, ...] = _V1) -> list[Any]
     return value
 
 
+def store_format(raw: bytes | None) -> int:
+    """The store format the ``M"format"`` record ``raw`` names (:data:`STORE_FORMAT`
+    when there is none, or it does not decode: the checks judge the rest)."""
+    try:
+        return int(unpack(raw, "format")[1]) if raw else STORE_FORMAT
+    except (StorageError, ValueError, TypeError, IndexError):
+        return STORE_FORMAT
+
+
+def dead_letters_own_dedup_keys(store_format: int) -> bool:
+    """Format 1: a dead letter kept its ``k`` key. From format 2 it holds none (its
+    record may keep the digest, which a redrive takes the key back with)."""
+    return store_format == 1
+
+
 def encode_message(state: int, priority: int | str, file_id: int, offset: int, length: int,
                    attempts: int, deliveries: int, enqueued_at: float, when_us: int,
                    digest: bytes | None) -> bytes:

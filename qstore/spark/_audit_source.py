@@ -329,8 +329,13 @@ class _RangeAudit:
             else:
                 count, h = len(at), ih.hash_rows(keys.key_rows(kind, qid, when[at], umids[at]))
             self._add_fingerprint(STATE_NAMES[code], count, h)
-        has = [i for i, d in enumerate(digest) if d is not None]
-        digs = [d for d in digest if d is not None]
+        # The k keys the records imply: every digest of a live message (and of a
+        # dead letter in a format 1 store); a later dead letter's digest owns none.
+        dead_own = self.snap.dead_keep_dedup
+        owning = [(i, d) for i, d in enumerate(digest)
+                  if d is not None and (dead_own or st[i] != records.DEAD)]
+        has = [i for i, _ in owning]
+        digs = [d for _, d in owning]
         if not digs:
             return
         if all(len(d) == 16 for d in digs):

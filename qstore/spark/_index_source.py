@@ -145,7 +145,8 @@ def _check_chunk(snap: Snapshot, qid: int, qrec: records.QueueRecord, kind: byte
             continue
         rec = records.MessageRecord(*rows[0][1:])
         if kind == keys.DEDUP:
-            owned = rec.digest is not None and keys.dedup_key(qid, rec.digest) == key
+            owned = (rec.digest is not None and keys.dedup_key(qid, rec.digest) == key
+                     and (rec.state != records.DEAD or snap.dead_keep_dedup))
         elif kind == keys.EXPIRY:
             owned = bool(rec.expires_us) and keys.expiry_key(qid, rec.expires_us, mid) == key
         else:

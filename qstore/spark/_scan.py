@@ -265,7 +265,9 @@ class _BatchBuilder:
         wanted: list[bytes] = []
         for mid, s, p, w in zip(ids, state, prio, when, strict=True):
             wanted.append(expected_index_key(qid, rec, mid, s, p, w) or b"")
-        dedup_at = [i for i, d in enumerate(digest) if d is not None]
+        dead_own = self.snap.dead_keep_dedup  # else a dead letter's digest owns no key
+        dedup_at = [i for i, d in enumerate(digest)
+                    if d is not None and (dead_own or state[i] != records.DEAD)]
         dedup_keys = [keys.dedup_key(qid, digest[i]) for i in dedup_at]  # type: ignore[arg-type]
         expiry_at = [] if expires is None else [i for i, e in enumerate(expires) if e]
         expiry_keys = [keys.expiry_key(qid, expires[i], ids[i])  # type: ignore[index]

@@ -98,6 +98,9 @@ class Snapshot:
             # S records that defer pushes (a snapshot of a read-only view can hold
             # some): their messages from the covered id up are not in the record.
             self.covered = covered_ids(self.meta)
+            # Format 1 dead letters own their k keys; later ones hold none.
+            self.dead_keep_dedup = records.dead_letters_own_dedup_keys(
+                records.store_format(self.meta.get(keys.FORMAT_KEY)))
             for key, value in self.meta.scan(keys.QUEUE, keys.prefix_end(keys.QUEUE)):
                 info = queue_info(key, value)
                 if isinstance(info, str):

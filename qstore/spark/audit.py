@@ -172,12 +172,18 @@ def _index_pass(spark: Any, path: str, facts: MetaFacts,
     rows = spark.read.format("qstore_index").load(path).collect()
     index: dict[str, dict[str, dict[str, int]]] = {}
     differ = []
+    seen = set()
     for r in rows:
+        seen.add((r["qid"], r["kind"]))
         want_n, want_h = expected.get((r["qid"], r["kind"]), (0, 0))
         name = facts.queues[r["qid"]]
         index.setdefault(name, {})[r["kind"]] = {"keys": r["keys"], "expected": want_n}
         if (r["keys"], r["hash"] & MASK) != (want_n, want_h):
             differ.append((r["qid"], r["kind"]))
+    for (qid, kind), (want_n, _) in sorted(expected.items()):
+        if (qid, kind) not in seen and want_n and qid in facts.queues:  # no key at all
+            index.setdefault(facts.queues[qid], {})[kind] = {"keys": 0, "expected": want_n}
+            differ.append((qid, kind))
     if not differ:
         return [], index
     assert set(k for _, k in differ) <= set(KINDS)
@@ -200,6 +206,18 @@ def _index_pass(spark: Any, path: str, facts: MetaFacts,
                                   + (" or its dedup key" if r["dedup_digest"] else "")
                                   + (" or its expiry key" if r["queue"] in expiry_differs
                                      else "") + " is missing"))
+    # A fingerprint that differs with no key or message to blame is still a
+    # difference: reported, never taken for clean.
+    blamed = {f.queue for f in out}
+    for qid, kind in differ:
+        name = facts.queues[qid]
+        if name in blamed:
+            continue
+        have, want = index[name][kind]["keys"], index[name][kind]["expected"]
+        out.append(Finding(kinds.STRAY_INDEX_KEY if have > want else kinds.INDEX_MISSING,
+                           queue=name, detail=f"the {kind} index holds {have} keys where "
+                           f"the messages imply {want} (the fingerprints differ), and no "
+                           "single key or message was found to blame"))
     return out, index
 
 

@@ -114,6 +114,7 @@ class Rec:
     reason: str | None = None  # "expired": a dead letter made by its TTL
     base: int | str = 0  # the pushed priority (``priority`` is the aged one)
     aged: int = 0  # levels gained so far (kept when the aging options change)
+    kept: tuple[str, bytes] | None = None  # a dead letter's digest, for a redrive
 
 
 @dataclass
@@ -232,7 +233,7 @@ class ModelQueue:
         m.receipt = None
         if m.attempts >= self.max_attempts:
             m.state, m.when, m.expires = "dead", 0.0, None  # dead letters do not expire
-            m.digest = None  # nor dedup: the key is released for good
+            m.digest, m.kept = None, m.digest  # nor dedup: until a redrive takes it back
         elif delay > 0:
             m.state, m.when = "delayed", now + delay
         else:
@@ -255,7 +256,7 @@ class ModelQueue:
                 if self.opts.on_expire == "dead":
                     m.state, m.when, m.receipt = "dead", 0.0, None
                     m.expires, m.reason = None, "expired"
-                    m.digest = None
+                    m.digest, m.kept = None, m.digest
                 else:
                     del self.msgs[m.id]
         for m in self.msgs.values():
@@ -688,6 +689,11 @@ class QueueMachine(RuleBasedStateMachine):
         assert self.handles[name].redrive(n) == len(want)
         for rec in want:  # ready again, without its reason (and without a TTL)
             rec.state, rec.attempts, rec.reason = "ready", 0, None
+            # It dedups again, unless a live message (or an earlier letter of
+            # this redrive) holds its key by now.
+            if rec.kept is not None and mq.live_with(rec.kept) is None:
+                rec.digest = rec.kept
+            rec.kept = None
 
     @rule(name=st.sampled_from(NAMES), go=st.integers(0, 3))
     def purge(self, name: str, go: int) -> None:

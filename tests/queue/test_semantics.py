@@ -635,11 +635,54 @@ def test_a_dead_letter_releases_its_dedup_key(store: qstore.Store, clock: Any, h
     assert [f.kind for f in report.notes] == (["damaged_set_aside"] if how == "damaged" else [])
     if how == "damaged":
         return
-    # A redriven letter comes back as a plain message: the key has a new owner.
+    # A redriven letter whose key has a new owner comes back as a plain message.
     assert q.redrive() == 1
     assert q.push(b"body", dedup_key=key) == second
     q.ack(pop1(q))  # the older, redriven one pops first...
     assert q.push(b"body", dedup_key=key) == second  # ...and its ack frees no key
+    assert store.check().ok
+
+
+@pytest.mark.parametrize("how", ["nack", "lease-expiry", "ttl-expiry"])
+@pytest.mark.parametrize("keyed", [False, True], ids=["payload-hash", "explicit-key"])
+def test_a_redriven_letter_dedups_again_when_no_one_holds_its_key(
+        store: qstore.Store, clock: Any, how: str, keyed: bool) -> None:
+    """Contract section 2: a push matching a live message (a redriven letter is
+    ready again) enqueues nothing and returns its id."""
+    q = store.create_queue("q", dedup=True, max_attempts=1,
+                           on_expire="dead" if how == "ttl-expiry" else "drop")
+    key = "job-7" if keyed else None
+    first = q.push(b"body", dedup_key=key, ttl=5.0 if how == "ttl-expiry" else None)
+    if how == "nack":
+        q.nack(pop1(q))
+    elif how == "lease-expiry":
+        pop1(q, lease=1.0)
+        clock.advance(2.0)
+    else:
+        clock.advance(6.0)
+    assert q.stats().dead == 1
+    assert store.check().ok  # a dead letter's digest owns no key: not a finding
+    assert q.redrive() == 1
+    assert q.push(b"body", dedup_key=key) == first, "the redriven letter dedups again"
+    assert q.stats().ready == 1
+    assert store.check().ok
+    q.ack(pop1(q))
+    assert q.push(b"body", dedup_key=key) > first  # its ack released the key
+
+
+def test_of_two_dead_letters_with_one_key_the_first_redriven_takes_it(
+        store: qstore.Store) -> None:
+    q = store.create_queue("q", dedup=True, max_attempts=1)
+    a = q.push(b"body", dedup_key="k")
+    q.nack(pop1(q))
+    b = q.push(b"body", dedup_key="k")  # a dead letter does not count: a new message
+    assert b > a
+    q.nack(pop1(q))
+    assert q.stats().dead == 2
+    assert q.redrive() == 2
+    assert q.push(b"body", dedup_key="k") == a
+    q.ack(pop1(q))  # a: the key is free again; b came back without one
+    assert q.push(b"body", dedup_key="k") not in (a, b)
     assert store.check().ok
 
 

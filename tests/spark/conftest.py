@@ -39,7 +39,8 @@ def populate(store: qstore.Store) -> dict[tuple[str, int], bytes]:
     jobs.nack(leased[2], delay=50.0)  # delayed again
     tags = store.create_queue("tags", order="min", priority_type="str", dedup=True)
     push_many(tags, [(b"tag %d" % i, f"p{i % 3}") for i in range(12)])
-    poison = store.create_queue("poison", max_attempts=1)
+    # dedup: its dead letter keeps its digest but owns no k key (the audit must agree)
+    poison = store.create_queue("poison", max_attempts=1, dedup=True)
     push_many(poison, [(b"poison", 1), (b"fine", 0)])
     dead = poison.pop()
     assert dead is not None
