@@ -263,7 +263,12 @@ class Queue:
                 if q.deleted:
                     raise QueueNotFound(q.name)
                 return core.push_ready(q, bodies, prios)
-        return self._push(rows) if rows else []
+        if not rows:  # nothing to push; the batch defaults are still checked
+            _seconds(delay, "delay")
+            if ttl is not None:
+                _seconds(ttl, "ttl", positive=True)
+            return []
+        return self._push(rows)
 
     def _push(self, rows: list[tuple[Any, ...]]) -> list[int]:
         core = self._core

@@ -160,6 +160,7 @@ class Store:
         self._core.check_open()
         state = self._core.queues.get(name)
         if state is None:
+            _check_name_type(name)
             raise QueueNotFound(name)
         return Queue(self._core, state)
 
@@ -173,6 +174,7 @@ class Store:
         with core.writing:
             state = core.queues.get(name)
             if state is None:
+                _check_name_type(name)
                 raise QueueNotFound(name)
             core.drop_queue(state)
 
@@ -307,9 +309,15 @@ def check_options(order: str, priority_type: str, options: dict[str, Any]) -> di
     return {"ttl": ttl, "on_expire": on_expire, "aging": aging, "aging_cap": cap, "rate": rate}
 
 
-def _check_queue_name(name: object) -> None:
+def _check_name_type(name: object) -> None:
+    """Not a name at all (a lookup of it is InvalidArgument, not QueueNotFound)."""
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"queue name must be a non-empty str, not {name!r}")
+
+
+def _check_queue_name(name: object) -> None:
+    _check_name_type(name)
+    assert isinstance(name, str)
     try:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:  # a lone surrogate such as "\udc80"

@@ -157,6 +157,8 @@ def test_priorities_at_the_limits_are_accepted(env: Env) -> None:
     ("push-delay-huge", lambda e: e.ints.push(b"x", delay=1e300), IA),
     ("push-delay-huge-int", lambda e: e.ints.push(b"x", delay=10**30), IA),
     ("push-many-delay", lambda e: e.ints.push_many([b"x"], delay=-1.0), IA),
+    ("push-many-empty-delay", lambda e: e.ints.push_many([], delay=-1.0), IA),  # checked too
+    ("push-many-empty-ttl", lambda e: e.ints.push_many([], ttl=0), IA),
     ("push-many-delay-huge", lambda e: e.ints.push_many([(b"x", 1, 1e300)]), IA),
     ("pop-lease-zero", lambda e: e.ints.pop(lease=0), IA),
     ("pop-lease-negative", lambda e: e.ints.pop(lease=-1.0), IA),
@@ -359,6 +361,9 @@ def test_a_push_many_with_one_bad_item_enqueues_nothing(env: Env, call: Case,
     ("name-256-utf8-bytes", lambda e: e.store.create_queue("é" * 128), IA),
     ("name-surrogate", lambda e: e.store.create_queue("q" + SURROGATE), IA),
     ("queue-surrogate", lambda e: e.store.queue(SURROGATE), qstore.QueueNotFound),
+    ("queue-int", lambda e: e.store.queue(5), IA),  # not a name at all, not "not found"
+    ("queue-empty", lambda e: e.store.queue(""), IA),
+    ("delete-none", lambda e: e.store.delete_queue(None), IA),
     ("delete-surrogate", lambda e: e.store.delete_queue(SURROGATE), qstore.QueueNotFound),
     ("order", lambda e: e.store.create_queue("n", order="random"), IA),
     ("priority-type", lambda e: e.store.create_queue("n", priority_type="float"), IA),
