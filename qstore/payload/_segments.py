@@ -343,7 +343,7 @@ class SegmentSet:
                 repair = TailRepair(reader.file_id, stop.offset, cut,
                                     f"{stop.reason} in the unsynced region")
                 self.recovery.torn_tails.append(repair)
-                kept = f"{reader.path}.cut-{stop.offset}"
+                kept = _free_name(f"{reader.path}.cut-{stop.offset}")
                 m = reader._map
                 write_file_durably(kept, b"" if m is None else m[stop.offset:])
                 log.error("cut %s at offset %d: %d bytes past the durable mark were damaged "
@@ -914,3 +914,13 @@ def _write_pieces(
     out.append_framed(pieces)
     if progress is not None:
         progress(out.end - at)
+
+
+def _free_name(path: str) -> str:
+    """``path``, or ``path.2``, ``path.3``... the first that does not exist: cut bytes
+    kept by an earlier open at the same offset are never overwritten."""
+    name, n = path, 1
+    while os.path.lexists(name):
+        n += 1
+        name = f"{path}.{n}"
+    return name

@@ -596,3 +596,32 @@ def test_crashed_active_segment_below_a_newer_segment_has_its_zero_tail_cut(tmp_
     assert [segs.read(r) for r in refs] == BODIES
     assert segs.recovery.torn_tails == []  # zeros are preallocation, not a torn record
     segs.close()
+
+
+def test_damage_past_the_durable_mark_is_cut_and_kept_and_a_second_cut_keeps_both(
+        tmp_path: Path) -> None:
+    # Bad bytes followed by more data past the durable mark (a page a power
+    # loss dropped): cut there, and the cut bytes kept beside the segment. A
+    # second such cut at the same offset (after more appends, another power
+    # loss) keeps its bytes in a new file: the first is never overwritten.
+    kept_files = []
+    for round_ in range(2):
+        segs = open_set(tmp_path)  # segment 1: new, or cut back to its header
+        refs = segs.append_many([b"round %d a" % round_, b"round %d b" % round_])
+        crash(segs)
+        assert refs[0].offset == fmt.HEADER_SIZE
+        flip(tmp_path / SEG1, refs[0].offset + fmt.FRAME_SIZE)  # the first body: bad CRC
+        tail = (tmp_path / SEG1).read_bytes()[fmt.HEADER_SIZE:refs[1].offset + refs[1].frame_bytes]
+        segs = open_set(tmp_path, tail_hints={1: fmt.HEADER_SIZE},
+                        hints_are_durable_marks=True)
+        (repair,) = segs.recovery.torn_tails
+        assert repair.offset == fmt.HEADER_SIZE
+        segs.close()
+        assert os.path.getsize(tmp_path / SEG1) == fmt.HEADER_SIZE
+        kept_files = sorted(n for n in os.listdir(tmp_path) if ".cut-" in n)
+        assert len(kept_files) == round_ + 1
+        newest = tmp_path / (f"{SEG1}.cut-{fmt.HEADER_SIZE}" if round_ == 0
+                             else f"{SEG1}.cut-{fmt.HEADER_SIZE}.2")
+        assert newest.read_bytes()[:len(tail)] == tail
+    first = (tmp_path / f"{SEG1}.cut-{fmt.HEADER_SIZE}").read_bytes()
+    assert b"round 0 b" in first and b"round 1" not in first
