@@ -19,9 +19,9 @@ It deletes no payload and no message record, ever. What it cannot rebuild
 from the primary records stays a finding: a message record that does not
 decode, a message without its queue, keys of a queue id without a ``Q``
 record, an orphan segment file, a dedup key two messages claim, and an
-``S`` record counting live records that no message refers to (lowering it
+``S`` record counting more live records than messages refer to (lowering it
 would let compaction delete a file that may hold messages whose records were
-lost).
+lost, once it moved the others).
 """
 
 from __future__ import annotations
@@ -151,9 +151,10 @@ def _segments(core: Core, recount: dict[int, list[int]], sizes: dict[int, int],
         nbytes, count, max_end = recount.get(fid, [0, 0, 0])
         old = stored.get(fid)
         size = sizes.get(fid)
-        if old is not None and old[1] > 0 and count == 0 and size is not None:
+        if old is not None and count < old[1] and size is not None:
             # Live records that no message refers to: maybe messages whose records
-            # were lost. Lowering it would let compaction delete the file: left.
+            # were lost. Lowering the count would let compaction delete the file
+            # (once it moved the messages left, or at once if none is): left.
             continue
         if fid in stored and size is None and count == 0:
             out[fid] = None  # the record of a file that is gone and that nothing needs

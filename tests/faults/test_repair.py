@@ -154,20 +154,25 @@ def test_repair_on_a_read_only_view_is_refused(store_path: str) -> None:
         view.check(repair=True)
 
 
+@pytest.mark.parametrize("lost", [2, 1], ids=["all-lost", "some-lost"])
 def test_repair_leaves_a_segment_record_whose_messages_may_be_lost(store_path: str,
-                                                                   clock: Any) -> None:
+                                                                   clock: Any, lost: int) -> None:
     """Live records in S but no message record refers to them: never lowered (so never
-    deleted by compaction), reported as left."""
+    deleted by compaction), reported as left. Also when only some were lost: a count
+    lowered to the messages that are left would reach 0 once compaction moved them,
+    and the file, with the lost messages' bytes, would be deleted."""
     with qstore.open(store_path, clock=clock, compactor=False) as store:
         q = store.create_queue("q")
         ids = q.push_many([_payload(i) for i in range(2)])
         fid = _rec(store, q, ids[0]).file_id
         store.core.payload.seal()
         batch = new_batch()  # the message records are lost; S still counts them
-        for mid in ids:
+        for mid in ids[:lost]:
             batch.delete(keys.message_key(q._q.qid, mid))
             batch.delete(keys.ready_key(q._q.qid, keys.priority_key("max", "int", 0), mid))
-        batch.put(keys.counts_key(q._q.qid), records.encode_counts([0, 0, 0, 0, 0]))
+        left = len(ids) - lost
+        batch.put(keys.counts_key(q._q.qid), records.encode_counts(
+            [left, 0, 0, 0, left * len(_payload(0))]))
         store.core.meta.write(batch, sync=True)
     seg = os.path.join(store_path, "payload", f"{fid:010d}.seg")
     with qstore.open(store_path, clock=clock, compactor=False) as store:
@@ -177,6 +182,8 @@ def test_repair_leaves_a_segment_record_whose_messages_may_be_lost(store_path: s
             ("segment_record_mismatch", fid)]
         store.compact(threshold=0.0)
         assert os.path.exists(seg)  # the bytes of the lost messages are still there
+        assert [m.payload for m in store.queue("q").peek(5)] == [
+            _payload(i) for i in range(lost, len(ids))]
 
 
 def test_cli_check_repair_prints_what_it_did(store_path: str, clock: Any,
