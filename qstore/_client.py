@@ -532,6 +532,13 @@ class Client:
     def ping(self) -> None:
         self._link.call("ping", {})
 
+    def _backfill(self, args: dict[str, Any]) -> dict[str, Any]:
+        """``qstore backfill`` through the server: the job runs in the server's process
+        (qstore.spark.backfill.serve_backfill); its result as a map. Not part of the
+        store's API (the embedded store loads with qstore.spark.backfill.run_backfill)."""
+        out: dict[str, Any] = self._link.call("backfill", args, wait=7 * 86400.0)
+        return out
+
     def pipeline(self) -> Pipeline:
         """A :class:`Pipeline`: many requests sent in one write, answers read together."""
         return Pipeline(self._link)

@@ -37,7 +37,7 @@ QUEUE_OPS = frozenset({
 })
 STORE_OPS = frozenset({
     "create_queue", "configure_queue", "queues", "delete_queue", "store_stats", "compact",
-    "snapshot", "ping", "check",
+    "snapshot", "ping", "check", "backfill",
 })
 
 _packer = msgpack.Packer(use_bin_type=True)

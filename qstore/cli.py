@@ -11,6 +11,7 @@ qstore error (corruption, storage failure).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -23,8 +24,8 @@ from rich.console import Console
 from rich.table import Table
 
 from . import _errors as errors
-from ._address import LOOPS, SOCKET_NAME
-from ._cli_target import is_address, open_target, server_answers
+from ._address import LOOPS
+from ._cli_target import is_address, open_target, read_token, server_answers, server_of
 from ._errors import EXIT_FOUND, exit_code
 from ._lazy import lazy
 from ._tables import print_stats
@@ -396,7 +397,8 @@ def check(store_path: str, repair: bool, token_file: str | None) -> None:
 @click.option("--dedup-col", default=None, help="Dedup key column (dedup queues).")
 @click.option("--ttl-col", default=None,
               help="TTL column, seconds until the message expires (null: the queue's TTL).")
-@click.option("--into", "into", required=True, help="Target store directory.")
+@click.option("--into", "into", required=True,
+              help="Target store directory, or the address of the server that owns it.")
 @click.option("--master", default=None,
               help="Spark master URL (default local[2], or spark-submit's).")
 @click.option("--rejects", default=None, help="New or empty directory for the rejects table.")
@@ -408,35 +410,43 @@ def check(store_path: str, repair: bool, token_file: str | None) -> None:
               help="If the queue is created (default 5).")
 @click.option("--dedup/--no-dedup", default=None,
               help="If the queue is created (default: --dedup when --dedup-col is given).")
+@token_file_option
 def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
              priority_col: str | None, delay_col: str | None, dedup_col: str | None,
              ttl_col: str | None, into: str, master: str | None, rejects: str | None,
              order: str | None,
-             priority_type: str | None, max_attempts: int | None, dedup: bool | None) -> None:
+             priority_type: str | None, max_attempts: int | None, dedup: bool | None,
+             token_file: str | None) -> None:
     """Bulk-load messages from Parquet/JSON/CSV SOURCEs into a store with Spark.
 
     The queue options (--order, --priority-type, --max-attempts, --dedup) are
     used only when the queue has to be created; for an existing queue, an
     option given here must match it (exit 2 if not). Also run by
     `spark-submit spark/backfill.py`.
+
+    When a server owns the store (STORE/qstore.sock answers), or --into is a
+    server address, the server runs the job in its process on its own store
+    while its clients go on; SOURCE and --rejects then name paths on the
+    server's machine (absolute ones through an address).
     """
     import logging
 
-    if server_answers(into):
-        err.print(f"[red]error:[/red] a qstore server owns {into} (its socket "
-                  f"{os.path.join(into, SOCKET_NAME)} answers). A backfill writes the store's "
-                  "files and indexes itself, so it cannot go through the server: stop the "
-                  "server (SIGTERM), run the backfill, then start the server again.",
-                  markup=True, highlight=False)
-        sys.exit(errors.EXIT_LOCKED)
+    given = {"order": order, "priority_type": priority_type, "max_attempts": max_attempts,
+             "dedup": dedup}
+    options = {k: v for k, v in given.items() if v is not None}  # unset: never sent
+    if is_address(into) or server_answers(into):
+        # The server runs the job (the Spark driver in its process) on its own store.
+        args = {"sources": list(sources), "queue": queue, "fmt": fmt,
+                "payload_col": payload_col, "priority_col": priority_col,
+                "delay_col": delay_col, "dedup_col": dedup_col, "ttl_col": ttl_col,
+                "master": master, "rejects": rejects, "create_queue_options": options or None}
+        _report_backfill(_backfill_through_server(into, args, token_file))
+        return
     from pyspark.sql import SparkSession
 
     from .spark.backfill import run_backfill
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    given = {"order": order, "priority_type": priority_type, "max_attempts": max_attempts,
-             "dedup": dedup}
-    options = {k: v for k, v in given.items() if v is not None}  # unset: never sent
     had_session = SparkSession.getActiveSession() is not None
     try:
         with _exit_codes():
@@ -455,13 +465,52 @@ def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
         active = SparkSession.getActiveSession()
         if active is not None and not had_session:  # ours: spark-submit's or a local one
             active.stop()
-    click.echo(f"loaded {result.loaded:,} of {result.rows:,} rows into queue {result.queue!r} "
-               f"of {result.store} ({result.ready:,} ready, {result.delayed:,} delayed, "
-               f"{result.bytes:,} bytes) in {result.seconds:.1f}s ({result.rate:,.0f} msg/s); "
-               f"rejected {result.rejected:,} ({result.duplicates:,} duplicates)")
-    if result.rejects_path:
-        click.echo(f"rejects table: {result.rejects_path}")
-    if result.rejected:
+    _report_backfill(dataclasses.asdict(result) | {"rate": result.rate})
+
+
+def _backfill_through_server(into: str, args: dict[str, Any],
+                             token_file: str | None) -> dict[str, Any]:
+    """Ask the server that owns ``into`` (or is at that address) to run the backfill.
+
+    Paths name files on the server's machine: through a store directory's
+    socket (this machine) relative ones are made absolute here; given a
+    ``tcp://`` or ``unix://`` address, they must be absolute already.
+    """
+    paths = [*args["sources"], *([args["rejects"]] if args["rejects"] else [])]
+    if is_address(into):
+        relative = [p for p in paths if not os.path.isabs(p)]
+        if relative:
+            err.print(f"[red]error:[/red] through a server address, SOURCE and --rejects "
+                      f"must be absolute paths on the server's machine, not {relative[0]!r}",
+                      highlight=False)
+            sys.exit(errors.EXIT_USAGE)
+    else:
+        args["sources"] = [os.path.abspath(p) for p in args["sources"]]
+        if args["rejects"]:
+            args["rejects"] = os.path.abspath(args["rejects"])
+    with _exit_codes():
+        client = server_of(into, read_token(token_file))
+        if client is None:  # the server went away since we looked
+            raise errors.StoreLocked(into)
+        with client:
+            try:
+                return client._backfill(args)
+            except errors.QStoreError as exc:
+                if getattr(exc, "spark_failed", False):
+                    err.print(f"[red]error:[/red] {exc}", highlight=False)
+                    sys.exit(EXIT_SPARK_FAILED)
+                raise
+
+
+def _report_backfill(result: dict[str, Any]) -> None:
+    r = result
+    click.echo(f"loaded {r['loaded']:,} of {r['rows']:,} rows into queue {r['queue']!r} "
+               f"of {r['store']} ({r['ready']:,} ready, {r['delayed']:,} delayed, "
+               f"{r['bytes']:,} bytes) in {r['seconds']:.1f}s ({r['rate']:,.0f} msg/s); "
+               f"rejected {r['rejected']:,} ({r['duplicates']:,} duplicates)")
+    if r["rejects_path"]:
+        click.echo(f"rejects table: {r['rejects_path']}")
+    if r["rejected"]:
         sys.exit(EXIT_FOUND)
 
 

@@ -331,6 +331,10 @@ def store_op(store: Store, op: str, args: dict[str, Any]) -> Any:
             return store.snapshot(**args)
         if op == "check":
             return wire.encode_check(store.check(**args))
+        if op == "backfill":  # Spark in this process: loaded only for a backfill
+            from ..spark.backfill import serve_backfill
+
+            return serve_backfill(store, args)
         if op == "ping":
             _no_args(op, args)
             return None

@@ -15,7 +15,7 @@ With ``durability="always"`` the store calls run in the store thread
 (_worker.py) instead, answered as they complete. A pop that finds nothing
 and may wait is parked (_waiting.py) and does not hold up later requests. A
 frame that breaks the protocol gets an error frame with id 0 and closes only
-its own connection. ``compact``, ``snapshot`` and ``check`` run in a thread
+its own connection. ``compact``, ``snapshot``, ``check`` and ``backfill`` run in a thread
 of their own: they take seconds and must not stall the store; the requests
 their connection sent after them wait for them (``Connection.backlog``).
 """
@@ -50,7 +50,7 @@ from ._worker import InlineStore, StoreThread
 log = logging.getLogger("qstore.server")
 
 RELEASE_SLICE = 500  # leases of a closed connection given back per store call
-SLOW_OPS = frozenset({"compact", "snapshot", "check"})
+SLOW_OPS = frozenset({"compact", "snapshot", "check", "backfill"})
 _POPS = frozenset({"pop", "pop_many"})
 _Request = tuple[Connection, int, str, dict[str, Any], float]
 

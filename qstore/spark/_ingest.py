@@ -38,14 +38,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._errors import InvalidArgument, StorageError
+from .._errors import InvalidArgument, QStoreError, StorageError
 from .._fs import fsync_dir, write_json_durably
+from ..meta import keys
 from ..payload import _format as fmt
 
 if TYPE_CHECKING:
     from .._store import Store
 
 STAGING_DIR = "staging"
+DIGEST_CHUNK = 10_000  # dedup keys looked up per multi-get at the commit
 JOB_FILE = "job.json"
 JOB_FORMAT = 1  # never change the meaning of 1
 SUCCESS_FILE = "_SUCCESS"
@@ -159,6 +161,21 @@ def _check_staged(store: Store, job: StagedJob, staging: str) -> None:
                 raise StorageError(f"staged file {sst} of backfill job {job.job_id} is missing")
 
 
+def _check_digests_free(store: Store, job: StagedJob, digests: list[bytes]) -> None:
+    """Refuse the commit if a message pushed while the job ran holds a dedup key the
+    job loads (lock held): two live messages must never share a key."""
+    meta = store.core.meta
+    for i in range(0, len(digests), DIGEST_CHUNK):
+        chunk = digests[i: i + DIGEST_CHUNK]
+        raws = meta.multi_get([keys.dedup_key(job.qid, d) for d in chunk])
+        taken = [keys.U64.unpack(r)[0] for r in raws if r is not None]
+        if taken:
+            raise QStoreError(
+                f"backfill job {job.job_id}: {len(taken)} message(s) pushed while it ran "
+                f"hold dedup keys it loads (message {taken[0]} for one); nothing was "
+                "loaded; run it again")
+
+
 def rejects_dir(store: Store, job: StagedJob) -> str | None:
     if job.rejects_dest is None:
         return None
@@ -182,12 +199,22 @@ def publish_rejects(store: Store, staging: str, job: StagedJob) -> list[str]:
     return out
 
 
-def commit_job(store: Store, staging: str) -> StagedJob:
-    """Publish the staged job in ``staging`` into ``store``: all of it or, on a crash, none."""
+def commit_job(store: Store, staging: str,
+               loaded_digests: list[bytes] | None = None) -> StagedJob:
+    """Publish the staged job in ``staging`` into ``store``: all of it or, on a crash, none.
+
+    ``loaded_digests``: the dedup digests the job loads, when other writers may
+    have pushed since they were looked up; if a live message holds one now,
+    nothing is published.
+    """
     job = StagedJob.load(staging)
-    with store.core.lock:
+    # The writer lock, and memory read back if anything raises after a write
+    # (other threads may use the store meanwhile: a server's).
+    with store.core.settling:
         store.core.check_writable()
         _check_staged(store, job, staging)
+        if loaded_digests:
+            _check_digests_free(store, job, loaded_digests)
         published = publish_rejects(store, staging, job)
         step("rejects_published")
         try:

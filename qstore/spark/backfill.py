@@ -29,9 +29,11 @@ with a reason, never silently dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -93,10 +95,16 @@ class BackfillResult:
         return self.loaded / self.seconds if self.seconds > 0 else 0.0
 
 
+# Stores (by real path) a backfill of this process is loading into: one at a time
+# each, since a job's start removes what earlier jobs left in the staging area.
+_running: set[str] = set()
+_running_lock = threading.Lock()
+
+
 def run_backfill(
     source: Any,
     *,
-    into: str | os.PathLike[str],
+    into: str | os.PathLike[str] | Store,
     queue: str,
     fmt: str = "parquet",
     payload_col: str = "payload",
@@ -131,27 +139,87 @@ def run_backfill(
     reused) for ``master``, default ``local[2]``. Raises ``StoreLocked`` if
     another process has the store open read-write: the store stays locked by
     this call until it returns.
+
+    ``into`` may also be a store open read-write in this process (how
+    ``qstore serve`` runs a backfill for a client): other threads go on using
+    it meanwhile, and the commit then checks again, under the writer lock,
+    that no message pushed during the job holds a dedup key the job loads
+    (if one does, nothing is loaded). One backfill at a time per store.
     """
     started = time.perf_counter()
-    into = os.fspath(into)
     options = _check_args(queue, fmt, payload_col, priority_col, delay_col, dedup_col,
                           ttl_col, master, spark, create_queue_options)
     rejects_dest = None if rejects is None else os.path.abspath(os.fspath(rejects))
     if rejects_dest is not None:
         _ingest.check_rejects_dest(rejects_dest)
-    store = _open_store(into, compactor=False)  # StoreLocked: someone else writes it
+    shared = isinstance(into, Store)
+    store = into if isinstance(into, Store) else _open_store(os.fspath(into), compactor=False)
+    key = os.path.realpath(store.path)
     try:
-        if spark is None:
-            spark = backfill_session(master)
-        job = _Job(store, spark, source, fmt, queue, options, rejects_dest,
-                   (payload_col, priority_col, delay_col, dedup_col, ttl_col),
-                   dict(create_queue_options or {}))
-        result = job.run(started)
+        with _running_lock:
+            if key in _running:
+                raise QStoreError(f"a backfill into {store.path!r} is already running in "
+                                  "this process; run one at a time")
+            _running.add(key)
+        try:
+            if spark is None:
+                spark = backfill_session(master)
+            job = _Job(store, spark, source, fmt, queue, options, rejects_dest,
+                       (payload_col, priority_col, delay_col, dedup_col, ttl_col),
+                       dict(create_queue_options or {}), shared)
+            result = job.run(started)
+        finally:
+            with _running_lock:
+                _running.discard(key)
     finally:
-        store.close()
+        if not shared:
+            store.close()
     log.info("backfill %s: %d rows loaded into %r, %d rejected, in %.1fs", result.job_id,
              result.loaded, queue, result.rejected, result.seconds)
     return result
+
+
+def serve_backfill(store: Store, args: dict[str, Any]) -> dict[str, Any]:
+    """The ``backfill`` operation of ``qstore serve``: :func:`run_backfill` into the
+    server's own store, the Spark driver in the server's process; the result as
+    a map. A session this call started is stopped when it returns (the JVM is
+    not kept in the server between backfills)."""
+    from pyspark.sql import SparkSession
+
+    sources = args.pop("sources", None)
+    if (not isinstance(sources, list) or not sources
+            or not all(isinstance(p, str) and os.path.isabs(p) for p in sources)):
+        raise InvalidArgument("backfill: sources must be a non-empty list of absolute paths "
+                              "on the server's machine")
+    rejects = args.get("rejects")
+    if rejects is not None and (not isinstance(rejects, str) or not os.path.isabs(rejects)):
+        raise InvalidArgument("backfill: rejects must be an absolute path on the server's "
+                              "machine")
+    unknown = sorted(set(args) - SERVED_ARGS)
+    if unknown:
+        raise InvalidArgument(f"backfill: unexpected argument(s) {unknown}")
+    had_session = SparkSession.getActiveSession() is not None
+    try:
+        result = run_backfill(sources[0] if len(sources) == 1 else sources, into=store,
+                              **args)
+    except QStoreError:
+        raise
+    except Exception as exc:  # the Spark run failed: the client exits 3 on spark_failed
+        err = QStoreError(f"backfill failed, nothing was loaded: the Spark run failed: {exc}")
+        err.spark_failed = True  # type: ignore[attr-defined]  # an error field on the wire
+        raise err from exc
+    finally:
+        active = SparkSession.getActiveSession()
+        if active is not None and not had_session:
+            active.stop()
+    out = dataclasses.asdict(result)
+    out["rate"] = result.rate
+    return out
+
+
+# The keyword arguments of run_backfill a client may send (besides ``sources``).
+SERVED_ARGS = frozenset({"queue", "fmt", "payload_col", "priority_col", "delay_col",
+                         "dedup_col", "ttl_col", "master", "rejects", "create_queue_options"})
 
 
 def backfill_session(master: str | None) -> Any:
@@ -206,8 +274,12 @@ class _Job:
     def __init__(self, store: Store, spark: Any, source: Any, fmt: str, queue: str,
                  options: dict[str, Any], rejects_dest: str | None,
                  columns: tuple[str, str | None, str | None, str | None, str | None],
-                 explicit_options: dict[str, Any]) -> None:
+                 explicit_options: dict[str, Any], shared: bool = False) -> None:
         self.store = store
+        # Others may push meanwhile (a server's store): the digests the job loads
+        # are checked again at the commit.
+        self.shared = shared
+        self.loaded_digests: list[bytes] = []
         self.spark = spark
         self.queue = queue
         self.job_id = time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(4)
@@ -266,7 +338,8 @@ class _Job:
                     job = self._write(selected, spec, staging, plans)
                     self.phases.append(("write", time.perf_counter() - t))
             t = time.perf_counter()
-            _ingest.commit_job(store, staging)
+            _ingest.commit_job(store, staging,
+                               self.loaded_digests if self.shared else None)
             self.phases.append(("commit", time.perf_counter() - t))
         except BaseException:
             if os.path.isdir(staging):
@@ -413,6 +486,7 @@ class _Job:
                 else:
                     first[dg] = (s["pid"], row)
         live = self._live_digests(spec.qid, list(first))
+        self.loaded_digests = [dg for dg in first if dg not in live]
         dups: dict[int, dict[int, str]] = {}
         for dg, mid in live.items():
             pid, row = first[dg]

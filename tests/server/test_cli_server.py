@@ -52,24 +52,13 @@ def test_commands_on_a_served_store_go_through_the_server(server: ServerProcess,
     assert _run("check", dest).exit_code == 0
 
 
-def test_a_served_store_opened_embedded_or_backfilled_names_its_server(
-        server: ServerProcess, tmp_path: Any) -> None:
+def test_a_served_store_opened_embedded_names_its_server(server: ServerProcess) -> None:
+    # (A backfill goes through the server: tests/spark/test_backfill_served.py.)
     store = server.store
-    with qstore.connect(store) as client:
-        client.create_queue("jobs").push(b"before")
     with pytest.raises(qstore.StoreLocked) as info:  # another process: the server holds it
         qstore.open(store, compactor=False)
     assert info.value.served is True and info.value.path == store
     assert f"qstore.connect({store!r})" in str(info.value)
-    # A backfill writes the store's files itself: it cannot go through the
-    # server, and says so before starting Spark (exit 3, the store unchanged).
-    source = tmp_path / "rows.json"
-    source.write_text('{"payload": "a", "priority": 1}\n')
-    r = _run("backfill", str(source), "--format", "json", "--into", store, "--queue", "jobs")
-    assert r.exit_code == 3, r.output
-    assert "stop the server" in r.output.replace("\n", " ")
-    with qstore.connect(store) as client:
-        assert client.queue("jobs").stats().ready == 1
 
 
 def test_a_tcp_server_with_a_token(tmp_path: Any) -> None:
