@@ -146,6 +146,10 @@ def _segment_files(payload_dir: str) -> list[str]:
     return [n for n in names if parse_segment_name(n) is not None]
 
 
+# The file that makes a directory a snapshot (qstore/_snapshot.py writes it).
+SNAPSHOT_MANIFEST = "MANIFEST.json"
+
+
 def _refuse_lost_metadata(path: str) -> None:
     """Raise Corruption if ``path`` holds payload segments but no metadata database.
 
@@ -331,6 +335,13 @@ class Core(HotPaths):
         self._found_covered: dict[int, int] = {}
         self._writer_key: tuple[int, int] | None = None
         _refuse_lost_metadata(path)
+        if not config.readonly and os.path.exists(os.path.join(path, SNAPSHOT_MANIFEST)):
+            # A snapshot's segments are hard links to the live store's files (its
+            # active one too): a read-write open would cut or append to them.
+            raise InvalidArgument(f"{path!r} is a snapshot (it holds {SNAPSHOT_MANIFEST}): "
+                                  "open it with readonly=True; a snapshot is never changed "
+                                  "(to start a store from it, copy the directory and "
+                                  f"remove {SNAPSHOT_MANIFEST} from the copy)")
         self.reserve = SpaceReserve(path)
         if not config.readonly:
             os.makedirs(path, exist_ok=True)

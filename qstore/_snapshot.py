@@ -19,14 +19,14 @@ import os
 import shutil
 from typing import Any
 
-from ._core import Core
+from ._core import SNAPSHOT_MANIFEST, Core
 from ._errors import Corruption, InvalidArgument, StorageError
 from ._fs import calls, fsync_dir, write_json_durably
 from .payload._format import segment_name
 
 log = logging.getLogger("qstore.snapshot")
 
-MANIFEST = "MANIFEST.json"
+MANIFEST = SNAPSHOT_MANIFEST
 MANIFEST_FORMAT = 1  # never change the meaning of 1
 
 

@@ -293,6 +293,34 @@ def test_snapshot_checks_clean_and_a_damaged_one_does_not(tmp_path: Any,
     assert "missing_segment" in {f.kind for f in check_path(snap).findings}
 
 
+def test_a_snapshot_refuses_a_read_write_open_and_a_copy_of_it_is_a_store(
+        tmp_path: Any, clock: FakeClock) -> None:
+    # Its segments are hard links to the live store's, the active one included:
+    # a read-write open cut that file's tail under the live writer (pushes that
+    # had returned then read as Corruption). A copy (files, not links) without
+    # its manifest opens as a store of its own.
+    path, snap, copy = (str(tmp_path / n) for n in ("store", "snap", "copy"))
+    with qstore.open(path, clock=clock, compactor=False) as live:
+        q = live.create_queue("q")
+        before = [q.push(b"before %d" % i) for i in range(5)]
+        live.snapshot(snap)
+        with pytest.raises(qstore.InvalidArgument, match="is a snapshot"):
+            qstore.open(snap, clock=clock, compactor=False)
+        r = CliRunner().invoke(main, ["push", snap, "q", "x"])
+        assert r.exit_code == 2 and "snapshot" in r.output
+        after = [q.push(b"after %d" % i) for i in range(5)]
+        assert [q.get(m).payload for m in before + after] == (
+            [b"before %d" % i for i in range(5)] + [b"after %d" % i for i in range(5)])
+        assert live.check().ok
+    assert check_path(snap).ok
+    shutil.copytree(snap, copy)
+    os.unlink(os.path.join(copy, "MANIFEST.json"))
+    with qstore.open(copy, clock=clock, compactor=False) as restored:
+        got = restored.queue("q").pop_many(10)
+        assert [m.payload for m in got] == [b"before %d" % i for i in range(5)]
+        assert restored.check().ok
+
+
 def test_a_snapshot_through_a_view_stays_whole_when_the_writer_closes(
         tmp_path: Any, clock: FakeClock) -> None:
     """The writer's active segment, seen by a view, still has its preallocated
