@@ -41,13 +41,17 @@ class SegmentFiles:
         self.sizes: dict[int, int] = {}  # file id -> size of the file when first opened
         self._readers: dict[int, SegmentReader | Corruption] = {}
         self._borrowed: set[int] = set()  # pinned readers: the view's, never closed here
-        names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+        # A read-only view checks the files it pinned when it opened, not what the
+        # directory holds now: the writer may have made segments since (which the
+        # view's metadata cannot account for: not orphans) or deleted some.
+        names = [] if pinned is not None else (
+            sorted(os.listdir(directory)) if os.path.isdir(directory) else [])
         for name in names:
             fid = fmt.parse_segment_name(name)
             if fid is not None:
                 self._open(fid)
         # A read-only view's segments, pinned when it opened: one the writer has
-        # deleted since is still the view's (its metadata refers to it), not missing.
+        # deleted since is still the view's (its metadata names it), not missing.
         for fid, reader in (pinned or {}).items():
             if fid not in self.sizes:
                 self._readers[fid] = reader

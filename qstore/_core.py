@@ -734,8 +734,9 @@ class Core(HotPaths):
                     continue
                 try:
                     self._load()
-                    missing = self.payload.pin(
-                        fid for fid, (_, count, _) in sorted(self.segments.items()) if count)
+                    # Every segment its metadata has an S record of (with live
+                    # messages or not: the view's check accounts for each one).
+                    missing = self.payload.pin(sorted(self.segments))
                 except Corruption as exc:
                     self.meta.close()
                     if last or exc.reason != LOST_METADATA:

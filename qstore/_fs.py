@@ -110,7 +110,7 @@ def fsync_dir(path: str) -> None:
         calls.close_fd(fd)
 
 
-def write_file_durably(path: str, data: bytes) -> None:
+def write_file_durably(path: str, data: bytes | memoryview) -> None:
     """Write temp, fsync, rename, fsync the directory."""
     tmp = path + ".tmp"
     fd = calls.open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -13,6 +13,7 @@ live store and are ignored by readers of the snapshot.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -61,15 +62,28 @@ def _write(core: Core, dest: str) -> None:
             # records defer none of its messages (a view's may: readers count them).
             core.settle_segments()
         created = core.clock()
-        core.meta.checkpoint(os.path.join(dest, "meta"))
+        if core.readonly:  # a view: its memtable holds what the writer had not flushed
+            core.meta.export(os.path.join(dest, "meta"))
+        else:
+            core.meta.checkpoint(os.path.join(dest, "meta"))
         segments = []
         for fid in core.payload.file_ids():
             name = segment_name(fid)
+            target = os.path.join(dest, "payload", name)
             try:
-                calls.link(core.payload.path_of(fid), os.path.join(dest, "payload", name))
+                calls.link(core.payload.path_of(fid), target)
             except OSError as exc:
-                raise _storage_error(f"cannot hard-link segment {name} into {dest!r} (a "
-                                     "snapshot must be on the store's filesystem)", exc) from exc
+                if not (core.readonly and exc.errno == errno.ENOENT):
+                    raise _storage_error(f"cannot hard-link segment {name} into {dest!r} (a "
+                                         "snapshot must be on the store's filesystem)",
+                                         exc) from exc
+                # A view's segment the writer deleted since the view opened: still the
+                # view's (pinned), so its bytes are written out as a copy.
+                try:
+                    core.payload.write_pinned(fid, target, core.data_size(fid))
+                except OSError as exc2:
+                    raise _storage_error(f"cannot write segment {name} into {dest!r}",
+                                         exc2) from exc2
             # A view's active segment ends where its records do: the writer cuts
             # the preallocated zeros off (in the linked file too) when it closes.
             segments.append({"file_id": fid, "length": core.data_size(fid)})

@@ -345,6 +345,36 @@ def test_a_snapshot_through_a_view_stays_whole_when_the_writer_closes(
         assert [m.id for m in opened.queue("q").peek(10)] == ids
 
 
+def test_a_view_checks_and_snapshots_while_the_writer_rotates_compacts_and_deletes(
+        tmp_path: Any, clock: FakeClock) -> None:
+    """A view's check saw the writer's later segments as orphans and its deleted
+    dead ones as missing; its snapshot failed on a segment the writer had deleted,
+    and (RocksDB's checkpoint of a read-only instance leaves its memtable out)
+    held none of what the writer had not flushed: no queue at all."""
+    path, snap = str(tmp_path / "store"), str(tmp_path / "snap")
+    with qstore.open(path, clock=clock, compactor=False, segment_max_bytes=4096) as w:
+        q = w.create_queue("q")
+        for i in range(40):
+            q.push(b"%03d" % i * 50, priority=i % 5)
+        got = q.pop_many(40)
+        q.ack_many(got[:30])  # sealed segments with nothing live: S records, files
+        with qstore.open(path, readonly=True) as view:
+            want = {m.id: m.payload for m in view.queue("q").peek(100)}
+            for i in range(40):
+                q.push(b"late %03d" % i * 40)  # rotates: segments the view never saw
+            result = w.compact(threshold=0.1)
+            assert result.segments_deleted  # files the view pinned are gone
+            assert view.check().findings == ()
+            view.snapshot(snap)
+        assert w.check().ok
+    report = check_path(snap)
+    assert report.ok, report.findings
+    with qstore.open(snap, readonly=True) as opened:
+        oq = opened.queue("q")
+        assert {m.id: m.payload for m in oq.peek(100)} == want
+        assert oq.stats().in_flight == 10
+
+
 def test_unfinished_compaction_is_a_note_not_a_finding(damaged: tuple[str, dict[str, Any]]
                                                        ) -> None:
     path, _ = damaged

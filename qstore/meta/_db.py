@@ -426,6 +426,42 @@ class MetaDB:
         except Exception as exc:
             raise storage_error(f"checkpoint to {dest} failed", exc) from None
 
+    def export(self, dest: str) -> None:
+        """A new database at ``dest`` holding every key this one reads now.
+
+        What a read-only view's snapshot takes instead of :meth:`checkpoint`:
+        RocksDB's checkpoint of a read-only instance leaves out what only its
+        memtable holds (the writer's log, which the view replayed in memory
+        when it opened), so a view's checkpoint lost every change the writer
+        had not yet flushed to a table file.
+        """
+        table = dest + ".export.sst"
+        writer = SstWriter(table)
+        count = 0
+        try:
+            chunk: list[tuple[bytes, bytes]] = []
+            for pair in self.items(b"", _EXPORT_END):
+                chunk.append(pair)
+                if len(chunk) >= 10_000:
+                    writer.put_many(chunk)
+                    count += len(chunk)
+                    chunk = []
+            if chunk:
+                writer.put_many(chunk)
+                count += len(chunk)
+            if count:
+                writer.finish()
+            copy = MetaDB(dest, readonly=False, store_path=dest)
+            try:
+                if count:
+                    copy.ingest([table])
+                copy.flush()
+            finally:
+                copy.close()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(table)
+
     def flush(self) -> None:
         if self.failed is not None:
             raise self._refused()
@@ -527,6 +563,10 @@ def write_sst(path: str, entries: Iterable[tuple[bytes, bytes]]) -> None:
     writer = SstWriter(path)
     writer.put_many(sorted(entries))
     writer.finish()
+
+
+# Above every key of the schema (docs/meta-schema.md: keys begin with an ASCII tag).
+_EXPORT_END = b"\xff" * 8
 
 
 def new_batch() -> WriteBatch:

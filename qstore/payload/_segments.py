@@ -263,6 +263,15 @@ class SegmentSet:
         with self._lock:
             return dict(self._readers)
 
+    def write_pinned(self, file_id: int, path: str, length: int) -> None:
+        """Write the first ``length`` bytes of pinned segment ``file_id`` to a new file
+        ``path``, durably: a view's copy of a segment the writer deleted since it
+        opened (the map keeps the unlinked file's bytes; nothing can link them)."""
+        with self._lock:
+            reader = self._readers[file_id]
+        reader.remap()  # a map no shorter than the file was when pinned
+        write_file_durably(path, reader._whole[:length])
+
     def viewing(self) -> contextlib.AbstractContextManager[bool]:
         """Held by a read-only view while it opens (see _views.py)."""
         return viewing(self.directory)
