@@ -18,6 +18,7 @@ tests use this check rather than recounting by hand.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -133,6 +134,8 @@ def message_problem(rec: records.MessageRecord, priority_type: str | None) -> st
         v = getattr(rec, name)
         if type(v) is not int or not 0 <= v < 2**64:
             return f"field {name} is {v!r:.30}, not an unsigned integer"
+    if type(rec.enqueued_at) not in (int, float) or not math.isfinite(rec.enqueued_at):
+        return f"field enqueued_at is {rec.enqueued_at!r:.30}, not a finite number"
     if rec.digest is not None and (type(rec.digest) is not bytes or len(rec.digest) != 16):
         return f"dedup digest is not 16 bytes: {rec.digest!r:.60}"
     if rec.reason is not None and type(rec.reason) is not str:

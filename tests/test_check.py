@@ -276,6 +276,25 @@ def test_message_record_that_does_not_decode_is_a_bad_record(
                                                  "segment_record_mismatch"}
 
 
+def test_a_message_record_whose_enqueued_at_is_not_a_number_is_a_bad_record(
+        damaged: tuple[str, dict[str, Any]]) -> None:
+    # It passed the check, and an aging queue's pass then raised TypeError on it.
+    path, where = damaged
+    _, mid, _, _ = where["a6"]
+    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
+    try:
+        raw = meta.get(keys.message_key(1, mid))
+    finally:
+        meta.close()
+    assert raw is not None
+    fields = records.unpack(raw, "message", (records.RECORD_VERSION, records.RECORD_VERSION_2))
+    fields[8] = "x"  # enqueued_at
+    write_meta(path, puts={keys.message_key(1, mid): records.pack(fields)})
+    report = check_path(path)
+    assert ("bad_record", "a", mid, None) in kinds(report)
+    assert any("enqueued_at" in f.detail for f in report.findings)
+
+
 def test_snapshot_checks_clean_and_a_damaged_one_does_not(tmp_path: Any,
                                                           clock: FakeClock) -> None:
     path = str(tmp_path / "store")

@@ -116,6 +116,19 @@ def read_meta_facts(snap: Snapshot) -> MetaFacts:
         else:
             unreadable_counters.add(qid)
             bad.append(_bad(key, "counter", why, queue=info.name))
+    for qid, info in snap.queues.items():  # the E totals (expired count), as the check
+        key = keys.totals_key(qid)
+        raw = meta.get(key)
+        if raw is None:
+            continue  # nothing expired yet
+        try:
+            expired: Any = records.decode_totals(raw)
+        except Exception as exc:  # msgpack's errors have no common base
+            bad.append(_bad(key, "totals", exc, queue=info.name))
+            continue
+        if type(expired) is not int or expired < 0:
+            bad.append(_bad(key, "totals", f"expired {expired!r:.40} is not a non-negative "
+                                           "int", queue=info.name))
     segs: dict[int, tuple[int, int, int]] = {}
     for k, v in meta.scan(keys.SEGMENT, keys.prefix_end(keys.SEGMENT)):
         try:
@@ -154,7 +167,7 @@ def read_meta_facts(snap: Snapshot) -> MetaFacts:
         if problem is not None:
             headers[file_id] = problem
     orphans = []
-    for kind in (*keys.PER_QUEUE_KINDS, keys.COUNTS):
+    for kind in (*keys.PER_QUEUE_KINDS, keys.COUNTS, keys.TOTALS):
         for qid in snap.qids_with_keys(kind):
             if qid not in snap.queues and kind != keys.MESSAGE:  # messages: found row by row
                 orphans.append(Finding(ORPHAN_QUEUE_KEYS, detail=(

@@ -142,7 +142,10 @@ def _spark_passes(spark: Any, path: str, facts: MetaFacts) -> _Passes:
     got = merge(table)
     with Snapshot(path) as snap:
         findings = _dedup([*got.findings, *cross_task_overlaps(snap, got.runs, facts.queues)])
-    index_findings, index = _index_pass(spark, path, facts, got.index)
+    # A message record that does not decode is a bad_record finding, and its
+    # index keys are left out of what its queue's indexes should hold.
+    unreadable = frozenset(f.queue for f in findings if f.kind == kinds.BAD_RECORD)
+    index_findings, index = _index_pass(spark, path, facts, got.index, unreadable)
     queues = {facts.queues[qid]: c for qid, c in got.queues.items() if qid in facts.queues}
     attempts = {facts.queues[qid]: a for qid, a in got.attempts.items() if qid in facts.queues}
     return _Passes(findings + index_findings, got.messages, got.segments, queues,
@@ -163,7 +166,8 @@ def _dedup(findings: list[Finding]) -> list[Finding]:
 
 
 def _index_pass(spark: Any, path: str, facts: MetaFacts,
-                expected: dict[tuple[int, str], tuple[int, int]]
+                expected: dict[tuple[int, str], tuple[int, int]],
+                unreadable: frozenset[str | None] = frozenset()
                 ) -> tuple[list[Finding], dict[str, dict[str, dict[str, int]]]]:
     """Compare each index's fingerprint with the one its messages imply; name the
     culprits of the indexes that differ (keys no message owns, messages without keys)."""
@@ -207,8 +211,10 @@ def _index_pass(spark: Any, path: str, facts: MetaFacts,
                                   + (" or its expiry key" if r["queue"] in expiry_differs
                                      else "") + " is missing"))
     # A fingerprint that differs with no key or message to blame is still a
-    # difference: reported, never taken for clean.
-    blamed = {f.queue for f in out}
+    # difference: reported, never taken for clean. (Unless a message record of
+    # the queue does not decode: the keys of such a message are what differs,
+    # and its bad_record finding names it.)
+    blamed = {f.queue for f in out} | unreadable
     for qid, kind in differ:
         name = facts.queues[qid]
         if name in blamed:

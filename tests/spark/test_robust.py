@@ -65,6 +65,8 @@ def damaged(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, 
         batch.put(keys.message_key(1, mid), raw)
     batch.put(keys.QUEUE + b"tags", b"\xc1\xc1")  # an undecodable queue record
     batch.put(keys.counts_key(3), _record(1, "many", 0, 0, 0, 1))  # a counter of the wrong type
+    batch.put(keys.totals_key(3), b"\xc1")  # an undecodable E (expired totals) record
+    batch.put(keys.totals_key(77), _record(1, 3))  # E of a queue id with no Q record
     db.write(batch, sync=True)
     db.close()
     out = os.path.join(base, "out")
@@ -83,6 +85,10 @@ def test_each_bad_message_record_is_a_finding_naming_its_key(damaged: tuple[str,
         assert words in bad[mid]["detail"], bad[mid]["detail"]
     # The intact messages of the queue are still audited and counted.
     assert result.summary["queues"]["jobs"]["recount"]["ready"] == 20 - len(BAD_MESSAGES)
+    # Their index keys are what the queue's indexes hold beyond the recount: the
+    # bad_record findings explain it, no second finding blames nothing.
+    assert not [r for r in rows if r["queue"] == "jobs" and r["message_id"] is None
+                and r["kind"] in ("stray_index_key", "index_missing")]
 
 
 def test_bad_queue_and_counter_records_are_findings_and_outputs_are_written(
@@ -94,6 +100,9 @@ def test_bad_queue_and_counter_records_are_findings_and_outputs_are_written(
                if f["kind"] == "bad_record" and f["message_id"] is None]
     assert any(d.startswith(f"queue key {(keys.QUEUE + b'tags').hex()}") for d in details)
     assert any(d.startswith(f"counter key {keys.counts_key(3).hex()}") for d in details)
+    assert any(d.startswith(f"totals key {keys.totals_key(3).hex()}") for d in details)
+    assert any(f["kind"] == "orphan_queue_keys" and "'E' for queue id 77" in f["detail"]
+               for f in result.summary["findings"]["examples"])
     # The queue with a bad counter record is audited; its counters are not a second finding.
     assert result.summary["queues"]["third"]["recount"]["ready"] == 1
     assert not [f for f in result.summary["findings"]["examples"]
