@@ -93,9 +93,14 @@ def _null_rows(arr: pa.Array) -> np.ndarray:
 
 def _payloads(arr: pa.Array, max_bytes: int, reasons: list[str | None]
               ) -> tuple[memoryview, np.ndarray]:
+    if pa.types.is_dictionary(arr.type):  # a categorical column, as pandas writes them
+        arr = arr.dictionary_decode()
     if pa.types.is_string(arr.type):
         arr = arr.cast(pa.binary())  # same layout: a view, not a copy
     elif pa.types.is_large_string(arr.type):
+        arr = arr.cast(pa.large_binary())
+    elif not (pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type)):
+        # fixed-size binary (UUIDs), binary or string views: an offsets layout
         arr = arr.cast(pa.large_binary())
     width = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
     _, offsets_buf, data_buf = arr.buffers()

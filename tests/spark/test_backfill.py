@@ -91,6 +91,27 @@ def test_parquet_rows_pop_by_priority_then_source_order(spark: Any, tmp_path: Pa
     assert not os.listdir(store / "staging")
 
 
+@pytest.mark.parametrize("kind", ["dictionary", "fixed-size", "binary-view", "string-view"])
+def test_parquet_payload_columns_of_other_arrow_layouts_load(spark: Any, tmp_path: Path,
+                                                             kind: str) -> None:
+    # The tasks read the files' own Arrow types (a pandas categorical column is
+    # dictionary-encoded, a UUID column fixed-size): each failed the whole job.
+    bodies = [b"abcd", b"efgh", b"ijkl"]
+    column = {
+        "dictionary": pa.array([b.decode() for b in bodies]).dictionary_encode(),
+        "fixed-size": pa.array(bodies, pa.binary(4)),
+        "binary-view": pa.array(bodies, pa.binary_view()),
+        "string-view": pa.array([b.decode() for b in bodies], pa.string_view()),
+    }[kind]
+    src = tmp_path / "src" / "part.parquet"
+    src.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"payload": column, "p": [1, 2, 3]}), src)
+    store = tmp_path / "store"
+    result = run_backfill(str(src), into=store, queue="q", priority_col="p", spark=spark)
+    assert (result.loaded, result.rejected) == (3, 0)
+    assert [b for _, _, b in drain(store, "q")] == bodies[::-1]
+
+
 def test_json_string_payloads_delays_and_new_str_queue(spark: Any, tmp_path: Path) -> None:
     rows = [{"body": f"héllo {i}", "p": "ab"[i % 2], "wait": 3600.0 if i % 3 == 0 else 0}
             for i in range(12)]
