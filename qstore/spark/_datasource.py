@@ -199,4 +199,8 @@ def _names(value: str | None) -> frozenset[str] | None:
     if they contain commas: use a filter, ``where("queue = 'a,b'")``, for those)."""
     if value is None:
         return None
-    return frozenset(v.strip() for v in value.split(",") if v.strip())
+    names = frozenset(v.strip() for v in value.split(",") if v.strip())
+    if not names:  # "" or " , ": a typo, not "no rows"
+        raise InvalidArgument(f"an option naming queues or states needs at least one name, "
+                              f"not {value!r}")
+    return names

@@ -123,6 +123,9 @@ def test_unknown_queue_option_is_an_error(spark: Any, clean_snap: Any) -> None:
     with pytest.raises(Exception, match="no queue.*'nope'"):
         spark.read.format("qstore").option("queue", "jobs,nope").load(clean_snap.path).count()
     assert spark.read.format("qstore").option("queue", "jobs").load(clean_snap.path).count() > 0
+    for empty in ("", " , "):  # a typo, not zero rows
+        with pytest.raises(Exception, match="at least one name"):
+            spark.read.format("qstore").option("queue", empty).load(clean_snap.path).count()
 
 
 @pytest.fixture()
