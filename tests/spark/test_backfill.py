@@ -594,6 +594,13 @@ def test_row_rules_are_push_rules(tmp_path: Path) -> None:
                             "delay: -1.0 is negative"]
     assert bytes(rows.body(0)) == "é".encode()
     assert rows.priorities[0] == 7 and rows.delays[1] == 1000.0
+    # Python's int() and float() also read "1_000" and other scripts' digits,
+    # which push's ints never are: rejected as they would be in push.
+    odd = pa.RecordBatch.from_pydict({"b": ["x", "y", "z"], "p": ["1_000", "\u0663", "1"],
+                                      "d": ["0", "0", "1_0"]})
+    assert parse(odd, spec).reasons == ["priority: '1_000' is not an integer",
+                                        "priority: '\u0663' is not an integer",
+                                        "delay: '1_0' is not a number of seconds"]
     numeric = pa.RecordBatch.from_pydict({"b": [b"a", b"b", b"c"],
                                           "p": [Decimal("4"), Decimal("4.5"), None],
                                           "d": [Decimal("2.5"), None, Decimal("1")]})
