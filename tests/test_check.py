@@ -281,13 +281,8 @@ def test_a_message_record_whose_enqueued_at_is_not_a_number_is_a_bad_record(
     # It passed the check, and an aging queue's pass then raised TypeError on it.
     path, where = damaged
     _, mid, _, _ = where["a6"]
-    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
-    try:
-        raw = meta.get(keys.message_key(1, mid))
-    finally:
-        meta.close()
-    assert raw is not None
-    fields = records.unpack(raw, "message", (records.RECORD_VERSION, records.RECORD_VERSION_2))
+    fields = records.unpack(_stored_record(path, mid), "message",
+                            (records.RECORD_VERSION, records.RECORD_VERSION_2))
     fields[8] = "x"  # enqueued_at
     write_meta(path, puts={keys.message_key(1, mid): records.pack(fields)})
     report = check_path(path)
@@ -491,14 +486,19 @@ def _ttl_store(path: str, clock: FakeClock) -> dict[str, int]:
     return ids
 
 
-def _expires_us(path: str, mid: int) -> int:
+def _stored_record(path: str, mid: int) -> bytes:
+    """The message record of message ``mid`` of queue id 1, as stored."""
     meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
     try:
         raw = meta.get(keys.message_key(1, mid))
     finally:
         meta.close()
     assert raw is not None
-    return records.MessageRecord.decode(raw).expires_us
+    return raw
+
+
+def _expires_us(path: str, mid: int) -> int:
+    return records.MessageRecord.decode(_stored_record(path, mid)).expires_us
 
 
 def test_expiry_index_missing_extra_and_mismatched_keys_are_named(

@@ -601,11 +601,10 @@ def test_dedup_returns_the_live_message_in_any_state(store: qstore.Store, clock:
     assert counts(q) == before
 
 
-@pytest.mark.parametrize("how", ["nack", "lease-expiry", "ttl-expiry", "damaged"])
-@pytest.mark.parametrize("keyed", [False, True], ids=["payload-hash", "explicit-key"])
-def test_a_dead_letter_releases_its_dedup_key(store: qstore.Store, clock: Any, how: str,
-                                               keyed: bool) -> None:
-    """Contract section 2: a dead letter does not dedup, however it became one."""
+def _dead_letter(store: qstore.Store, clock: Any, how: str,
+                 keyed: bool) -> tuple[qstore.Queue, str | None, int]:
+    """A dedup queue whose one message (key "job-7", or its payload's hash) became a
+    dead letter ``how``; (the queue, the key, the message id)."""
     q = store.create_queue("q", dedup=True, max_attempts=1,
                            on_expire="dead" if how == "ttl-expiry" else "drop")
     key = "job-7" if keyed else None
@@ -625,6 +624,15 @@ def test_a_dead_letter_releases_its_dedup_key(store: qstore.Store, clock: Any, h
             f.write(b"X")
         assert q.pop() is None
     assert [m.id for m in q.dead_letters()] == [first]
+    return q, key, first
+
+
+@pytest.mark.parametrize("how", ["nack", "lease-expiry", "ttl-expiry", "damaged"])
+@pytest.mark.parametrize("keyed", [False, True], ids=["payload-hash", "explicit-key"])
+def test_a_dead_letter_releases_its_dedup_key(store: qstore.Store, clock: Any, how: str,
+                                               keyed: bool) -> None:
+    """Contract section 2: a dead letter does not dedup, however it became one."""
+    q, key, first = _dead_letter(store, clock, how, keyed)
     second = q.push(b"body", dedup_key=key)
     assert second > first, "a push matching only a dead letter makes a new message"
     assert q.push(b"body", dedup_key=key) == second, "and the new one dedups"
@@ -649,17 +657,7 @@ def test_a_redriven_letter_dedups_again_when_no_one_holds_its_key(
         store: qstore.Store, clock: Any, how: str, keyed: bool) -> None:
     """Contract section 2: a push matching a live message (a redriven letter is
     ready again) enqueues nothing and returns its id."""
-    q = store.create_queue("q", dedup=True, max_attempts=1,
-                           on_expire="dead" if how == "ttl-expiry" else "drop")
-    key = "job-7" if keyed else None
-    first = q.push(b"body", dedup_key=key, ttl=5.0 if how == "ttl-expiry" else None)
-    if how == "nack":
-        q.nack(pop1(q))
-    elif how == "lease-expiry":
-        pop1(q, lease=1.0)
-        clock.advance(2.0)
-    else:
-        clock.advance(6.0)
+    q, key, first = _dead_letter(store, clock, how, keyed)
     assert q.stats().dead == 1
     assert store.check().ok  # a dead letter's digest owns no key: not a finding
     assert q.redrive() == 1
