@@ -288,9 +288,14 @@ class _Job:
         self.explicit_rejects = rejects_dest is not None
         (self.payload_col, self.priority_col, self.delay_col, self.dedup_col,
          self.ttl_col) = columns
-        self.df = _read(spark, source, fmt)
-        self.paths = _paths(source) if fmt == "parquet" else None
         self.options = options
+        # CSV has no types: its columns are inferred, so "007" would be the int 7.
+        # The payload, the dedup key and a str queue's priority are text as written.
+        text = [self.payload_col, self.dedup_col]
+        if self._queue_kind()[0] == "str":
+            text.append(self.priority_col)
+        self.df = _read(spark, source, fmt, [c for c in text if c is not None])
+        self.paths = _paths(source) if fmt == "parquet" else None
         self.explicit_options = explicit_options
         self.phases: list[tuple[str, float]] = []
         self.first_id = self.end_id = 0
@@ -604,6 +609,20 @@ def _static_partitions(spark: Any) -> Iterator[None]:
             spark.conf.set(key, old)
 
 
+def _as_text(spark: Any, df: Any, paths: Any, text_cols: list[str]) -> Any:
+    """``df`` (CSV read with inferred types) read again with ``text_cols`` as strings,
+    the other columns as inferred: the cells of those columns exactly as written."""
+    from pyspark.sql import types as T
+
+    fields = [T.StructField(f.name, T.StringType(), True) if f.name in text_cols else f
+              for f in df.schema.fields]
+    if all(f1.dataType == f2.dataType for f1, f2 in zip(fields, df.schema.fields,
+                                                         strict=True)):
+        return df
+    return (spark.read.format("csv").option("header", "true")
+            .schema(T.StructType(fields)).load(paths))
+
+
 def _paths(source: Any) -> list[str] | None:
     """The source's paths, if it is a path or a list of paths (not a DataFrame)."""
     if isinstance(source, (str, os.PathLike)):
@@ -629,7 +648,7 @@ def _cores(spark: Any) -> int:
         return 2
 
 
-def _read(spark: Any, source: Any, fmt: str) -> Any:
+def _read(spark: Any, source: Any, fmt: str, text_cols: list[str] | None = None) -> Any:
     if isinstance(source, (str, os.PathLike)) or (
             isinstance(source, (list, tuple)) and source
             and all(isinstance(s, (str, os.PathLike)) for s in source)):
@@ -641,7 +660,10 @@ def _read(spark: Any, source: Any, fmt: str) -> Any:
         from pyspark.errors import AnalysisException
 
         try:
-            return reader.load(paths)
+            df = reader.load(paths)
+            if fmt == "csv" and text_cols:
+                df = _as_text(spark, df, paths, text_cols)
+            return df
         except AnalysisException as exc:  # a missing path, an unknown format, ...
             # (anything else, such as a cluster that cannot run the schema inference,
             # is a failed Spark run, not bad usage)

@@ -144,6 +144,29 @@ def test_json_string_payloads_delays_and_new_str_queue(spark: Any, tmp_path: Pat
         rows[i]["body"] for i in sorted(delayed, key=lambda i: (rows[i]["p"], i))]
 
 
+def test_csv_payloads_dedup_keys_and_str_priorities_are_the_text_as_written(
+        spark: Any, tmp_path: Path) -> None:
+    # CSV columns are inferred: "007" was the int 7, so a payload column of
+    # numbers was refused (not binary or string), a dedup key "007" loaded as
+    # "7" (a later push of key "007" made a second message), and a str queue's
+    # numeric-looking priorities were a usage error.
+    src = tmp_path / "rows.csv"
+    src.write_text("body,key,p\n007,007,10\n42,x1,9\n")
+    store = tmp_path / "store"
+    with qstore.open(store, compactor=False) as s:
+        s.create_queue("d", dedup=True, priority_type="str")
+    result = run_backfill(str(src), into=store, queue="d", fmt="csv", payload_col="body",
+                          dedup_col="key", priority_col="p", spark=spark)
+    assert (result.loaded, result.rejected) == (2, 0)
+    with qstore.open(store, compactor=False) as s:
+        q = s.queue("d")
+        got = {m.payload: m.priority for m in q.peek(5)}
+        assert got == {b"007": "10", b"42": "9"}
+        first = next(m.id for m in q.peek(5) if m.payload == b"007")
+        assert q.push(b"other", priority="a", dedup_key="007") == first
+        assert s.check().ok
+
+
 def test_csv_bad_rows_go_to_the_rejects_table_with_reasons(spark: Any, tmp_path: Path) -> None:
     src = tmp_path / "src.csv"
     src.write_text(
