@@ -609,9 +609,10 @@ def _static_partitions(spark: Any) -> Iterator[None]:
             spark.conf.set(key, old)
 
 
-def _as_text(spark: Any, df: Any, paths: Any, text_cols: list[str]) -> Any:
-    """``df`` (CSV read with inferred types) read again with ``text_cols`` as strings,
-    the other columns as inferred: the cells of those columns exactly as written."""
+def _as_text(reader: Any, df: Any, paths: Any, text_cols: list[str]) -> Any:
+    """``df`` (read by the CSV ``reader`` with inferred types) read again with
+    ``text_cols`` as strings, the other columns as inferred: the cells of those
+    columns exactly as written."""
     from pyspark.sql import types as T
 
     fields = [T.StructField(f.name, T.StringType(), True) if f.name in text_cols else f
@@ -619,8 +620,7 @@ def _as_text(spark: Any, df: Any, paths: Any, text_cols: list[str]) -> Any:
     if all(f1.dataType == f2.dataType for f1, f2 in zip(fields, df.schema.fields,
                                                          strict=True)):
         return df
-    return (spark.read.format("csv").option("header", "true")
-            .schema(T.StructType(fields)).load(paths))
+    return reader.schema(T.StructType(fields)).load(paths)  # a given schema: no inference
 
 
 def _paths(source: Any) -> list[str] | None:
@@ -662,7 +662,7 @@ def _read(spark: Any, source: Any, fmt: str, text_cols: list[str] | None = None)
         try:
             df = reader.load(paths)
             if fmt == "csv" and text_cols:
-                df = _as_text(spark, df, paths, text_cols)
+                df = _as_text(reader, df, paths, text_cols)
             return df
         except AnalysisException as exc:  # a missing path, an unknown format, ...
             # (anything else, such as a cluster that cannot run the schema inference,
