@@ -623,6 +623,32 @@ def _as_text(reader: Any, df: Any, paths: Any, text_cols: list[str]) -> Any:
     return reader.schema(T.StructType(fields)).load(paths)  # a given schema: no inference
 
 
+def _widened(reader: Any, df: Any, paths: Any) -> Any:
+    """``df`` (Parquet, its schema taken from one file) read again with its
+    narrower numbers widened: integers to 64 bits, floats to doubles.
+
+    Spark takes a Parquet source's schema from one of its files and cannot
+    merge ``int`` with ``bigint`` (``mergeSchema`` refuses it), so files that
+    wrote the same column as int32 and int64 (one written by pandas from
+    ``int32``, another from ``int64``) failed the whole job. Read as the wider
+    type, every file is widened as it is read (Spark 4 widens int32 to int64
+    and float to double; an int64 column read as double it does not, so files
+    that disagree on integer against float still fail, and say so).
+    """
+    from pyspark.sql import types as T
+
+    narrow_ints = (T.ByteType, T.ShortType, T.IntegerType)
+    fields = [T.StructField(f.name, T.LongType(), f.nullable)
+              if isinstance(f.dataType, narrow_ints)
+              else T.StructField(f.name, T.DoubleType(), f.nullable)
+              if isinstance(f.dataType, T.FloatType) else f
+              for f in df.schema.fields]
+    if all(f1.dataType == f2.dataType for f1, f2 in zip(fields, df.schema.fields,
+                                                         strict=True)):
+        return df
+    return reader.schema(T.StructType(fields)).load(paths)  # a given schema: no inference
+
+
 def _paths(source: Any) -> list[str] | None:
     """The source's paths, if it is a path or a list of paths (not a DataFrame)."""
     if isinstance(source, (str, os.PathLike)):
@@ -663,6 +689,8 @@ def _read(spark: Any, source: Any, fmt: str, text_cols: list[str] | None = None)
             df = reader.load(paths)
             if fmt == "csv" and text_cols:
                 df = _as_text(reader, df, paths, text_cols)
+            elif fmt == "parquet":
+                df = _widened(reader, df, paths)
             return df
         except AnalysisException as exc:  # a missing path, an unknown format, ...
             # (anything else, such as a cluster that cannot run the schema inference,

@@ -112,6 +112,31 @@ def test_parquet_payload_columns_of_other_arrow_layouts_load(spark: Any, tmp_pat
     assert [b for _, _, b in drain(store, "q")] == bodies[::-1]
 
 
+def test_parquet_files_with_narrower_and_wider_numbers_load(spark: Any,
+                                                            tmp_path: Path) -> None:
+    # Spark takes a Parquet source's schema from one file: a second file that
+    # wrote the priority as int64 where the first wrote int32 (or the delay as
+    # double where it wrote float) failed the whole job, exit 3.
+    src = tmp_path / "src"
+    write_parquet(src / "a.parquet", payload=[b"a", b"b"], p=pa.array([1, 2], pa.int32()),
+                  wait=pa.array([0.0, 3600.0], pa.float32()))
+    write_parquet(src / "b.parquet", payload=[b"c", b"d"], p=pa.array([3, 2**40], pa.int64()),
+                  wait=pa.array([0.0, 7200.5], pa.float64()))
+    write_parquet(src / "c.parquet", payload=[b"e"], p=pa.array([-7], pa.int8()),
+                  wait=pa.array([0.0], pa.float32()))
+    store = tmp_path / "store"
+    result = backfill_cli(src, "--queue", "q", "--priority-col", "p", "--delay-col", "wait",
+                          "--into", store)
+    assert result.exit_code == 0, result.output
+    assert check_consistent(store)["q"][:2] == [3, 2]
+    assert [(p, b) for _, p, b in drain(store, "q")] == [(3, b"c"),
+                                                         (1, b"a"), (-7, b"e")]
+    with qstore.open(store, compactor=False, clock=FakeClock(time.time() + 7201)) as s:
+        later = [(m.priority, m.payload) for m in s.queue("q").pop_many(10)]
+    # The delayed two are due, and the three drained above are back (their leases ran out).
+    assert later == [(2**40, b"d"), (3, b"c"), (2, b"b"), (1, b"a"), (-7, b"e")]
+
+
 def test_json_string_payloads_delays_and_new_str_queue(spark: Any, tmp_path: Path) -> None:
     rows = [{"body": f"héllo {i}", "p": "ab"[i % 2], "wait": 3600.0 if i % 3 == 0 else 0}
             for i in range(12)]
