@@ -57,10 +57,25 @@ def server_answers(store_path: str) -> bool:
     return True
 
 
-def server_of(target: str, token: str | None, keep_leases: bool = False) -> Client | None:
-    """A client of the server at ``target`` or of the one owning store ``target``; None if none."""
+def server_of(target: str, token: str | None, keep_leases: bool = False, *,
+              tls: bool = False, cafile: str | None = None) -> Client | None:
+    """A client of the server at ``target`` or of the one owning store ``target``; None if none.
+
+    ``tls``/``cafile``: as :func:`qstore.connect`'s, for a ``tcp://`` address
+    of a server started with ``--tls-cert``.
+    """
     if is_address(target):
-        return connect(target, token=token, timeout=CONNECT_TIMEOUT, keep_leases=keep_leases)
+        try:
+            return connect(target, token=token, timeout=CONNECT_TIMEOUT,
+                           keep_leases=keep_leases, tls=tls, cafile=cafile)
+        except ConnectionLost as exc:
+            if tls or cafile or not target.startswith("tcp://"):
+                raise
+            # A TLS server closes a connection that does not start a TLS handshake,
+            # which says only "connection closed": name the likely cause.
+            raise ConnectionLost(f"{exc} (if the server runs with TLS, pass --tls, and "
+                                 "--cafile when its certificate is not signed by a CA "
+                                 "this machine trusts)") from None
     if not os.path.exists(os.path.join(target, SOCKET_NAME)):
         return None
     try:
@@ -71,15 +86,16 @@ def server_of(target: str, token: str | None, keep_leases: bool = False) -> Clie
 
 @contextmanager
 def open_target(target: str, token_file: str | None = None, *, readonly: bool = False,
-                keep_leases: bool = False, create: bool = False) -> Iterator[Any]:
+                keep_leases: bool = False, create: bool = False, tls: bool = False,
+                cafile: str | None = None) -> Iterator[Any]:
     """A :class:`~qstore.Client` of the running server, else the store opened here.
 
     ``keep_leases``: leases taken through the server outlive this command
-    (``pop --no-ack``). Unless ``create``, a path that holds no store is an
-    error (``require_store``) and nothing is created: a mistyped path must
-    not become a new empty store.
+    (``pop --no-ack``). ``tls``/``cafile``: see :func:`server_of`. Unless
+    ``create``, a path that holds no store is an error (``require_store``)
+    and nothing is created: a mistyped path must not become a new empty store.
     """
-    client = server_of(target, read_token(token_file), keep_leases)
+    client = server_of(target, read_token(token_file), keep_leases, tls=tls, cafile=cafile)
     if client is not None:
         with client:
             yield client

@@ -69,14 +69,39 @@ def _target(target: str, token_file: str | None, *, readonly: bool = False,
 
     Unless ``create``, a path holding no store exits 2 and creates nothing.
     """
+    tls, cafile = _tls_options()
     with _exit_codes(), open_target(target, token_file, readonly=readonly,
-                                    keep_leases=keep_leases, create=create) as store:
+                                    keep_leases=keep_leases, create=create, tls=tls,
+                                    cafile=cafile) as store:
         yield store
 
 
-token_file_option = click.option(
-    "--token-file", type=click.Path(exists=True, dir_okay=False), default=None,
-    help="File holding the server's token (when it has one).")
+def _tls_options() -> tuple[bool, str | None]:
+    """The command's ``--tls`` and ``--cafile`` (kept in the click context by
+    :func:`server_options`, so the commands' signatures need not carry them)."""
+    meta = click.get_current_context().meta
+    return bool(meta.get("qstore.tls")), meta.get("qstore.cafile")
+
+
+def _remember(key: str) -> Any:
+    def callback(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+        ctx.meta[key] = value
+        return value
+    return callback
+
+
+def server_options(f: Any) -> Any:
+    """``--token-file``, ``--tls`` and ``--cafile``: how a command reaches a server."""
+    f = click.option("--cafile", type=click.Path(exists=True, dir_okay=False), default=None,
+                     expose_value=False, callback=_remember("qstore.cafile"),
+                     help="CA certificate(s) to trust for a TLS server (implies --tls).")(f)
+    f = click.option("--tls", is_flag=True, default=False, expose_value=False,
+                     callback=_remember("qstore.tls"),
+                     help="Reach a tcp:// server address over TLS (a server started "
+                          "with --tls-cert).")(f)
+    return click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
+                        default=None,
+                        help="File holding the server's token (when it has one).")(f)
 
 
 def _show_payload(payload: bytes, limit: int = 80) -> str:
@@ -126,7 +151,7 @@ def queues(store_path: str) -> None:
 @main.command()
 @click.argument("store_path", metavar="STORE")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-@token_file_option
+@server_options
 def stats(store_path: str, as_json: bool, token_file: str | None) -> None:
     """Counts per queue and state, and payload segments (read-only).
 
@@ -166,7 +191,7 @@ def stats(store_path: str, as_json: bool, token_file: str | None) -> None:
               help="Create the store and the queue (order max, int priorities) if missing.")
 @click.option("--ttl", type=click.FloatRange(0.0, min_open=True), default=None,
               help="Seconds until it expires (default: the queue's ttl).")
-@token_file_option
+@server_options
 def push(store_path: str, queue: str, payload: str | None, file_: Any, priority: str | None,
          delay: float, create: bool, ttl: float | None, token_file: str | None) -> None:
     """Push one message (PAYLOAD text, or --file) onto QUEUE; prints its id.
@@ -193,7 +218,7 @@ def push(store_path: str, queue: str, payload: str | None, file_: Any, priority:
 @click.option("--ack/--no-ack", default=True, show_default=True,
               help="Ack at once (take the message), or leave it leased and print receipts.")
 @click.option("--raw", is_flag=True, help="Write the raw payload bytes to stdout.")
-@token_file_option
+@server_options
 def pop(store_path: str, queue: str, count: int, lease: float, ack: bool, raw: bool,
         token_file: str | None) -> None:
     """Pop up to N messages from QUEUE. Exit 1 if none was ready.
@@ -224,7 +249,7 @@ def pop(store_path: str, queue: str, count: int, lease: float, ack: bool, raw: b
 @click.argument("queue")
 @click.option("-n", "count", type=click.IntRange(1), default=10, show_default=True)
 @click.option("--dead", is_flag=True, help="Show dead letters instead of the ready head.")
-@token_file_option
+@server_options
 def peek(store_path: str, queue: str, count: int, dead: bool, token_file: str | None) -> None:
     """Show the first N ready messages (or dead letters) without leasing them.
 
@@ -253,7 +278,7 @@ def peek(store_path: str, queue: str, count: int, dead: bool, token_file: str | 
 @click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=None,
               help="Garbage ratio a segment needs to be rewritten (default from the store config).")
 @click.option("--max-bytes", type=click.IntRange(1), default=None, help="Cap on live bytes copied.")
-@token_file_option
+@server_options
 def compact(store_path: str, threshold: float | None, max_bytes: int | None,
             token_file: str | None) -> None:
     """Run one seal-then-compact pass on STORE, with a progress bar.
@@ -285,7 +310,7 @@ def compact(store_path: str, threshold: float | None, max_bytes: int | None,
 @main.command()
 @click.argument("store_path", metavar="STORE")
 @click.argument("dest")
-@token_file_option
+@server_options
 def snapshot(store_path: str, dest: str, token_file: str | None) -> None:
     """Take a consistent snapshot of STORE into DEST (same filesystem).
 
@@ -332,7 +357,7 @@ def audit(snapshot_path: str, master: str | None, out_dir: str | None, quiet: bo
     "index keys and segment records from the message records; print what was done. "
     "Goes through the server that owns STORE, else opens it read-write. Deletes no "
     "payload."))
-@token_file_option
+@server_options
 def check(store_path: str, repair: bool, token_file: str | None) -> None:
     """Check the integrity of STORE or of a snapshot, in this process.
 
@@ -410,7 +435,7 @@ def check(store_path: str, repair: bool, token_file: str | None) -> None:
               help="If the queue is created (default 5).")
 @click.option("--dedup/--no-dedup", default=None,
               help="If the queue is created (default: --dedup when --dedup-col is given).")
-@token_file_option
+@server_options
 def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
              priority_col: str | None, delay_col: str | None, dedup_col: str | None,
              ttl_col: str | None, into: str, master: str | None, rejects: str | None,
@@ -489,7 +514,8 @@ def _backfill_through_server(into: str, args: dict[str, Any],
         if args["rejects"]:
             args["rejects"] = os.path.abspath(args["rejects"])
     with _exit_codes():
-        client = server_of(into, read_token(token_file))
+        tls, cafile = _tls_options()
+        client = server_of(into, read_token(token_file), tls=tls, cafile=cafile)
         if client is None:  # the server went away since we looked
             raise errors.StoreLocked(into)
         with client:
