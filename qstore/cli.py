@@ -50,6 +50,16 @@ def _exit_codes() -> Iterator[None]:
     """Turn a qstore error into its message on stderr and its documented exit code."""
     try:
         yield
+    except errors.StoreLocked as exc:
+        # Its message names Python's readonly=True, which no command takes. A command
+        # gets here when the writer is not a server answering on the store's socket
+        # (through one, the command would have gone through it).
+        err.print(f"[red]error:[/red] store {exc.path!r} is locked by another writer (a "
+                  "process that opened it with qstore.open): read-only commands (stats, "
+                  "peek, queues, check) still work; to change it while that process runs, "
+                  "let a server own the store (qstore serve) and have both go through it",
+                  highlight=False)
+        sys.exit(exit_code(exc))
     except errors.QStoreError as exc:
         err.print(f"[red]error:[/red] {exc}")
         sys.exit(exit_code(exc))

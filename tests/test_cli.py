@@ -120,7 +120,10 @@ def test_writer_locked_store_exits_3(tmp_path) -> None:  # type: ignore[no-untyp
         r = subprocess.run([sys.executable, "-m", "qstore.cli", "push", path, "q", "x"],
                            capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
         assert r.returncode == 3
-        assert "locked" in r.stderr and path in r.stderr.replace("\n", "")
+        said = " ".join(r.stderr.split())
+        assert "locked" in said and path in r.stderr.replace("\n", "")
+        # What a command line user can do, not Python's readonly=True.
+        assert "readonly=True" not in said and "qstore serve" in said
         # Inspection is read-only and works while the writer holds the store.
         r = subprocess.run([sys.executable, "-m", "qstore.cli", "queues", path],
                            capture_output=True, text=True)
