@@ -28,6 +28,7 @@ from ._address import LOOPS
 from ._cli_target import is_address, open_target, read_token, server_answers, server_of
 from ._errors import EXIT_FOUND, exit_code
 from ._lazy import lazy
+from ._numbers import plain_number
 from ._tables import print_stats
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ def _parse_priority(store: Any, queue: str, text: str | None) -> int | str | Non
     if store.queue(queue).priority_type == "str":
         return text
     try:
-        return int(text)
+        return int(plain_number(text))  # not "1_000" or other scripts' digits
     except ValueError:
         raise click.BadParameter(f"queue {queue!r} takes int priorities, not {text!r}") from None
 
@@ -227,7 +228,8 @@ def push(store_path: str, queue: str, payload: str | None, file_: Any, priority:
 @click.option("--lease", type=float, default=30.0, show_default=True, help="Lease seconds.")
 @click.option("--ack/--no-ack", default=True, show_default=True,
               help="Ack at once (take the message), or leave it leased and print receipts.")
-@click.option("--raw", is_flag=True, help="Write the raw payload bytes to stdout.")
+@click.option("--raw", is_flag=True,
+              help="Write the raw payload bytes to stdout (one message: -n 1).")
 @server_options
 def pop(store_path: str, queue: str, count: int, lease: float, ack: bool, raw: bool,
         token_file: str | None) -> None:
@@ -237,6 +239,9 @@ def pop(store_path: str, queue: str, count: int, lease: float, ack: bool, raw: b
     server address, unix:///PATH or tcp://HOST:PORT. Through a server,
     --no-ack leases stay leased after the command ends (keep_leases).
     """
+    if raw and count > 1:
+        # Raw bodies back to back would lose where one ends, and acked ones are gone.
+        raise click.UsageError("--raw writes one message's bytes: use it with -n 1")
     with _target(store_path, token_file, keep_leases=not ack) as store:
         q = store.queue(queue)
         msgs = q.pop_many(count, lease=lease)

@@ -49,6 +49,33 @@ def test_pop_no_ack_leaves_message_in_flight(runner: CliRunner, store_path: str)
         assert store.queue("jobs").stats().in_flight == 1
 
 
+def test_pop_raw_writes_one_body_and_refuses_several(runner: CliRunner,
+                                                      store_path: str) -> None:
+    for body in ("one", "two"):
+        runner.invoke(main, ["push", store_path, "jobs", body, "--create"])
+    # Bodies back to back would lose their boundaries (and be acked): nothing popped.
+    r = runner.invoke(main, ["pop", store_path, "jobs", "--raw", "-n", "2"])
+    assert r.exit_code == 2 and "-n 1" in r.output
+    r = runner.invoke(main, ["pop", store_path, "jobs", "--raw"])
+    assert r.exit_code == 0 and r.stdout_bytes == b"one"
+    with qstore.open(store_path, compactor=False) as store:
+        assert store.queue("jobs").stats().ready == 1
+
+
+@pytest.mark.parametrize("text", ["1_000", "\u0663", "0x10", "1.0"])
+def test_int_priority_is_ascii_digits_only(runner: CliRunner, store_path: str,
+                                           text: str) -> None:
+    # int() also takes "1_000" and other scripts' digits ("\u0663" is 3); the
+    # backfill's numeric strings refuse both, and so does the command line now.
+    runner.invoke(main, ["push", store_path, "jobs", "x", "--create"])
+    r = runner.invoke(main, ["push", store_path, "jobs", "y", "-p", text])
+    assert r.exit_code == 2 and "int priorities" in r.output
+    r = runner.invoke(main, ["push", store_path, "jobs", "z", "-p", " -12 "])
+    assert r.exit_code == 0, r.output
+    with qstore.open(store_path, compactor=False) as store:
+        assert [m.priority for m in store.queue("jobs").pop_many(5)] == [0, -12]
+
+
 def test_push_to_missing_queue_exits_4(runner: CliRunner, store_path: str) -> None:
     runner.invoke(main, ["push", store_path, "jobs", "x", "--create"])
     r = runner.invoke(main, ["push", store_path, "nope", "x"])

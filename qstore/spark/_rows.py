@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .._numbers import plain_number
 from .._queue import MAX_SECONDS
 from ..meta import keys
 
@@ -116,23 +117,13 @@ def _payloads(arr: pa.Array, max_bytes: int, reasons: list[str | None]
     return data, offsets
 
 
-def _plain_number(text: str) -> str:
-    """``text`` stripped, for int() or float(), if it is written in ASCII without
-    underscores: Python's readers also take ``"1_000"`` and other scripts' digits,
-    which no CSV or JSON writer means as a number; ValueError otherwise."""
-    text = text.strip()
-    if not text.isascii() or "_" in text:
-        raise ValueError(text)
-    return text
-
-
 def _int_priority(v: Any) -> int | str:
     """An int priority from one cell, or the reason it is not one (a str)."""
     if isinstance(v, int):
         n = v
     elif isinstance(v, str):
         try:
-            n = int(_plain_number(v))
+            n = int(plain_number(v))
         except ValueError:
             return f"priority: {v!r:.40} is not an integer"
     elif isinstance(v, (float, Decimal)):
@@ -222,7 +213,7 @@ def _seconds_column(arr: pa.Array | None, n: int, reasons: list[str | None], wha
             if v is None:
                 continue
             try:
-                out[i] = float(_plain_number(v) if isinstance(v, str) else v)
+                out[i] = float(plain_number(v) if isinstance(v, str) else v)
             except (TypeError, ValueError):
                 _reject(reasons, i, f"{what}: {v!r:.40} is not a number of seconds")
     bad = ~np.isfinite(out)
