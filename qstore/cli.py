@@ -11,9 +11,11 @@ qstore error (corruption, storage failure).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,9 +35,11 @@ from ._tables import print_stats
 
 if TYPE_CHECKING:
     from . import _check, _demo, _snapshot, server
+    from . import _core as embedded_core
     from . import _store as embedded
 else:  # loaded by the commands that use them (qstore/_lazy.py)
     _check = lazy("qstore._check")
+    embedded_core = lazy("qstore._core")
     _demo = lazy("qstore._demo")
     _snapshot = lazy("qstore._snapshot")
     embedded = lazy("qstore._store")
@@ -615,11 +619,21 @@ def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert:
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 
+    listened = False
+
     def ready(address: str) -> None:
+        nonlocal listened
+        listened = True
         click.echo(f"listening on {address}")
         click.echo(f"event loop: {loop_name}")
         sys.stdout.flush()
 
+    # What was at the path before: a serve that creates a store and then cannot
+    # listen (a taken port) takes away what it created, as a command that fails
+    # on a mistyped path creates nothing.
+    existed = os.path.isdir(store_path)
+    before = set(os.listdir(store_path)) if existed else set()
+    was_store = existed and _held_store(store_path)
     with _exit_codes():
         options: dict[str, Any] = {"durability": durability}
         if max_payload_bytes is not None:
@@ -631,8 +645,35 @@ def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert:
         try:
             server.serve(store, listen, token=token, ssl_context=ctx, limits=limits,
                          metrics_port=metrics_port, ready=ready, loop=loop)
+        except BaseException:
+            store.close()
+            if not listened and not was_store:
+                _remove_created(store_path, existed, before)
+            raise
         finally:
             store.close()
+
+
+def _held_store(path: str) -> bool:
+    try:
+        embedded_core.require_store(path)
+    except errors.QStoreError:
+        return False
+    return True
+
+
+def _remove_created(path: str, existed: bool, before: set[str]) -> None:
+    """Remove what a failed ``serve`` created at ``path`` (which held no store)."""
+    if not existed:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for name in set(os.listdir(path)) - before:
+        full = os.path.join(path, name)
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(full)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -145,19 +145,33 @@ def test_serve_on_a_taken_port_says_so_and_leaves_nothing_behind(tmp_path: Any) 
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = taken.getsockname()[1]
-    store = str(tmp_path / "s")
+    store, empty = str(tmp_path / "s"), tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("mine")
+    with qstore.open(store) as s:
+        s.create_queue("kept").push(b"x")
+
+    def serve(path: Any, *args: str) -> None:
+        r = subprocess.run([sys.executable, "-m", "qstore.cli", "serve", str(path), *args],
+                           capture_output=True, text=True, timeout=60, env=env())
+        assert r.returncode == 5, r.stderr  # an error, not "found something" (1)
+        assert "Traceback" not in r.stderr
+        assert "address already in use" in r.stderr.lower()
+
     try:
         for args in (["--listen", f"tcp://127.0.0.1:{port}"], ["--metrics-port", str(port)]):
-            r = subprocess.run([sys.executable, "-m", "qstore.cli", "serve", store, *args],
-                               capture_output=True, text=True, timeout=60, env=env())
-            assert r.returncode == 5, r.stderr  # an error, not "found something" (1)
-            assert "Traceback" not in r.stderr
-            assert "address already in use" in r.stderr.lower()
+            serve(store, *args)
             assert "qstore.sock" not in os.listdir(store)  # no stale socket file
+            # A store the failed serve created is taken away again, as a mistyped
+            # path creates nothing; what was in a directory before stays.
+            serve(tmp_path / "new", *args)
+            assert not os.path.exists(tmp_path / "new")
+            serve(empty, *args)
+            assert os.listdir(empty) == ["notes.txt"]
     finally:
         taken.close()
-    with qstore.open(store) as s:  # closed cleanly: it opens
-        assert s.queues() == []
+    with qstore.open(store) as s:  # closed cleanly: it opens, its messages kept
+        assert s.queues() == ["kept"] and s.queue("kept").pop().payload == b"x"
 
 
 def test_python_dash_m_qstore_is_the_command_line(tmp_path: Any) -> None:
