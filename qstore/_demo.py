@@ -58,7 +58,7 @@ def _produce(q: Queue, ledger: Ledger, count: int, seed: int, delayed_share: flo
     done = 0
     while done < count:
         n = min(rng.choice((1, 1, 10, 50)), count - done)
-        rows = []
+        rows: list[tuple[bytes, int, float]] = []
         for _ in range(n):
             # Each producer's first message is poison: a small run still has some.
             poison = rng.random() < 0.02 or (done == 0 and not rows)
