@@ -46,6 +46,7 @@ class LoadSpec:
     dedup_col: str | None = None
     ttl_col: str | None = None
     default_ttl: float | None = None  # the queue's TTL: rows without one of their own get it
+    malformed_col: str | None = None  # a CSV source: each malformed line's text, else null
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -57,7 +58,7 @@ class LoadSpec:
     def columns(self) -> list[str]:
         """The source columns a task reads, each once, in a fixed order."""
         cols = [self.payload_col, self.priority_col, self.delay_col, self.dedup_col,
-                self.ttl_col]
+                self.ttl_col, self.malformed_col]
         return list(dict.fromkeys(c for c in cols if c is not None))
 
 
@@ -279,6 +280,11 @@ def parse(batch: pa.RecordBatch, spec: LoadSpec) -> Rows:
     def col(name: str | None) -> pa.Array | None:
         return None if name is None else batch.column(name)
 
+    malformed = col(spec.malformed_col)
+    if malformed is not None and malformed.null_count < n:  # first: the reason reported
+        why = f"malformed CSV line (its text is in column {spec.malformed_col!r})"
+        for i in np.flatnonzero(malformed.is_valid().to_numpy(zero_copy_only=False)).tolist():
+            _reject(reasons, i, why)
     data, offsets = _payloads(batch.column(spec.payload_col), spec.max_payload_bytes, reasons)
     prios: Any = (_int_priorities(col(spec.priority_col), n, reasons)
                   if spec.priority_type == "int"

@@ -294,7 +294,8 @@ class _Job:
         text = [self.payload_col, self.dedup_col]
         if self._queue_kind()[0] == "str":
             text.append(self.priority_col)
-        self.df = _read(spark, source, fmt, [c for c in text if c is not None])
+        self.df, self.malformed_col = _read(spark, source, fmt,
+                                            [c for c in text if c is not None])
         self.paths = _paths(source) if fmt == "parquet" else None
         self.explicit_options = explicit_options
         self.phases: list[tuple[str, float]] = []
@@ -322,7 +323,8 @@ class _Job:
                 segment_max_bytes=store.config.segment_max_bytes,
                 payload_col=self.payload_col, priority_col=self.priority_col,
                 delay_col=self.delay_col, dedup_col=self.dedup_col, ttl_col=self.ttl_col,
-                default_ttl=store.core.queues[self.queue].rec.ttl)
+                default_ttl=store.core.queues[self.queue].rec.ttl,
+                malformed_col=self.malformed_col)
             selected = self.df.select(*[_quoted(c) for c in spec.columns()])
             t = time.perf_counter()
             files = None
@@ -336,7 +338,7 @@ class _Job:
                 job = self._write_files(selected, files, spec, staging, plans)
                 self.phases.append(("write", time.perf_counter() - t))
             else:
-                with _static_partitions(self.spark):
+                with _static_partitions(self.spark, csv=self.malformed_col is not None):
                     plans = self._plan(selected, spec, staging)
                     self.phases.append(("count", time.perf_counter() - t))
                     t = time.perf_counter()
@@ -390,7 +392,8 @@ class _Job:
     def _check_schema(self, ptype: str, dedup: bool) -> None:
         from pyspark.sql import types as T
 
-        fields = {f.name: f.dataType for f in self.df.schema.fields}
+        fields = {f.name: f.dataType for f in self.df.schema.fields
+                  if f.name != self.malformed_col}
 
         def need(col: str | None, what: str, allowed: tuple[type, ...], hint: str) -> None:
             if col is None:
@@ -588,7 +591,7 @@ class _Job:
 
 
 @contextmanager
-def _static_partitions(spark: Any) -> Iterator[None]:
+def _static_partitions(spark: Any, csv: bool = False) -> Iterator[None]:
     """Adaptive execution off while the job runs, restored after.
 
     The counting pass must see the writing pass's partitions. AQE sizes shuffle
@@ -596,31 +599,53 @@ def _static_partitions(spark: Any) -> Iterator[None]:
     with AQE a source that shuffles (``df.orderBy(...)``) could be cut one way
     for the count and another for the write. Without it, partitioning follows
     from the plan alone.
+
+    ``csv``: the CSV parser's column pruning off too. With it, a job that reads
+    some of a file's columns parses only those, and no line is ever found
+    malformed (:func:`_csv_source`).
     """
-    key = "spark.sql.adaptive.enabled"
-    old = spark.conf.get(key, None)
-    spark.conf.set(key, "false")
+    settings = {"spark.sql.adaptive.enabled": "false"}
+    if csv:
+        settings["spark.sql.csv.parser.columnPruning.enabled"] = "false"
+    before = {key: spark.conf.get(key, None) for key in settings}
+    for key, value in settings.items():
+        spark.conf.set(key, value)
     try:
         yield
     finally:
-        if old is None:
-            spark.conf.unset(key)
-        else:
-            spark.conf.set(key, old)
+        for key, old in before.items():
+            if old is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, old)
 
 
-def _as_text(reader: Any, df: Any, paths: Any, text_cols: list[str]) -> Any:
+MALFORMED_COL = "malformed_line"
+
+
+def _csv_source(reader: Any, df: Any, paths: Any, text_cols: list[str]) -> tuple[Any, str]:
     """``df`` (read by the CSV ``reader`` with inferred types) read again with
-    ``text_cols`` as strings, the other columns as inferred: the cells of those
-    columns exactly as written."""
+    ``text_cols`` as strings, the other columns as inferred (the cells of those
+    columns exactly as written), and a column that holds each malformed line.
+
+    Spark's default PERMISSIVE mode loads a line with too few fields with
+    nulls (so a missing priority became priority 0), drops the extra fields
+    of one with too many, and reads an unclosed quote to the end of its line:
+    each loaded as if it were well formed. With ``columnNameOfCorruptRecord``
+    those lines carry their text in the returned column (named
+    ``malformed_line``, with ``_`` added while a source column has that name),
+    and the job rejects them.
+    """
     from pyspark.sql import types as T
 
     fields = [T.StructField(f.name, T.StringType(), True) if f.name in text_cols else f
               for f in df.schema.fields]
-    if all(f1.dataType == f2.dataType for f1, f2 in zip(fields, df.schema.fields,
-                                                         strict=True)):
-        return df
-    return reader.schema(T.StructType(fields)).load(paths)  # a given schema: no inference
+    name = MALFORMED_COL
+    while name in df.columns:
+        name += "_"
+    schema = T.StructType([*fields, T.StructField(name, T.StringType(), True)])
+    # A given schema: no second inference.
+    return reader.schema(schema).option("columnNameOfCorruptRecord", name).load(paths), name
 
 
 def _widened(reader: Any, df: Any, paths: Any) -> Any:
@@ -674,7 +699,10 @@ def _cores(spark: Any) -> int:
         return 2
 
 
-def _read(spark: Any, source: Any, fmt: str, text_cols: list[str] | None = None) -> Any:
+def _read(spark: Any, source: Any, fmt: str,
+          text_cols: list[str] | None = None) -> tuple[Any, str | None]:
+    """The source as a DataFrame, and the name of its malformed-line column (CSV
+    files; None otherwise)."""
     if isinstance(source, (str, os.PathLike)) or (
             isinstance(source, (list, tuple)) and source
             and all(isinstance(s, (str, os.PathLike)) for s in source)):
@@ -687,17 +715,17 @@ def _read(spark: Any, source: Any, fmt: str, text_cols: list[str] | None = None)
 
         try:
             df = reader.load(paths)
-            if fmt == "csv" and text_cols:
-                df = _as_text(reader, df, paths, text_cols)
-            elif fmt == "parquet":
+            if fmt == "csv":
+                return _csv_source(reader, df, paths, text_cols or [])
+            if fmt == "parquet":
                 df = _widened(reader, df, paths)
-            return df
+            return df, None
         except AnalysisException as exc:  # a missing path, an unknown format, ...
             # (anything else, such as a cluster that cannot run the schema inference,
             # is a failed Spark run, not bad usage)
             raise InvalidArgument(f"cannot read {paths!r} as {fmt}: {exc}") from None
     if hasattr(source, "schema") and hasattr(source, "write") and hasattr(source, "select"):
-        return source
+        return source, None
     raise InvalidArgument(f"source must be a path, a list of paths or a DataFrame, "
                           f"not {type(source).__name__}")
 

@@ -221,6 +221,34 @@ def test_csv_bad_rows_go_to_the_rejects_table_with_reasons(spark: Any, tmp_path:
     assert [b for _, _, b in drain(store, "q")] == [b"a"]
 
 
+def test_csv_malformed_lines_are_rejected_not_loaded(spark: Any, tmp_path: Path) -> None:
+    # Spark's PERMISSIVE mode loaded a line with a field missing with a null
+    # (priority 0), one with a field too many without it, and an unclosed quote
+    # as text up to the end of its line: each as if it were well formed.
+    src = tmp_path / "src.csv"
+    src.write_text(
+        "payload,priority,note,malformed_line\n"
+        "a,5,x,y\n"
+        "short\n"
+        "long,6,x,y,extra\n"
+        '"open,7,x,y\n'
+        "b,8,x,y\n", encoding="utf-8")
+    store, rejects = tmp_path / "store", tmp_path / "rejects"
+    pruning = "spark.sql.csv.parser.columnPruning.enabled"
+    before = spark.conf.get(pruning, None)
+    run = backfill_cli(src, "--format", "csv", "--queue", "q", "--priority-col", "priority",
+                       "--into", store, "--rejects", rejects)
+    assert run.exit_code == 1, run.output
+    assert spark.conf.get(pruning, None) == before  # the session is left as it was
+    assert [(p, b) for _, p, b in drain(store, "q")] == [(8, b"b"), (5, b"a")]
+    table = spark.read.parquet(str(rejects)).orderBy("source_row").collect()
+    assert [r["source_row"] for r in table] == [1, 2, 3]
+    # A source column already has the name: the job's column takes a "_" more.
+    assert [r["malformed_line_"] for r in table] == ["short", "long,6,x,y,extra", '"open,7,x,y']
+    assert {r["reject_reason"] for r in table} == {
+        "malformed CSV line (its text is in column 'malformed_line_')"}
+
+
 def test_dedup_rejects_rows_matching_live_messages_or_earlier_rows(spark: Any,
                                                                     tmp_path: Path) -> None:
     store = tmp_path / "store"
