@@ -173,7 +173,8 @@ class Connection(asyncio.Protocol):
             self.flush()
         if last is not None:
             self.write(last)
-        self.closed = True
+        was_closed, self.closed = self.closed, True
         if self.transport is not None:
             self.transport.close()
-        self.owner.lost(self)
+        if not was_closed:  # once: a second lost() would start a second release
+            self.owner.lost(self)

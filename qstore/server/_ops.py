@@ -128,8 +128,12 @@ class Leases:
         for receipt in taken:
             name = held[receipt][0]
             self.book.settle(receipt)
-            # Expired, dead-lettered, or the queue is gone: nothing to give back.
-            with contextlib.suppress(LeaseExpired, MessageNotFound, QueueNotFound):
+            # Expired, dead-lettered, or the queue is gone (InvalidArgument: its name
+            # now belongs to a queue created since, which the receipt is not of):
+            # nothing to give back. Raising here would leave every lease after
+            # this one held until its deadline.
+            with contextlib.suppress(LeaseExpired, MessageNotFound, QueueNotFound,
+                                     InvalidArgument):
                 store.queue(name).nack(receipt)
         return len(taken)
 

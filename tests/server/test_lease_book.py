@@ -8,6 +8,7 @@ import pytest
 
 import qstore
 from qstore.server import _ops
+from qstore.server._conn import Connection
 from qstore.server._ops import LeaseBook, Leases, queue_op
 
 from ..conftest import FakeClock
@@ -46,6 +47,23 @@ def test_release_gives_back_in_slices_and_forget_nacks_nothing(tmp_path: Any) ->
         assert (stats.ready, stats.in_flight) == (5, 2)  # forgotten, still leased
 
 
+def test_release_goes_on_past_a_lease_whose_queue_name_was_reused(tmp_path: Any) -> None:
+    # Queue "a" deleted and created again: its old receipt is "of another queue"
+    # (InvalidArgument), which stopped the release, so the connection's lease in
+    # queue "b" stayed in flight until its deadline instead of going back.
+    with qstore.open(str(tmp_path / "s")) as store:
+        store.create_queue("a").push(b"a")
+        store.create_queue("b").push(b"b")
+        mine = Leases(LeaseBook())
+        queue_op(store, mine, "pop", {"queue": "a", "lease": 300.0})
+        queue_op(store, mine, "pop", {"queue": "b", "lease": 300.0})
+        store.delete_queue("a")
+        store.create_queue("a")
+        assert mine.release(store, 10) == 2 and mine.held == {}
+        stats = store.queue("b").stats()
+        assert (stats.ready, stats.in_flight) == (1, 0)
+
+
 def test_receipts_whose_lease_ran_out_unsettled_are_dropped_once_the_book_doubles(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # max_attempts=1: a lease that runs out makes a dead letter, which no
@@ -78,3 +96,27 @@ def test_receipts_whose_lease_ran_out_unsettled_are_dropped_once_the_book_double
         assert before > 1
         assert book.sweep() == before - 1  # all but the extended one had expired
         assert list(book.owner) == [kept] and list(book.latest.values()) == [kept]
+
+
+def test_a_connection_reports_its_loss_once_however_it_ends() -> None:
+    # The transport's connection_lost and a later close() (an error frame for a
+    # connection already gone) each told the server, which started a second
+    # release of the same leases racing the first.
+    class Owner:
+        def __init__(self) -> None:
+            self.lost_calls = 0
+
+        def lost(self, conn: Connection) -> None:
+            self.lost_calls += 1
+
+    for first_close in (True, False):
+        owner = Owner()
+        conn = Connection(owner, 1 << 20, LeaseBook())  # type: ignore[arg-type]
+        if first_close:
+            conn.close()
+            conn.connection_lost(None)
+        else:
+            conn.connection_lost(None)
+            conn.close()
+        conn.close()
+        assert owner.lost_calls == 1
