@@ -21,9 +21,29 @@ Errors from rocksdict (plain ``Exception`` with a message) are wrapped in
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def _rebuild(cls: type[QStoreError], args: tuple[Any, ...],
+             state: dict[str, Any]) -> QStoreError:
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
 
 class QStoreError(Exception):
-    """Root of every error qstore raises."""
+    """Root of every error qstore raises.
+
+    Every one pickles and copies as it is (its message and its fields), so it
+    can cross ``multiprocessing`` and ``concurrent.futures``: Exception's own
+    reduce calls ``cls(*args)``, which for a class that builds its message
+    from its fields either fails (``MessageNotFound``) or wraps the message
+    in itself again (``QueueNotFound``).
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, self.__dict__))
 
 
 class StoreLocked(QStoreError):
@@ -96,9 +116,6 @@ class Corruption(QStoreError):
         self.path = path
         self.offset = offset
         self.reason = reason
-
-    def __reduce__(self) -> tuple[type[Corruption], tuple[str, int, str]]:
-        return (Corruption, (self.path, self.offset, self.reason))
 
 
 class StorageError(QStoreError):

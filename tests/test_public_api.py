@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 
 import pytest
 
@@ -25,6 +27,32 @@ def test_all_is_exactly_the_public_surface() -> None:
 ])
 def test_every_error_derives_from_qstoreerror(error: type[Exception]) -> None:
     assert issubclass(error, qstore.QStoreError)
+
+
+def _errors_with_fields() -> list[qstore.QStoreError]:
+    full = qstore.StorageError("disk full")
+    full.errno = 28
+    return [
+        qstore.StoreLocked("/s", served=True), qstore.StoreClosed("closed"),
+        qstore.ReadOnlyStore("ro"), qstore.QueueNotFound("nope"), qstore.QueueExists("q"),
+        qstore.InvalidArgument("bad"), qstore.PayloadTooLarge(5, 4),
+        qstore.MessageNotFound("q", 7), qstore.LeaseExpired("late"),
+        qstore.Corruption("/s/payload/1.seg", 24, "bad crc"), full,
+        qstore.ConnectionLost("gone"), qstore.ServerBusy("busy"),
+    ]
+
+
+@pytest.mark.parametrize("copy_of", ["pickle", "deepcopy"])
+def test_every_error_pickles_and_copies_with_its_message_and_fields(copy_of: str) -> None:
+    # Exception's own reduce calls cls(*args): MessageNotFound and PayloadTooLarge
+    # failed with a TypeError, QueueNotFound came back as "queue \"queue 'nope'
+    # does not exist\" does not exist" (and so did errors sent to another process).
+    for error in _errors_with_fields():
+        back = (pickle.loads(pickle.dumps(error)) if copy_of == "pickle"
+                else copy.deepcopy(error))
+        assert type(back) is type(error)
+        assert str(back) == str(error) and back.args == error.args
+        assert vars(back) == vars(error)
 
 
 def test_invalid_argument_is_a_value_error_and_payload_too_large_is_invalid_argument() -> None:
