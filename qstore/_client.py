@@ -174,7 +174,10 @@ class _Link(base.LinkSettings):
             self.close()
             raise ConnectionLost(f"connection to {self.address} lost during {op}: {exc}; "
                                  "it may or may not have run") from None
-        except ProtocolError:
+        except BaseException:
+            # A ProtocolError, or the call interrupted (KeyboardInterrupt, an
+            # exception from a signal handler) with its answer still owed: the
+            # next call on this connection would read that answer as its own.
             self.close()
             raise
         if (type(value) is list and len(value) == 3 and value[1] == wire.OK
@@ -182,7 +185,11 @@ class _Link(base.LinkSettings):
             return value[2]  # the usual answer: base.result would return the same
         if isinstance(value, list) and value and value[0] == wire.SERVER_ERROR_ID:
             self.close()  # the server is closing this connection and says why
-        return base.result(value, rid)
+        try:
+            return base.result(value, rid)
+        except ProtocolError:  # an answer to another request: out of step, done
+            self.close()
+            raise
 
     def call_many(self, calls: list[tuple[str, dict[str, Any], float]]) -> list[Any]:
         """Send ``calls`` in one write and read every answer: each call's result, or
@@ -214,7 +221,7 @@ class _Link(base.LinkSettings):
             raise ConnectionLost(f"connection to {self.address} lost during a pipeline of "
                                  f"{len(calls)}: {exc}; any of them may or may not have run"
                                  ) from None
-        except ProtocolError:
+        except BaseException:  # as in call: answers owed would be read by the next call
             self.close()
             raise
         out: list[Any] = []

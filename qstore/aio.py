@@ -84,8 +84,10 @@ class _Link(base.LinkSettings):
         # A timer, not asyncio.wait_for (which wraps the future in more futures and
         # callbacks): an answer costs the loop two passes, not four.
         timer = proto.loop.call_later(self.timeout + wait, _time_out, fut)
+        sent = False
         try:
             proto.transport.write(frame)
+            sent = True
             if proto.paused:  # a large request filled the socket: wait, within the time
                 await asyncio.wait_for(proto.drained(), self.timeout + wait)
             value = await fut
@@ -95,12 +97,39 @@ class _Link(base.LinkSettings):
             await proto.close(f"closed after {op} had no answer in time")
             raise ConnectionLost(f"connection to {self.address} lost during {op}: "
                                  f"{_reason(exc)}; it may or may not have run") from None
+        except asyncio.CancelledError:
+            # (Cancelling the task cancels the future it awaits: no answer yet.)
+            if sent and op in _POPS and not proto.lost:
+                if not fut.done() or fut.cancelled():
+                    self._abandon(proto, rid, args["queue"])
+                elif fut.exception() is None:  # answered, but the task never resumed
+                    _give_back(self, proto, args["queue"], fut.result())
+            raise
         finally:
             timer.cancel()
-            proto.waiting.pop(rid, None)
+            if proto.waiting.get(rid) is fut:
+                del proto.waiting[rid]
         if type(value) is list and len(value) == 3 and value[1] == wire.OK and value[0] == rid:
             return value[2]  # the usual answer: base.result would return the same
         return base.result(value, rid)
+
+    def _abandon(self, proto: _Protocol, rid: int, queue: str) -> None:
+        """A pop whose caller was cancelled (``asyncio.wait_for`` ran out, the task
+        was cancelled): nobody will read its answer. Ask the server to withdraw
+        it if it is still waiting, and give back whatever messages it still
+        brings (a nack each: their delivery counted, as when a connection
+        closes), so none sits in flight unseen until its lease runs out."""
+        later = proto.loop.create_future()
+        later.add_done_callback(
+            lambda f: None if f.cancelled() or f.exception() else
+            _give_back(self, proto, queue, f.result()))
+        proto.waiting[rid] = later  # resolved by the answer, as a live call's would be
+        self._fire(proto, "cancel", {"request": rid})
+
+    def _fire(self, proto: _Protocol, op: str, args: dict[str, Any]) -> None:
+        """Send a request whose answer nobody waits for (it is dropped on arrival)."""
+        if not proto.lost:
+            proto.transport.write(base.request(next(self._ids), op, args))
 
     async def close(self) -> None:
         """Close the connection; every later call raises StoreClosed, as a closed
@@ -109,6 +138,21 @@ class _Link(base.LinkSettings):
         proto, self._proto = self._proto, None
         if proto is not None:
             await proto.close()
+
+
+_POPS = frozenset({"pop", "pop_many"})
+
+
+def _give_back(link: _Link, proto: _Protocol, queue: str, value: Any) -> None:
+    """Nack the messages of an answer to a pop nobody reads any more."""
+    if type(value) is not list or len(value) != 3 or value[1] != wire.OK:
+        return  # an error, or (a result already unwrapped) nothing to go by
+    got = value[2]
+    found = [] if got is None else [got] if got and type(got[0]) is int else got
+    for m in found:
+        receipt = m[7] if type(m) is list and len(m) > 7 else None
+        if type(receipt) is str:
+            link._fire(proto, "nack", {"queue": queue, "receipt": receipt, "delay": 0.0})
 
 
 def _reason(exc: BaseException) -> str:

@@ -410,6 +410,10 @@ class Server:
         elif op in wire.STORE_OPS:
             def run() -> Any:
                 return store_op(store, op, args)
+        elif op == "cancel":
+            conn.settled()
+            self._cancel(conn, rid, op, args, started)
+            return
         else:
             conn.settled()
             self._reply_error(conn, rid, op, started,
@@ -501,6 +505,28 @@ class Server:
         self._update_listening()
         self._wake()  # a push may have landed between the empty pop and now
         self._arm_due()
+
+    def _cancel(self, conn: Connection, rid: int, op: str, args: dict[str, Any],
+                started: float) -> None:
+        """Withdraw this connection's parked pop ``args["request"]`` (a client that
+        gave up on it, e.g. an asyncio task cancelled): it is answered empty now, so
+        it takes no message that nobody would read. True if it was still parked; a
+        pop already answered (or in a retry round, which then answers it) is the
+        client's to give back."""
+        target = args.get("request")
+        if type(target) is not int or set(args) != {"request"}:
+            self._reply_error(conn, rid, op, started,
+                              InvalidArgument("cancel takes args {'request': id}"))
+            return
+        withdrawn = False
+        for w in self._waiting.of(conn):
+            if w.rid == target and not w.done:
+                if w.busy:
+                    w.expired = True  # a message it gets now is answered; else empty
+                else:
+                    self._answer_empty(w)
+                    withdrawn = True
+        self._send(conn, wire.pack([rid, wire.OK, withdrawn]))
 
     def _expire(self, w: Waiter) -> None:
         if w.done:

@@ -124,7 +124,32 @@ def test_a_cancelled_call_leaves_the_link_to_the_others(server: ServerProcess,
                 await parked
             ids = await asyncio.gather(*(q.push(b"%d" % i) for i in range(20)))
             assert len(set(ids)) == 20
-            assert (await q.stats()).total == 20
+            stats = await q.stats()
+            # The cancelled pop took none of them: it was withdrawn in the server.
+            # (It took the first push, which sat in flight unseen until its lease
+            # ran out, using up an attempt.)
+            assert (stats.ready, stats.in_flight) == (20, 0)
+
+    run(main())
+
+
+def test_a_cancelled_pop_gives_back_what_it_was_answered(server: ServerProcess,
+                                                         run: Run) -> None:
+    async def main() -> None:
+        async with qstore.aio.connect(server.address) as client:
+            q = await client.create_queue("g", max_attempts=3)
+            await q.push(b"only")
+            for _ in range(2):
+                popping = asyncio.ensure_future(q.pop(lease=300.0))
+                await asyncio.sleep(0)  # sent; its answer (the message) is on its way
+                popping.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await popping
+                await client.ping()
+            stats = await q.stats()
+            assert (stats.ready, stats.in_flight, stats.dead) == (1, 0, 0)
+            m = await q.pop()
+            assert m is not None and m.payload == b"only" and m.attempts == 3  # counted
 
     run(main())
 

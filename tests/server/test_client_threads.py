@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import qstore
+from qstore import _client
 
 from ._support import ServerProcess, running
 from .test_metrics import _free_port, _scrape
@@ -134,3 +135,31 @@ def test_a_shared_client_carries_on_after_a_server_restart(tmp_path: Any) -> Non
         assert q.ack_many(got) == 4
         assert q.stats().total == 0
         client.close()
+
+
+def test_a_call_interrupted_while_waiting_leaves_no_answer_for_the_next(
+        server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A KeyboardInterrupt (or an exception from a signal handler) in a parked
+    # pop(wait) put the connection back with that pop's answer still owed: the
+    # parked pop took the next push's message, and the pushes after it read
+    # each other's answers ("response to request 3, expected 5") although
+    # every one of them had run.
+    read = _client._Link._read
+    armed = [True]
+
+    def interrupted(self: Any) -> Any:
+        if armed[0]:  # the request went out; its answer never read
+            armed[0] = False
+            raise KeyboardInterrupt
+        return read(self)
+
+    with qstore.connect(server.address) as client:
+        q = client.create_queue("i")
+        monkeypatch.setattr(_client._Link, "_read", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            q.pop(wait=30.0)
+        ids = [q.push(b"job%d" % i) for i in range(4)]
+        assert ids == sorted(set(ids))
+        stats = q.stats()
+        assert (stats.ready, stats.in_flight) == (4, 0)
+        assert [m.payload for m in q.pop_many(4)] == [b"job0", b"job1", b"job2", b"job3"]

@@ -155,3 +155,28 @@ def test_unknown_arguments_are_refused_by_every_op_and_a_bad_handshake_closes(
         assert s.recv(1) == b""  # and the connection is closed
     finally:
         s.close()
+
+
+def test_cancel_withdraws_a_waiting_pop_of_its_own_connection_only(
+        server: ServerProcess) -> None:
+    with qstore.connect(server.address) as client:
+        client.create_queue("w")
+        s, other = raw_socket(server.address), raw_socket(server.address)
+        try:
+            for conn in (s, other):
+                conn.sendall(frame({"qstore": 1}))
+                assert isinstance(read_frames(conn, 1)[0], dict)
+            s.sendall(frame([1, "pop", {"queue": "w", "wait": 60.0}]))
+            other.sendall(frame([1, "cancel", {"request": 1}]))  # not its request
+            assert read_frames(other, 1) == [[1, 0, False]]
+            s.sendall(frame([2, "cancel", {"request": 1}]) + frame([3, "cancel", {"request": 1}])
+                      + frame([4, "cancel", {"request": "1"}]))
+            got = read_frames(s, 4)
+            # The pop is answered empty, then its cancel true; a second finds nothing.
+            assert got[:3] == [[1, 0, None], [2, 0, True], [3, 0, False]]
+            assert got[3][:2] == [4, 1] and got[3][2][0] == "InvalidArgument"
+            client.queue("w").push(b"x")  # no parked pop is left to take it
+            assert client.queue("w").stats().ready == 1
+        finally:
+            s.close()
+            other.close()
