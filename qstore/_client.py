@@ -357,7 +357,7 @@ class RemoteQueue(base.QueueInfo):
 
     def _call(self, op: str, convert: Callable[[Any], _T], /, **args: Any) -> _T:
         """Run ``op`` and return ``convert`` of its result (a pipeline records it instead)."""
-        return convert(self._link.call(op, *base.queue_args(self.name, args)))
+        return convert(self._link.call(op, *base.queue_args(self.name, args, self._qid)))
 
     def push(self, payload: bytes, priority: int | str | None = None, delay: float = 0.0,
              dedup_key: str | bytes | None = None, ttl: float | None = None) -> int:

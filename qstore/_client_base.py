@@ -132,11 +132,17 @@ class QueueInfo:
         self.priority_type: str = info["priority_type"]
         self.max_attempts: int = info["max_attempts"]
         self.dedup: bool = info["dedup"]
+        # Sent with every request: the queue this handle was made for, so that once
+        # it is deleted the handle gets QueueNotFound, not a new queue of its name.
+        self._qid: int | None = info.get("qid")
 
 
-def queue_args(queue: str, args: dict[str, Any]) -> tuple[dict[str, Any], float]:
+def queue_args(queue: str, args: dict[str, Any],
+               qid: int | None = None) -> tuple[dict[str, Any], float]:
     """A queue request's arguments, and how much longer than the timeout it may wait."""
     args["queue"] = queue
+    if qid is not None:
+        args["qid"] = qid
     wait = args.get("wait", 0.0)
     return args, (wait if isinstance(wait, (int, float)) and 0 <= wait < 1e9 else 0.0)
 

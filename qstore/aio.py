@@ -285,7 +285,7 @@ class AsyncQueue(base.QueueInfo):
         return f"<qstore.aio.AsyncQueue {self.name!r} on {self._link.address}>"
 
     async def _call(self, op: str, /, **args: Any) -> Any:
-        return await self._link.call(op, *base.queue_args(self.name, args))
+        return await self._link.call(op, *base.queue_args(self.name, args, self._qid))
 
     async def push(self, payload: bytes, priority: int | str | None = None, delay: float = 0.0,
                    dedup_key: str | bytes | None = None, ttl: float | None = None) -> int:

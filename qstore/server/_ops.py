@@ -158,7 +158,7 @@ def queue_op(store: Store, leases: Leases, op: str, args: dict[str, Any], *,
     name = args.pop("queue", None)
     if not isinstance(name, str):
         raise InvalidArgument("a queue operation needs args['queue'], a str")
-    q = store.queue(name)
+    q = _queue_of(store, name, args.pop("qid", None))
     try:
         return _QUEUE_OPS[op](q, leases, args, parked)
     except TypeError as exc:  # an unknown or missing keyword argument
@@ -246,7 +246,17 @@ def _info(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
 
 def queue_info(q: Queue) -> dict[str, Any]:
     return {"name": q.name, "order": q.order, "priority_type": q.priority_type,
-            "max_attempts": q.max_attempts, "dedup": q.dedup}
+            "max_attempts": q.max_attempts, "dedup": q.dedup, "qid": q._q.qid}
+
+
+def _queue_of(store: Store, name: str, qid: object) -> Queue:
+    """Queue ``name``; with ``qid`` (a client's handle sends the id its queue_info
+    gave), ``QueueNotFound`` once that queue was deleted, even if a queue of the
+    same name was created since: as an embedded handle of a deleted queue."""
+    q = store.queue(name)
+    if qid is not None and qid != q._q.qid:
+        raise QueueNotFound(name)
+    return q
 
 
 _QUEUE_OPS: dict[str, Callable[[Queue, Leases, dict[str, Any], bool], Any]] = {
@@ -271,8 +281,8 @@ assert set(_QUEUE_OPS) == wire.QUEUE_OPS
 
 # -- rounds: consecutive single pops or acks of one queue run as one batch ---------
 
-_POP_KEYS = frozenset({"queue", "lease", "wait"})
-_ACK_KEYS = frozenset({"queue", "receipt"})
+_POP_KEYS = frozenset({"queue", "lease", "wait", "qid"})
+_ACK_KEYS = frozenset({"queue", "receipt", "qid"})
 
 
 def group_key(op: str, args: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -287,29 +297,31 @@ def group_key(op: str, args: dict[str, Any]) -> tuple[Any, ...] | None:
             lease, wait = args.get("lease", 30.0), args.get("wait", 0.0)
             if (type(lease) is float and 0 < lease <= MAX_SECONDS
                     and type(wait) in (int, float) and 0 <= wait <= MAX_SECONDS):
-                return ("pop", args["queue"], lease)
-    elif (op == "ack" and args.keys() == _ACK_KEYS and type(args["queue"]) is str
-          and type(args["receipt"]) is str):
-        return ("ack", args["queue"])
+                return ("pop", args["queue"], lease, args.get("qid"))
+    elif (op == "ack" and args.keys() <= _ACK_KEYS and type(args.get("queue")) is str
+          and type(args.get("receipt")) is str):
+        return ("ack", args["queue"], args.get("qid"))
     return None
 
 
-def pop_group(store: Store, name: str, lease: float, takers: list[Leases]) -> list[Any]:
+def pop_group(store: Store, name: str, lease: float, qid: object,
+              takers: list[Leases]) -> list[Any]:
     """``len(takers)`` pops in a row as one ``pop_many``: the i-th gets the i-th message.
 
     A pop past the end gets None, as the same pops one after another would.
     """
-    got = store.queue(name).pop_many(len(takers), lease=lease)
+    got = _queue_of(store, name, qid).pop_many(len(takers), lease=lease)
     out: list[Any] = [None] * len(takers)
     for i, m in enumerate(got):
         out[i] = takers[i].hold(name, wire.encode_message(m))
     return out
 
 
-def ack_group(store: Store, name: str, receipts: list[str], takers: list[Leases]) -> None:
+def ack_group(store: Store, name: str, qid: object, receipts: list[str],
+              takers: list[Leases]) -> None:
     """Acks in a row as one ``ack_many``: all or nothing, so on an error the caller
     runs them one by one to give each its own answer."""
-    store.queue(name).ack_many(receipts)
+    _queue_of(store, name, qid).ack_many(receipts)
     settle = takers[0].book.settle
     for r in receipts:
         settle(r)

@@ -338,12 +338,12 @@ class Server:
         takers = [r[0].leases for r in reqs]
         if key[0] == "pop":
             def run() -> Any:
-                return pop_group(store, key[1], key[2], takers)
+                return pop_group(store, key[1], key[2], key[3], takers)
         else:
             receipts = [r[3]["receipt"] for r in reqs]
 
             def run() -> Any:
-                ack_group(store, key[1], receipts, takers)
+                ack_group(store, key[1], key[2], receipts, takers)
                 return [None] * len(reqs)
         if self._inline:
             try:

@@ -278,3 +278,25 @@ def test_a_closed_store_or_client_raises_store_closed(store: Any) -> None:
     for call in (lambda: q.push(b"y"), q.pop, q.stats, store.queues, lambda: store.queue("c")):
         with pytest.raises(qstore.StoreClosed):
             call()
+
+
+def test_a_handle_of_a_deleted_queue_never_reaches_a_new_queue_of_its_name(store: Any) -> None:
+    # Remote handles were names only: after delete and create again, an old
+    # handle's push, pop and stats acted on the new queue (its pop leased the
+    # new queue's message), where an embedded handle raises QueueNotFound.
+    old = store.create_queue("r", order="min")
+    old.push(b"old")
+    msg = old.pop()
+    store.delete_queue("r")
+    new = store.create_queue("r", order="max", max_attempts=2)
+    new.push(b"new")
+    for op in (lambda: old.push(b"y"), lambda: old.push_many([b"y"]), old.pop,
+               lambda: old.pop_many(2), lambda: old.ack(msg), lambda: old.nack(msg),
+               lambda: old.extend(msg), old.peek, old.stats, old.purge, old.dead_letters,
+               old.redrive):
+        with pytest.raises(qstore.QueueNotFound):
+            op()
+    stats = new.stats()
+    assert (stats.ready, stats.in_flight) == (1, 0)
+    assert new.pop().payload == b"new"
+    assert store.queue("r").max_attempts == 2  # a fresh handle is of the new queue
