@@ -164,7 +164,7 @@ class _Link(base.LinkSettings):
         sock = self._sock
         assert sock is not None
         rid = next(self._ids)
-        frame = base.request(rid, op, args, self.welcome.get("max_frame"))
+        frame = base.request(rid, op, args, self.welcome)
         try:
             if self.timeout + wait != self._timeout_now:
                 self._set_timeout(self.timeout + wait)
@@ -200,7 +200,7 @@ class _Link(base.LinkSettings):
             self._open()
         sock = self._sock
         assert sock is not None
-        limit = self.welcome.get("max_frame")
+        limit = self.welcome
         rids = [next(self._ids) for _ in calls]
         frames = [base.request(rid, op, args, limit) for rid, (op, args, _) in zip(
             rids, calls, strict=True)]

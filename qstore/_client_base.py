@@ -14,7 +14,7 @@ from typing import Any
 
 from . import _wire as wire
 from ._address import Address
-from ._errors import InvalidArgument
+from ._errors import InvalidArgument, PayloadTooLarge
 from ._message import Message
 from ._net_errors import AuthenticationFailed, ProtocolError
 
@@ -50,17 +50,42 @@ def check_welcome(value: Any) -> dict[str, Any]:
     return value
 
 
-def request(rid: int, op: str, args: dict[str, Any], max_frame: int | None = None) -> bytes:
-    """The frame of a request; one over the server's ``max_frame`` is refused here, so
-    the connection stays up (the server would close it)."""
+def request(rid: int, op: str, args: dict[str, Any],
+            limits: dict[str, Any] | None = None) -> bytes:
+    """The frame of a request; one over the server's ``max_frame`` (in ``limits``, the
+    server's handshake answer) is refused here, so the connection stays up (the
+    server would close it)."""
     try:
         frame = wire.pack([rid, op, args])
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidArgument(f"{op}: an argument cannot be sent: {exc}") from None
+    max_frame = None if limits is None else limits.get("max_frame")
     if max_frame is not None and len(frame) - 4 > max_frame:
+        _too_large(op, args, limits.get("max_payload") if limits else None)
         raise InvalidArgument(f"{op}: a request of {len(frame) - 4} bytes is over the "
-                              f"server's frame limit of {max_frame}")
+                              f"server's frame limit of {max_frame} (a batch that big "
+                              "must be sent as several)")
     return frame
+
+
+def _too_large(op: str, args: dict[str, Any], max_payload: object) -> None:
+    """Raise what the store would for a payload over its limit in ``args``, as the
+    embedded store does (the request is never sent): a payload over the frame
+    limit is over ``max_payload_bytes`` too, whose error is PayloadTooLarge."""
+    if type(max_payload) is not int:
+        return
+    if op == "push":
+        bodies = [args.get("payload")]
+    elif op == "push_many":
+        items = args.get("items")
+        bodies = [i if isinstance(i, (bytes, bytearray, memoryview)) else
+                  i[0] if isinstance(i, (list, tuple)) and i else None
+                  for i in (items if isinstance(items, list) else [])]
+    else:
+        return
+    for body in bodies:
+        if isinstance(body, (bytes, bytearray, memoryview)) and len(body) > max_payload:
+            raise PayloadTooLarge(len(body), max_payload)
 
 
 def result(value: Any, rid: int) -> Any:

@@ -78,7 +78,7 @@ class _Link(base.LinkSettings):
                 if proto is None or proto.lost:
                     proto = await self._open()
         rid = next(self._ids)
-        frame = base.request(rid, op, args, self.welcome.get("max_frame"))
+        frame = base.request(rid, op, args, self.welcome)
         fut = proto.loop.create_future()
         proto.waiting[rid] = fut
         # A timer, not asyncio.wait_for (which wraps the future in more futures and

@@ -132,8 +132,21 @@ def test_max_payload_bytes_sets_the_payload_and_frame_limits(tmp_path: Any) -> N
             q.push(b"x" * PAYLOAD_LIMIT)
             with pytest.raises(qstore.PayloadTooLarge):
                 q.push(b"x" * (PAYLOAD_LIMIT + 1))
-            with pytest.raises(qstore.InvalidArgument, match="frame limit"):
-                q.push(b"x" * FRAME_LIMIT)  # refused by the client, the link stays up
+            # Over the frame limit too: refused by the client, nothing is sent, the
+            # link stays up; the error is the embedded store's (it was a plain
+            # InvalidArgument without size and limit).
+            with pytest.raises(qstore.PayloadTooLarge) as info:
+                q.push(b"x" * FRAME_LIMIT)
+            assert (info.value.size, info.value.limit) == (FRAME_LIMIT, PAYLOAD_LIMIT)
+            with pytest.raises(qstore.PayloadTooLarge):
+                q.push_many([b"ok", (b"x" * FRAME_LIMIT, 3)])
+            # Bodies that each fit, together over the frame: a client-only limit.
+            many = [b"x" * PAYLOAD_LIMIT] * (FRAME_LIMIT // PAYLOAD_LIMIT + 1)
+            with pytest.raises(qstore.InvalidArgument, match="frame limit") as refused:
+                q.push_many(many)
+            assert type(refused.value) is qstore.InvalidArgument
             assert q.pop().payload == b"x" * PAYLOAD_LIMIT
+            stats = q.stats()  # nothing of the refused batches was pushed
+            assert (stats.ready, stats.in_flight) == (0, 1)
     with pytest.raises(AssertionError, match="max_frame must be above"):
         ServerProcess(str(tmp_path / "t"), "--max-payload-bytes", "1000", "--max-frame", "1000")
