@@ -169,7 +169,9 @@ def queue_args(queue: str, args: dict[str, Any],
     if qid is not None:
         args["qid"] = qid
     wait = args.get("wait", 0.0)
-    return args, (wait if isinstance(wait, (int, float)) and 0 <= wait < 1e9 else 0.0)
+    # The answer may take the wait longer than the timeout (a wait over 1e9 s, 31
+    # years, is allowed 1e9: a socket timeout has its bounds).
+    return args, (min(wait, 1e9) if isinstance(wait, (int, float)) and wait >= 0 else 0.0)
 
 
 def push_args(payload: bytes, priority: int | str | None, delay: float,

@@ -253,6 +253,8 @@ class Queue:
                 raise InvalidArgument(f"push_many item must be bytes or a tuple, not {item!r:.60}")
         if plain:
             if not bodies:
+                if q.deleted:  # as ack_many([]) and the clients: the queue is gone
+                    raise QueueNotFound(q.name)
                 return []
             core = self._core
             limit = core.max_payload_bytes
@@ -267,6 +269,8 @@ class Queue:
             _seconds(delay, "delay")
             if ttl is not None:
                 _seconds(ttl, "ttl", positive=True)
+            if q.deleted:
+                raise QueueNotFound(q.name)
             return []
         return self._push(rows)
 

@@ -290,7 +290,8 @@ def test_a_handle_of_a_deleted_queue_never_reaches_a_new_queue_of_its_name(store
     store.delete_queue("r")
     new = store.create_queue("r", order="max", max_attempts=2)
     new.push(b"new")
-    for op in (lambda: old.push(b"y"), lambda: old.push_many([b"y"]), old.pop,
+    for op in (lambda: old.push(b"y"), lambda: old.push_many([b"y"]),
+               lambda: old.push_many([]), lambda: old.ack_many([]), old.pop,
                lambda: old.pop_many(2), lambda: old.ack(msg), lambda: old.nack(msg),
                lambda: old.extend(msg), old.peek, old.stats, old.purge, old.dead_letters,
                old.redrive):

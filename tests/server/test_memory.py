@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qstore
+from qstore import _client_base as base
 
 from ._support import ServerProcess, frame, raw_socket, running, send_junk
 
@@ -150,3 +151,12 @@ def test_max_payload_bytes_sets_the_payload_and_frame_limits(tmp_path: Any) -> N
             assert (stats.ready, stats.in_flight) == (0, 1)
     with pytest.raises(AssertionError, match="max_frame must be above"):
         ServerProcess(str(tmp_path / "t"), "--max-payload-bytes", "1000", "--max-frame", "1000")
+
+
+def test_a_client_allows_a_long_wait_its_time_for_the_answer() -> None:
+    # A wait of 1e9 s or more was given no allowance: the call ran out after
+    # the client's timeout (ConnectionLost) while the server still held the pop.
+    assert base.queue_args("q", {"wait": 5.0})[1] == 5.0
+    assert base.queue_args("q", {"wait": 2e9})[1] == 1e9
+    assert base.queue_args("q", {"wait": -1.0})[1] == 0.0  # the server refuses it
+    assert base.queue_args("q", {})[1] == 0.0
