@@ -53,6 +53,7 @@ class _Link(base.LinkSettings):
                     lambda: _Protocol(a), a.host, a.port, ssl=self._ssl,
                     server_hostname=(self._hostname or a.host) if self._ssl else None)
             _, proto = await asyncio.wait_for(coro, self.timeout)
+            proto.orphaned = lambda queue, value: _give_back(self, proto, queue, value)
         except (OSError, TimeoutError) as exc:
             raise ConnectionLost(f"cannot connect to {a}: {_reason(exc)}") from None
         try:
@@ -81,10 +82,13 @@ class _Link(base.LinkSettings):
         frame = base.request(rid, op, args, self.welcome)
         fut = proto.loop.create_future()
         proto.waiting[rid] = fut
+        popping = op in _POPS
+        if popping:  # its answer may lease messages: if nobody reads it, give them back
+            proto.pops[rid] = args["queue"]
         # A timer, not asyncio.wait_for (which wraps the future in more futures and
         # callbacks): an answer costs the loop two passes, not four.
         timer = proto.loop.call_later(self.timeout + wait, _time_out, fut)
-        sent = False
+        sent = abandoned = False
         try:
             proto.transport.write(frame)
             sent = True
@@ -98,33 +102,22 @@ class _Link(base.LinkSettings):
             raise ConnectionLost(f"connection to {self.address} lost during {op}: "
                                  f"{_reason(exc)}; it may or may not have run") from None
         except asyncio.CancelledError:
-            # (Cancelling the task cancels the future it awaits: no answer yet.)
-            if sent and op in _POPS and not proto.lost:
-                if not fut.done() or fut.cancelled():
-                    self._abandon(proto, rid, args["queue"])
-                elif fut.exception() is None:  # answered, but the task never resumed
-                    _give_back(self, proto, args["queue"], fut.result())
+            if popping and sent and not proto.lost:
+                if fut.done() and not fut.cancelled():
+                    if fut.exception() is None:  # answered, but the task never resumed
+                        _give_back(self, proto, args["queue"], fut.result())
+                elif rid in proto.pops:  # no answer yet (_Protocol._frame gives it back)
+                    abandoned = True
+                    self._fire(proto, "cancel", {"request": rid})
             raise
         finally:
             timer.cancel()
-            if proto.waiting.get(rid) is fut:
-                del proto.waiting[rid]
+            proto.waiting.pop(rid, None)
+            if popping and not abandoned:
+                proto.pops.pop(rid, None)
         if type(value) is list and len(value) == 3 and value[1] == wire.OK and value[0] == rid:
             return value[2]  # the usual answer: base.result would return the same
         return base.result(value, rid)
-
-    def _abandon(self, proto: _Protocol, rid: int, queue: str) -> None:
-        """A pop whose caller was cancelled (``asyncio.wait_for`` ran out, the task
-        was cancelled): nobody will read its answer. Ask the server to withdraw
-        it if it is still waiting, and give back whatever messages it still
-        brings (a nack each: their delivery counted, as when a connection
-        closes), so none sits in flight unseen until its lease runs out."""
-        later = proto.loop.create_future()
-        later.add_done_callback(
-            lambda f: None if f.cancelled() or f.exception() else
-            _give_back(self, proto, queue, f.result()))
-        proto.waiting[rid] = later  # resolved by the answer, as a live call's would be
-        self._fire(proto, "cancel", {"request": rid})
 
     def _fire(self, proto: _Protocol, op: str, args: dict[str, Any]) -> None:
         """Send a request whose answer nobody waits for (it is dropped on arrival)."""
@@ -174,6 +167,14 @@ class _Protocol(asyncio.Protocol):
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set at once
         self.welcome: asyncio.Future[Any] = self.loop.create_future()
         self.waiting: dict[int, asyncio.Future[Any]] = {}
+        # Pops in flight, by request id: their queue. A pop whose caller was
+        # cancelled (asyncio.wait_for ran out, the task was cancelled) before its
+        # answer came stays here: the link sent ``cancel`` for it, which answers a
+        # pop still waiting in the server empty, and what an answer still brings
+        # is given back (``orphaned``: a nack each, their delivery counted, as
+        # when a connection closes), so no message sits in flight unseen.
+        self.pops: dict[int, str] = {}
+        self.orphaned: Any = None
         self.lost = False
         self.paused = False
         self._closed: asyncio.Future[None] = self.loop.create_future()
@@ -217,6 +218,8 @@ class _Protocol(asyncio.Protocol):
         fut = self.waiting.pop(rid, None) if type(rid) is int else None
         if fut is not None and not fut.done():
             fut.set_result(value)
+        elif self.pops and rid in self.pops and self.orphaned is not None:
+            self.orphaned(self.pops.pop(rid), value)  # its caller was cancelled
 
     def _fail(self, why: BaseException) -> None:
         """Fail every request in flight with ``why`` (the first reason given wins)."""

@@ -12,6 +12,12 @@ most :data:`HELLO_MAX_FRAME` bytes, after it ``max_frame``; a frame is only
 buffered as its bytes arrive. Flow control: reading stops while the
 connection has ``MAX_PIPELINE`` requests in progress or while the transport
 cannot write (the client does not read its answers), and resumes after.
+Requests already read do not run while the connection's unsent answers are
+over :data:`ANSWERS_MAX` bytes (:meth:`answers_backed_up`): they wait in its
+backlog, in order, until the transport has written them out
+(``write_blocked``). Without that, a client that pipelines small requests
+with large answers (a ``peek(200)`` of 24 bytes answers 200 messages) and
+reads none made the server hold every answer: gigabytes.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from ._ops import LeaseBook, Leases
 
 HELLO_MAX_FRAME = 64 * 1024  # the handshake is a small map: an unauthenticated peer buffers no more
 MAX_PIPELINE = 1024  # requests of one connection in progress before it stops reading
+ANSWERS_MAX = 4 * 1024 * 1024  # unsent answer bytes after which its requests wait
 _LENGTH = struct.Struct(">I")
 
 
@@ -35,6 +42,7 @@ class Owner(Protocol):
     def request(self, conn: Connection, body: bytes) -> None: ...
     def read_done(self, conn: Connection) -> None: ...
     def lost(self, conn: Connection) -> None: ...
+    def writable(self, conn: Connection) -> None: ...
     def failed(self, conn: Connection, exc: BaseException) -> None: ...
 
 
@@ -58,6 +66,14 @@ class Connection(asyncio.Protocol):
         # its later requests wait here, so they take effect and are answered after
         # it, in order (the server's _dispatch and _slow_done).
         self.blocked = False
+        # Its unsent answers are over ANSWERS_MAX: its later requests wait in the
+        # backlog too, until the transport writes them out (server.writable).
+        self.write_blocked = False
+        self.out_bytes = 0  # bytes in ``out``
+        # Pops a ``cancel`` found in progress, not parked (in the store thread):
+        # if they come back to park, they are answered empty instead. Bounded:
+        # ids of pops that were answered meanwhile are never looked up again.
+        self.cancelled: set[int] = set()
         self.backlog: list[tuple[Connection, int, str, dict[str, Any], float]] = []
         self._buf = bytearray()
         self._need = 4  # bytes the buffer must hold before a frame can be cut
@@ -129,6 +145,8 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self._reading()
+        if self.write_blocked:
+            self.owner.writable(self)
 
     # -- used by the server -------------------------------------------------------
 
@@ -161,8 +179,23 @@ class Connection(asyncio.Protocol):
         if not self.closed and self.transport is not None:
             self.transport.write(frame)
 
+    @property
+    def held(self) -> bool:
+        """Its requests wait in the backlog (behind a slow op, or its answers)."""
+        return self.blocked or self.write_blocked
+
+    def answers_backed_up(self) -> bool:
+        """Whether the answers not yet sent (gathered this round, or in the
+        transport's buffer) are over :data:`ANSWERS_MAX` bytes."""
+        if not self._write_paused:  # the transport holds less than its high-water mark
+            return self.out_bytes > ANSWERS_MAX
+        t = self.transport
+        waiting = self.out_bytes + (t.get_write_buffer_size() if t is not None else 0)
+        return waiting > ANSWERS_MAX
+
     def flush(self) -> None:
         """Write the responses gathered during a round, in one write."""
+        self.out_bytes = 0
         out, self.out = self.out, []
         if out and not self.closed and self.transport is not None:
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))

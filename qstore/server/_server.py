@@ -41,7 +41,7 @@ from .._errors import InvalidArgument, QStoreError
 from .._net_errors import AuthenticationFailed, ProtocolError, ServerBusy
 from .._store import Store
 from .._txn import NO_EVENT_US
-from ._conn import Connection
+from ._conn import MAX_PIPELINE, Connection
 from ._metrics import Metrics
 from ._ops import PARK, LeaseBook, ack_group, group_key, pop_group, queue_op, store_op
 from ._waiting import Waiter, WaitingPops, try_round
@@ -303,11 +303,11 @@ class Server:
             i, n = 0, len(reqs)
             while i < n:
                 conn, rid, op, args, started = reqs[i]
-                if (op == "pop" or op == "ack") and i + 1 < n and not conn.blocked:
+                if (op == "pop" or op == "ack") and i + 1 < n and not conn.held:
                     key = group_key(op, args)
                     j = i + 1
                     if key is not None:
-                        while (j < n and reqs[j][2] == op and not reqs[j][0].blocked
+                        while (j < n and reqs[j][2] == op and not reqs[j][0].held
                                and group_key(op, reqs[j][3]) == key):
                             j += 1
                     if j > i + 1:
@@ -321,6 +321,8 @@ class Server:
             dirty, self._dirty = self._dirty, []
             for conn in dirty:
                 conn.flush()
+                if conn.write_blocked and not conn.answers_backed_up():
+                    self.writable(conn)  # the socket took them all: go on
         if self._waiting.count:
             self._arm_due()  # a delayed push or a lease may have moved the next due time
 
@@ -329,8 +331,27 @@ class Server:
             if not conn.out:
                 self._dirty.append(conn)
             conn.out.append(frame)
+            conn.out_bytes += len(frame)
         else:
             conn.write(frame)
+
+    def writable(self, conn: Connection) -> None:
+        """The transport wrote out what held ``conn``'s requests back: run them."""
+        if conn.answers_backed_up():
+            return  # resume_writing comes again once more is written
+        conn.write_blocked = False
+        self._release_backlog(conn)
+
+    def _release_backlog(self, conn: Connection) -> None:
+        """Run the requests ``conn`` read while it was held, before any it reads later."""
+        if conn.held or conn.closed:
+            return
+        backlog, conn.backlog = conn.backlog, []
+        if backlog:
+            self._inbox[:0] = backlog
+            if not self._round_due:
+                self._round_due = True
+                self.loop.call_soon(self._round)
 
     def _group(self, key: tuple[Any, ...], reqs: list[_Request]) -> None:
         """Consecutive pops (acks) of one queue as one pop_many (ack_many)."""
@@ -385,7 +406,10 @@ class Server:
         if conn.closed:  # read, never started: the client sees ConnectionLost
             conn.settled()
             return
-        if conn.blocked:  # behind its own compact/snapshot/check: runs after it
+        if conn.held or conn.answers_backed_up():
+            # Behind its own compact/snapshot/check, or behind answers its client has
+            # not read yet (memory): runs after them, in order.
+            conn.write_blocked = conn.write_blocked or not conn.blocked
             conn.backlog.append((conn, rid, op, args, started))
             return
         store = self.store
@@ -459,12 +483,7 @@ class Server:
         connection sent after it, before any that connection sent later still."""
         conn.blocked = False
         self._settled(conn, rid, op, args, started, fut)
-        backlog, conn.backlog = conn.backlog, []
-        if backlog:
-            self._inbox[:0] = backlog
-            if not self._round_due:
-                self._round_due = True
-                self.loop.call_soon(self._round)
+        self._release_backlog(conn)
 
     def _answer(self, conn: Connection, rid: int, op: str, args: dict[str, Any],
                 started: float, result: Any) -> None:
@@ -489,6 +508,10 @@ class Server:
               started: float) -> None:
         if conn.closed:
             return
+        if conn.cancelled and rid in conn.cancelled:  # its client gave up on it already
+            conn.cancelled.discard(rid)
+            self._send(conn, wire.pack([rid, wire.OK, [] if op == "pop_many" else None]))
+            return
         if self._waiting.count >= self._waiting.limit:
             self._reply_error(conn, rid, op, started, ServerBusy(
                 f"over the limit of {self._waiting.limit} waiting pops"))
@@ -510,22 +533,27 @@ class Server:
                 started: float) -> None:
         """Withdraw this connection's parked pop ``args["request"]`` (a client that
         gave up on it, e.g. an asyncio task cancelled): it is answered empty now, so
-        it takes no message that nobody would read. True if it was still parked; a
-        pop already answered (or in a retry round, which then answers it) is the
+        it takes no message that nobody would read. True if it was still parked
+        (answered now, or by the retry round in progress: empty, unless that
+        round got it a message); what a pop answered before brings is the
         client's to give back."""
         target = args.get("request")
         if type(target) is not int or set(args) != {"request"}:
             self._reply_error(conn, rid, op, started,
                               InvalidArgument("cancel takes args {'request': id}"))
             return
-        withdrawn = False
+        withdrawn = found = False
         for w in self._waiting.of(conn):
-            if w.rid == target and not w.done:
-                if w.busy:
-                    w.expired = True  # a message it gets now is answered; else empty
+            if w.rid == target and not w.done and not w.expired:
+                found = withdrawn = True
+                if w.busy:  # answered by the retry round in progress: empty, unless
+                    w.expired = True  # that round got it a message (given back, then)
                 else:
                     self._answer_empty(w)
-                    withdrawn = True
+        if not found and conn.pending:  # maybe still in the store thread: not to park
+            if len(conn.cancelled) >= MAX_PIPELINE:
+                conn.cancelled.clear()
+            conn.cancelled.add(target)
         self._send(conn, wire.pack([rid, wire.OK, withdrawn]))
 
     def _expire(self, w: Waiter) -> None:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import qstore
 from qstore import _client_base as base
 
-from ._support import ServerProcess, frame, raw_socket, running, send_junk
+from ._support import ServerProcess, frame, raw_socket, read_frames, running, send_junk
 
 PAYLOAD_LIMIT = 64 * 1024
 FRAME_LIMIT = PAYLOAD_LIMIT + 1024 * 1024  # what --max-payload-bytes 65536 gives
@@ -160,3 +160,31 @@ def test_a_client_allows_a_long_wait_its_time_for_the_answer() -> None:
     assert base.queue_args("q", {"wait": 2e9})[1] == 1e9
     assert base.queue_args("q", {"wait": -1.0})[1] == 0.0  # the server refuses it
     assert base.queue_args("q", {})[1] == 0.0
+
+
+def test_answers_a_client_does_not_read_stay_bounded_and_come_in_order(tmp_path: Any) -> None:
+    # 24-byte peek(200) requests answered with 200 KiB each: a client that sent
+    # thousands and read none made the server hold every answer (gigabytes, found
+    # by a resource audit). Requests read past 4 MiB of unsent answers now wait.
+    n, peek = 600, 200
+    with running(str(tmp_path / "s")) as srv:
+        pid = srv.proc.pid
+        with qstore.connect(srv.address) as client:
+            client.create_queue("a").push_many([bytes([i % 251]) * 1024 for i in range(peek)])
+        base = _rss(pid)
+        s = raw_socket(srv.address)
+        try:
+            s.sendall(HELLO)
+            assert isinstance(read_frames(s, 1)[0], dict)
+            s.sendall(b"".join(frame([i, "peek", {"queue": "a", "n": peek}])
+                               for i in range(1, n + 1)))
+            peak = 0
+            for _ in range(5):  # other clients are served meanwhile
+                _works(srv.address)
+                peak = max(peak, _rss(pid) - base)
+            assert peak < 40 * MiB, peak  # the answers are 120 MiB
+            got = read_frames(s, n)
+        finally:
+            s.close()
+        assert [a[0] for a in got] == list(range(1, n + 1))  # every one, in order
+        assert all(a[1] == 0 and len(a[2]) == peek for a in got)

@@ -81,6 +81,9 @@ class FloorOwner:
     def lost(self, conn: Connection) -> None:
         return None
 
+    def writable(self, conn: Connection) -> None:
+        return None  # it holds no request back: answers are a few bytes
+
     def failed(self, conn: Connection, exc: BaseException) -> None:
         conn.close()
 
