@@ -283,15 +283,17 @@ class ReadySignal(threading.Condition):
     The server (qstore/server) parks waiting pops without a thread: while it
     has any, it counts itself in ``Core.waiters`` and sets ``listener``, which
     is then called (writer lock held, so it must only schedule work) each time
-    ready keys are added.
+    ready keys are added, with the name of the queue they were added to (None:
+    any queue may have them, as after the clock moved), so that it tries only
+    the pops waiting on that queue.
     """
 
-    listener: Callable[[], None] | None = None
+    listener: Callable[[str | None], None] | None = None
 
-    def notify_all(self) -> None:
+    def notify_all(self, queue: str | None = None) -> None:
         super().notify_all()
         if self.listener is not None:
-            self.listener()
+            self.listener(queue)
 
 
 class Core(HotPaths):
@@ -878,7 +880,10 @@ class Core(HotPaths):
             for q, added in txn.ready_keys.items():
                 q.heads.added(added)
             if self.waiters:
-                self.ready.notify_all()
+                if len(txn.ready_keys) == 1:
+                    self.ready.notify_all(next(iter(txn.ready_keys)).name)
+                else:
+                    self.ready.notify_all()
         if txn.events is not None:
             for q, when in txn.events.items():
                 if when < q.next_event_us:
@@ -1061,7 +1066,7 @@ class Core(HotPaths):
             q.aging_next_us = 0
             q.next_event_us = 0
         if counts_delta[0] and self.waiters:
-            self.ready.notify_all()
+            self.ready.notify_all(q.name)
 
     # -- queues ---------------------------------------------------------------
 

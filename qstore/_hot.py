@@ -161,7 +161,7 @@ class HotPaths:
             self._id_hwm = hwm
         q.heads.added_one(rkey)
         if self.waiters:
-            self.ready.notify_all()
+            self.ready.notify_all(q.name)
         return mid
 
     def push_ready(self, q: QueueState, bodies: Sequence[bytes],
@@ -311,7 +311,7 @@ class HotPaths:
         self._id_hwm = hwm
         q.heads.added(rkeys)
         if self.waiters:
-            self.ready.notify_all()
+            self.ready.notify_all(q.name)
         return list(range(first, first + n))
 
     def deliver_one(self, q: QueueState, ready_key: bytes, mid: int,

@@ -100,6 +100,8 @@ class Server:
         self._wake_pending = False
         self._round_running = False  # a retry round of parked pops is in the store thread
         self._again = False  # a wake came while it ran: run another round after it
+        self._woken: list[str | None] = []  # queues named since the last round (None: all)
+        self._more: set[str] = set()  # lines the running round did not take whole
         self._due_timer: asyncio.TimerHandle | None = None
         self._due_at = math.inf  # store-clock time the due timer is set for
         # The default clock runs at the speed of real time: a waiter's time runs
@@ -526,7 +528,7 @@ class Server:
             w.deadline = self.store.core.wait_clock() + wait
         self._waiting.park(w)
         self._update_listening()
-        self._wake()  # a push may have landed between the empty pop and now
+        self._wake(w.queue)  # a push may have landed between the empty pop and now
         self._arm_due()
 
     def _cancel(self, conn: Connection, rid: int, op: str, args: dict[str, Any],
@@ -580,7 +582,8 @@ class Server:
         core, loop = self.store.core, self._loop
         assert loop is not None
 
-        def listener() -> None:  # store thread or sweeper, writer lock held: only schedule
+        def listener(queue: str | None) -> None:  # store thread or sweeper, writer lock
+            self._woken.append(queue)             # held: only note it and schedule
             if not self._wake_pending:
                 self._wake_pending = True
                 loop.call_soon_threadsafe(self._retry)
@@ -592,7 +595,9 @@ class Server:
 
         self._thread.submit(switch)
 
-    def _wake(self) -> None:
+    def _wake(self, queue: str | None = None) -> None:
+        """Run a retry round soon for the pops waiting on ``queue`` (None: on all)."""
+        self._woken.append(queue)
         if not self._wake_pending:
             self._wake_pending = True
             assert self._loop is not None
@@ -614,10 +619,16 @@ class Server:
             self._expire_due()
         if self._round_running:
             # A wake while a round runs: that round may have tried its queues
-            # before the push that woke us, so run another once it ends.
+            # before the push that woke us, so run another once it ends (the
+            # queues named since stay in _woken for it).
             self._again = True
             return
-        waiters = self._waiting.round()
+        # (Appended to by the listener in the store thread: swap, then read. A name
+        # appended after the swap schedules another _retry, as _wake_pending is off.)
+        names, self._woken = self._woken, []
+        waiters, more = self._waiting.round(
+            None if None in names else {n for n in names if n is not None})
+        self._more = more
         if not waiters or self._thread is None:
             return
         self._round_running = True
@@ -634,10 +645,17 @@ class Server:
         self._round_running = False
         if self._again:
             self._again = False
-            self._wake()
+            self._wake_pending = True  # the names noted meanwhile are in _woken
+            self.loop.call_soon(self._retry)
         if fut.cancelled() or fut.exception() is not None:
             return
-        for w, ok, got in fut.result():
+        results = fut.result()
+        # A queue whose line had more waiters than the round took, all of which got
+        # a message: it may have more for the rest.
+        more = self._more - {w.queue for w, ok, got in results if not ok or got is None}
+        for name in more:
+            self._wake(name)
+        for w, ok, got in results:
             w.busy = False
             if w.done:
                 continue

@@ -7,7 +7,9 @@ keys (a push, a nack, a redrive, a promoted delay or lease) calls the
 listener, which schedules one retry round on the event loop. A round runs
 in the store thread and tries each line's waiters in order, stopping at the
 first that gets nothing, so a push to one queue costs one pop attempt per
-non-empty line, not one per waiter. A timer answers a waiter whose time ran
+non-empty line, not one per waiter: only the lines of the queues that got
+ready keys (the listener is told which), at most ``ROUND_MAX`` waiters of
+each. A timer answers a waiter whose time ran
 out with the empty result: a real-time timer with the default clock; with a
 clock injected into the store, the waiter's deadline is a time of that clock
 (``deadline``), woken for by the server's due-time timer or by the clock's
@@ -21,6 +23,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# Waiters of one queue a retry round tries at most. A round stops trying a queue
+# at its first waiter that gets nothing, but took (and marked, and went through
+# again after) every waiter of the line: with thousands waiting, each push paid
+# for all of them. A line whose every tried waiter got a message is tried again.
+ROUND_MAX = 64
 
 
 @dataclass(eq=False)
@@ -60,15 +68,27 @@ class WaitingPops:
         if w.timer is not None:
             w.timer.cancel()
 
-    def round(self) -> list[Waiter]:
-        """The waiters one retry round tries, marked busy, queue by queue in order."""
-        out = []
-        for line in self.lines.values():
-            for w in line:
+    def round(self, queues: set[str] | None) -> tuple[list[Waiter], set[str]]:
+        """The waiters one retry round tries, marked busy, queue by queue in order:
+        of ``queues`` (None: every queue), at most :data:`ROUND_MAX` of each line.
+        Also the queues whose line has more waiters than it took: if every one
+        taken gets a message, their queue may have more (another round then).
+        """
+        out: list[Waiter] = []
+        more: set[str] = set()
+        lines = self.lines
+        names = list(lines) if queues is None else [n for n in queues if n in lines]
+        for name in names:
+            taken = 0
+            for w in lines[name]:
                 if not w.busy:
+                    if taken == ROUND_MAX:
+                        more.add(name)
+                        break
                     w.busy = True
                     out.append(w)
-        return out
+                    taken += 1
+        return out, more
 
     def of(self, conn: object) -> list[Waiter]:
         return [w for line in self.lines.values() for w in line if w.conn is conn]
