@@ -30,6 +30,7 @@ from ._check_segments import check_segments
 from ._errors import Corruption, InvalidArgument, StorageError
 from ._seg_accounts import covered_ids
 from ._snapshot import MANIFEST, read_manifest
+from ._snapshot import unfinished as unfinished_snapshot
 from .meta import MetaDB, keys, records
 from .payload import PayloadRef, SegmentReader
 from .payload import _format as fmt
@@ -57,6 +58,10 @@ def check_path(path: str | os.PathLike[str]) -> CheckReport:
         manifest = read_manifest(path)
         lengths = {int(s["file_id"]): int(s["length"]) for s in manifest["segments"]}
         active = manifest.get("active_id")
+    if unfinished_snapshot(path):
+        raise InvalidArgument(f"{path!r} holds a snapshot whose taking was cut short (its "
+                              "process was killed): nothing in it is to be read; remove "
+                              "it, or take the snapshot to it again (which replaces it)")
     if not os.path.isdir(meta_path):
         if os.path.isdir(payload_dir) and any(
                 fmt.parse_segment_name(n) is not None for n in os.listdir(payload_dir)):

@@ -29,6 +29,16 @@ log = logging.getLogger("qstore.snapshot")
 
 MANIFEST = SNAPSHOT_MANIFEST
 MANIFEST_FORMAT = 1  # never change the meaning of 1
+# In a snapshot's directory while it is taken; removed once its manifest is
+# durable. A directory holding it and no manifest is a snapshot whose process
+# was killed: a snapshot to it again replaces it, `qstore check` says so.
+UNFINISHED = ".qstore-snapshot-unfinished"
+
+
+def unfinished(dest: str) -> bool:
+    """Whether ``dest`` holds a snapshot whose taking was cut short (a killed process)."""
+    return (os.path.exists(os.path.join(dest, UNFINISHED))
+            and not os.path.exists(os.path.join(dest, MANIFEST)))
 
 
 def take_snapshot(core: Core, dest: str) -> str:
@@ -39,6 +49,12 @@ def take_snapshot(core: Core, dest: str) -> str:
     ``errno`` kept) and removes what it wrote, so ``dest`` is as it was.
     """
     dest = os.fspath(dest)
+    if os.path.isdir(dest) and unfinished(dest):
+        # Ours, cut short by a kill: nothing reads it (no manifest). Its files are
+        # hard links and a checkpoint's copies; the store's own stay untouched.
+        log.warning("replacing the unfinished snapshot in %s (its process was killed "
+                    "while taking it)", dest)
+        _remove_partial(dest, existed=True)
     if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):
         raise InvalidArgument(f"snapshot destination {dest!r} exists and is not empty")
     existed = os.path.isdir(dest)
@@ -53,6 +69,8 @@ def take_snapshot(core: Core, dest: str) -> str:
 def _write(core: Core, dest: str) -> None:
     try:
         os.makedirs(os.path.join(dest, "payload"), exist_ok=True)
+        with open(os.path.join(dest, UNFINISHED), "wb"):
+            pass
     except OSError as exc:
         raise _storage_error(f"cannot create the snapshot directory {dest!r}", exc) from exc
     with core.settling:
@@ -96,8 +114,12 @@ def _write(core: Core, dest: str) -> None:
         "segments": segments,
     }
     try:
-        write_json_durably(os.path.join(dest, MANIFEST), manifest)
         fsync_dir(os.path.join(dest, "payload"))
+        write_json_durably(os.path.join(dest, MANIFEST), manifest)
+        # The manifest makes it a snapshot; the marker goes after it is durable (a
+        # kill in between leaves a finished snapshot and a marker readers ignore).
+        calls.unlink(os.path.join(dest, UNFINISHED))
+        fsync_dir(dest)
     except OSError as exc:
         raise _storage_error(f"cannot write the snapshot manifest in {dest!r}", exc) from exc
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -305,6 +307,47 @@ def test_snapshot_checks_clean_and_a_damaged_one_does_not(tmp_path: Any,
     shutil.copy(seg_path(snap, fid), seg_path(snap, fid) + ".bak")
     os.unlink(seg_path(snap, fid))
     assert "missing_segment" in {f.kind for f in check_path(snap).findings}
+
+
+_KILLED_SNAPSHOT = """
+import os, sys
+import qstore
+from qstore import _snapshot
+def killed(*args, **kwargs):  # the process dies here: checkpoint and links are written
+    os._exit(9)
+_snapshot.write_json_durably = killed
+with qstore.open(sys.argv[1], compactor=False) as s:
+    s.snapshot(sys.argv[2])
+"""
+
+
+def test_a_snapshot_cut_short_by_a_kill_is_named_and_taken_again_in_its_place(
+        tmp_path: Any, clock: FakeClock) -> None:
+    # A snapshot whose process died left its directory (meta/, payload/, no
+    # manifest) behind: `qstore check` said "not a qstore store or snapshot",
+    # and a snapshot to it again was refused, "exists and is not empty"
+    # (durability audit). A child process dies right before the manifest.
+    path, snap = str(tmp_path / "store"), str(tmp_path / "snap")
+    build(path, clock)
+    child = subprocess.run([sys.executable, "-c", _KILLED_SNAPSHOT, path, snap],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 9, child.stderr
+    assert sorted(os.listdir(snap)) == [".qstore-snapshot-unfinished", "meta", "payload"]
+    r = CliRunner().invoke(main, ["check", snap])
+    assert r.exit_code == 2 and "cut short" in r.output
+    with qstore.open(path, clock=clock, compactor=False) as s:
+        s.snapshot(snap)
+    assert sorted(os.listdir(snap)) == ["MANIFEST.json", "meta", "payload"]
+    report = check_path(snap)
+    assert report.ok and report.messages == 11, report.findings
+    # A directory that is not one of ours is never emptied.
+    other = tmp_path / "other"
+    (other / "payload").mkdir(parents=True)
+    (other / "notes.txt").write_text("mine")
+    with qstore.open(path, clock=clock, compactor=False) as s, \
+            pytest.raises(qstore.InvalidArgument, match="not empty"):
+        s.snapshot(str(other))
+    assert sorted(os.listdir(other)) == ["notes.txt", "payload"]
 
 
 def test_a_snapshot_refuses_a_read_write_open_and_a_copy_of_it_is_a_store(
