@@ -123,6 +123,10 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+# A purge or delete_queue of a queue with at most this many keys deletes them one
+# by one instead of by range (states.remove_all).
+POINT_DELETES = 4096
+
 # The payload journal (durability="always", _durability.py) is used only with
 # this much free space, and the memtable is flushed after this many journaled
 # bytes (see Core._journal_policy).
@@ -1117,7 +1121,7 @@ class Core(HotPaths):
     def drop_queue(self, q: QueueState) -> None:
         """Delete a queue with every message in it, in one batch (writer lock held)."""
         txn = Txn()
-        states.remove_all(txn, q, list(self.payload_refs(q)))
+        states.remove_all(txn, q, list(self.payload_refs(q)), self._keys_of_small(q))
         txn.delete(keys.queue_key(q.name))
         # The counters put that commit() adds for q would bring the key back:
         # drop q's deltas, the key goes with the queue.
@@ -1132,11 +1136,23 @@ class Core(HotPaths):
         """Delete every message of ``q`` in one batch; returns how many (lock held)."""
         refs = list(self.payload_refs(q))
         txn = Txn()
-        states.remove_all(txn, q, refs)
+        states.remove_all(txn, q, refs, self._keys_of_small(q))
         self.commit(txn)
         q.heads = ReadyHeads.of_empty_queue(q.qid)
         q.next_event_us = NO_EVENT_US
         return len(refs)
+
+    def _keys_of_small(self, q: QueueState) -> list[bytes] | None:
+        """Every key of ``q``'s tables, if there are at most POINT_DELETES of them
+        (deleted one by one: no range tombstone, see states.remove_all); else None."""
+        found: list[bytes] = []
+        for kind in keys.PER_QUEUE_KINDS:
+            lo = keys.prefix(kind, q.qid)
+            found += self.meta.scan_keys(lo, keys.prefix_end(lo),
+                                         POINT_DELETES + 1 - len(found))
+            if len(found) > POINT_DELETES:
+                return None
+        return found
 
     def payload_refs(self, q: QueueState) -> Iterator[PayloadRef]:
         lo = keys.prefix(keys.MESSAGE, q.qid)

@@ -222,13 +222,26 @@ def age(txn: Txn, q: QueueState, ready_key: bytes, mid: int, rec: records.Messag
     return new_key
 
 
-def remove_all(txn: Txn, q: QueueState, refs: list[PayloadRef]) -> None:
-    """Delete every message of ``q`` (purge, delete_queue); ``refs`` are their payloads."""
+def remove_all(txn: Txn, q: QueueState, refs: list[PayloadRef],
+               every_key: list[bytes] | None = None) -> None:
+    """Delete every message of ``q`` (purge, delete_queue); ``refs`` are their payloads.
+
+    ``every_key``: all the keys of ``q``'s tables (a small queue's), deleted one
+    by one; else (None) each table goes with one range deletion. Range
+    tombstones stay in the memtable until it is flushed, and every new
+    iterator works through all of them: a store that deletes many short-lived
+    queues made each iterator, and so each purge, slower (28 us an iterator
+    after 8,000 deleted queues against 0.8 us).
+    """
     for ref in refs:
         txn.live(ref, -1)
-    for kind in keys.PER_QUEUE_KINDS:
-        p = keys.prefix(kind, q.qid)
-        txn.delete_range(p, keys.prefix_end(p))
+    if every_key is not None:
+        for key in every_key:
+            txn.delete(key)
+    else:
+        for kind in keys.PER_QUEUE_KINDS:
+            p = keys.prefix(kind, q.qid)
+            txn.delete_range(p, keys.prefix_end(p))
     txn.forget_records = True
     for i, c in enumerate(q.counts):
         txn.count(q, i, -c)
