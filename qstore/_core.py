@@ -529,6 +529,7 @@ class Core(HotPaths):
                 state.counts = counts
                 state.heads = ReadyHeads(rec.qid)
                 state.time_floor_us = 0
+                state.dead_floor = 0
                 state.next_event_us = 0
             totals = self.meta.get(keys.totals_key(rec.qid))
             state.expired = records.decode_totals(totals) if totals else 0
@@ -938,6 +939,7 @@ class Core(HotPaths):
         for q in self.queues.values():
             q.heads = ReadyHeads(q.qid)
             q.time_floor_us = 0
+            q.dead_floor = 0
             self.refresh_next_event(q)
         if self.waiters:
             self.ready.notify_all()
@@ -1139,6 +1141,7 @@ class Core(HotPaths):
         states.remove_all(txn, q, refs, self._keys_of_small(q))
         self.commit(txn)
         q.heads = ReadyHeads.of_empty_queue(q.qid)
+        q.dead_floor = self._next_id  # every id below was purged; a later one is above
         q.next_event_us = NO_EVENT_US
         return len(refs)
 

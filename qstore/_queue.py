@@ -677,7 +677,8 @@ class Queue:
         with self._core.settling:
             q = self._maybe_promote()
             lo = keys.prefix(keys.DEAD, q.qid)
-            dead = self._core.meta.scan_keys(lo, keys.prefix_end(lo), n)
+            dead = self._core.meta.scan_keys(keys.dead_key(q.qid, q.dead_floor),
+                                             keys.prefix_end(lo), n)
             try:
                 return self._messages(q, dead)
             except Corruption:
@@ -711,7 +712,8 @@ class Queue:
                 # A lease that ran out on its last attempt is dead already.
                 timers.promote_all(core, q, now_us)
             lo = keys.prefix(keys.DEAD, q.qid)
-            dead = core.meta.scan_keys(lo, keys.prefix_end(lo), n)
+            dead = core.meta.scan_keys(keys.dead_key(q.qid, q.dead_floor),
+                                       keys.prefix_end(lo), n)
             if not dead:
                 return 0
             txn = Txn()
@@ -733,6 +735,9 @@ class Queue:
                     taken.add(rec.digest)
                 states.requeue(txn, q, mid, rec, now, 0.0)
             core.commit(txn)
+            # Every dead letter from the floor to the last one redriven was read and
+            # moved (none made meanwhile: the writer lock is held): none is below.
+            q.dead_floor = max(q.dead_floor, keys.trailing_id(dead[-1]) + 1)
             return len(dead)
 
     def purge(self) -> int:

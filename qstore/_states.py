@@ -92,7 +92,7 @@ def requeue(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord, now: 
     """
     if rec.state == _INFLIGHT and rec.attempts >= q.rec.max_attempts:
         rec.state, rec.when_us = _DEAD, 0
-        txn.put(keys.dead_key(q.qid, mid), b"")
+        put_dead_key(txn, q, mid)
         release_dedup(txn, q, rec)
         if rec.expires_us:  # dead letters do not expire
             txn.delete(keys.expiry_key(q.qid, rec.expires_us, mid))
@@ -158,7 +158,7 @@ def expire(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> boo
         txn.delete(keys.expiry_key(q.qid, rec.expires_us, mid))
         rec.state, rec.when_us, rec.expires_us = _DEAD, 0, 0
         rec.reason = records.EXPIRED_REASON
-        txn.put(keys.dead_key(q.qid, mid), b"")
+        put_dead_key(txn, q, mid)
         release_dedup(txn, q, rec)
         txn.count(q, STATE_COUNTER[_DEAD], 1)
         txn.put_record(keys.message_key(q.qid, mid), rec.encode())
@@ -179,10 +179,17 @@ def bury(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord, reason: 
         txn.delete(keys.expiry_key(q.qid, rec.expires_us, mid))
     rec.state, rec.when_us, rec.expires_us = _DEAD, 0, 0
     rec.reason = reason
-    txn.put(keys.dead_key(q.qid, mid), b"")
+    put_dead_key(txn, q, mid)
     release_dedup(txn, q, rec)
     txn.count(q, STATE_COUNTER[_DEAD], 1)
     txn.put_record(keys.message_key(q.qid, mid), rec.encode())
+
+
+def put_dead_key(txn: Txn, q: QueueState, mid: int) -> None:
+    """Put the dead-letter index key of ``mid`` (and lower ``q.dead_floor`` to it)."""
+    txn.put(keys.dead_key(q.qid, mid), b"")
+    if mid < q.dead_floor:
+        q.dead_floor = mid
 
 
 def release_dedup(txn: Txn, q: QueueState, rec: records.MessageRecord) -> None:

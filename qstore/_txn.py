@@ -44,7 +44,7 @@ class QueueState:
     __slots__ = ("name", "rec", "qid", "counts", "counts_key", "heads", "next_event_us",
                  "time_floor_us", "deleted", "pkeys", "ready_prefix", "message_prefix",
                  "inflight_prefix", "int_prio", "expired", "bucket", "aging_next_us", "plain",
-                 "hot_paths", "cursors", "pass_mark_us", "aging_round")
+                 "hot_paths", "cursors", "pass_mark_us", "aging_round", "dead_floor")
 
     def __init__(self, name: str, rec: records.QueueRecord, counts: list[int]) -> None:
         self.name = name
@@ -70,6 +70,11 @@ class QueueState:
         # No delayed or in-flight key of the queue has a time below this (us):
         # their indexes are read from here, past the tombstones of earlier ones.
         self.time_floor_us = 0
+        # No dead letter of the queue has an id below this: its index (by id) is
+        # read from here, past the tombstones of those redriven or purged before.
+        # Lowered by every dead letter made (_states, before the commit: a floor
+        # too low only costs a longer read), raised by a redrive after its commit.
+        self.dead_floor = 0
         self.deleted = False
         self.expired = 0  # messages expired by their TTL, ever (the E totals key)
         self.bucket: TokenBucket | None = None  # the rate limit's tokens (set by the core)

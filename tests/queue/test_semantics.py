@@ -561,6 +561,40 @@ def test_redrive_moves_up_to_n_dead_letters_back_with_attempts_reset(store: qsto
     assert q.redrive(100) == 0
 
 
+def test_dead_letters_are_read_past_those_redriven_before_and_none_is_missed(
+        store: qstore.Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    # dead_letters(n) and redrive(n) read the index from its start, stepping over
+    # the tombstone of every dead letter redriven before: draining 200,000 in
+    # batches took 4.6 ms a batch at first and 32 ms at the end (resource audit).
+    q = store.create_queue("q", max_attempts=1, order="fifo")
+    first = q.push(b"late")  # the lowest id: it dies after the others are redriven
+    q.push_many([b"%d" % i for i in range(30)])
+    late = pop1(q)
+    assert late.id == first
+    for _ in range(30):
+        q.nack(pop1(q))
+    starts: list[bytes] = []
+    real = store.core.meta.scan_keys
+
+    def scan(lo: bytes, hi: bytes, limit: int | None = None) -> list[bytes]:
+        if lo[:1] == keys.DEAD:
+            starts.append(lo)
+        return real(lo, hi, limit)
+
+    monkeypatch.setattr(store.core.meta, "scan_keys", scan)
+    assert q.redrive(10) == 10
+    assert [m.payload for m in q.dead_letters(3)] == [b"10", b"11", b"12"]
+    assert keys.trailing_id(starts[-1]) == first + 11  # past the ten redriven
+    q.nack(late)  # a dead letter below the others
+    assert [m.payload for m in q.dead_letters(2)] == [b"late", b"10"]
+    assert q.redrive(100) == 21
+    assert q.dead_letters() == [] and q.stats().ready == 31
+    assert q.purge() == 31
+    q.push(b"after")
+    q.nack(pop1(q))
+    assert [m.payload for m in q.dead_letters()] == [b"after"]
+
+
 def test_redrive_sees_a_lease_that_expired_since_the_last_call(store: qstore.Store,
                                                               clock: Any) -> None:
     q = store.create_queue("q", max_attempts=1)
