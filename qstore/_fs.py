@@ -12,11 +12,48 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap as _mmap
 import os
 from collections.abc import Sequence
 from typing import Any
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
+
+# Descriptors a store may hold per payload segment (its reader's own and the one
+# Python's mmap keeps: two; the active segment's writer more), and besides them
+# (RocksDB's table and log files, the process's own).
+FDS_PER_SEGMENT = 2
+FDS_BESIDES = 1024
+
+
+def make_room_for_files(segments: int) -> None:
+    """Raise this process's soft limit on open files toward its hard limit when
+    ``segments`` payload segments may not fit under it.
+
+    The usual soft limit is 1,024 descriptors, the hard one far higher: a store
+    of 500 segments (125 GiB at the default size, far fewer bytes with small
+    segments or long-lived messages pinning old ones) then failed every
+    rotation with EMFILE, and could not even be opened again. Databases raise
+    the soft limit the same way (it is the process's to raise, up to the hard
+    one); past the hard limit, opens fail with EMFILE, reported as a
+    StorageError naming it.
+    """
+    if resource is None:
+        return
+    want = segments * FDS_PER_SEGMENT + FDS_BESIDES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    # Room for the store to grow: twice what it needs now, at most the hard limit.
+    new = 2 * want if hard == resource.RLIM_INFINITY else min(hard, 2 * want)
+    if new > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
 
 
 def map_read(fd: int, size: int) -> _mmap.mmap:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,3 +45,30 @@ def test_write_json_durably_replaces_the_file_and_leaves_no_temp(tmp_path: Path)
     assert json.loads(path.read_text()) == {"a": "x", "b": [1, 2]}
     assert path.read_text().startswith('{\n "a"')  # sorted keys, indented
     assert os.listdir(tmp_path) == ["job.json"]
+
+
+_SMALL_LIMIT = """
+import resource, sys
+import qstore
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+with qstore.open(sys.argv[1], segment_max_bytes=4096, compactor=False) as s:
+    q = s.create_queue("q", exist_ok=True)
+    for i in range(int(sys.argv[2])):
+        q.push(b"%05d" % i + bytes(1500))
+    got = q.peek(1000)  # every payload read back
+    print(len(s.stats().segments), len(got), all(len(m.payload) == 1505 for m in got))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="RLIMIT_NOFILE is a Unix limit")
+def test_a_store_of_many_segments_works_under_a_small_soft_file_limit(tmp_path: Path) -> None:
+    # Two descriptors a segment: under a soft limit of 256 a store failed every
+    # rotation with EMFILE after about 120 segments, and could not be opened
+    # again (a resource audit, at the usual limit of 1,024 and 480 segments).
+    # The store raises its process's soft limit toward the hard one.
+    path = str(tmp_path / "s")
+    for pushes, segments, messages in ((400, 200, 400), (10, 205, 410)):  # then a reopen
+        r = subprocess.run([sys.executable, "-c", _SMALL_LIMIT, path, str(pushes)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == [str(segments), str(messages), "True"]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from .._errors import Corruption, PayloadTooLarge, StorageError
 from .._fs import calls as fcalls
-from .._fs import fsync_dir, write_file_durably
+from .._fs import fsync_dir, make_room_for_files, write_file_durably
 from . import _format as fmt
 from ._format import Located, PayloadRef
 from ._reader import ScanError, SegmentReader, frame_problem, frames_intact, is_zero_from
@@ -127,6 +127,7 @@ class SegmentSet:
             self._remove_unfinished_creates()
             create_views_lock(directory)
         ids = self._list_ids()
+        make_room_for_files(len(ids) + 1)
         if not readonly:
             for fid in discard:
                 if fid in ids:
@@ -376,6 +377,7 @@ class SegmentSet:
         fid = self._next_id
         self._next_id += 1  # never reused, even when this fails
         path = self._path(fid)
+        make_room_for_files(len(self._readers) + 1)
         create_segment_file(path, fid)
         reader: SegmentReader | None = None
         try:
