@@ -84,6 +84,9 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        if self.closed:  # closed while its TLS handshake ran (evicted, or too late)
+            transport.close()
+            return
         if self.refusal is not None:
             self.close(self.refusal)
 

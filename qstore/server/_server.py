@@ -69,6 +69,10 @@ class Limits:
     max_connections: int = 1024
     max_waiting: int = 10_000
     handshake_timeout: float = 10.0
+    # Connections that have not finished their handshake, at most: a new one
+    # beyond it closes the oldest of them. They do not count against
+    # max_connections, so sockets that never say hello cannot lock clients out.
+    max_ungreeted: int = 256
 
 
 class Server:
@@ -87,6 +91,7 @@ class Server:
         self.limits = limits = limits or Limits()
         self.metrics = metrics
         self._conns: set[Connection] = set()
+        self._ungreeted: dict[Connection, None] = {}  # in arrival order
         self._leases = book = LeaseBook(store.core.clock)
         if metrics is not None:
             metrics.leases_held.set_function(lambda: len(book.owner))
@@ -124,16 +129,20 @@ class Server:
         self._inline = self.store.config.durability != "always"
         self._thread = InlineStore(loop) if self._inline else StoreThread(loop)
         a = self.address
+        # A TLS handshake that does not finish (a socket that never sends its hello)
+        # holds a descriptor until this, not asyncio's default of 60 s.
+        tls_timeout = self.limits.handshake_timeout if self._ssl is not None else None
         if a.kind == "unix":
             old = os.umask(0o177)  # the socket is born mode 0600: no window where others connect
             try:
-                self._server = await loop.create_unix_server(self._accept, a.path,
-                                                             ssl=self._ssl)
+                self._server = await loop.create_unix_server(
+                    self._accept, a.path, ssl=self._ssl, ssl_handshake_timeout=tls_timeout)
             finally:
                 os.umask(old)
         else:
             self._server = await loop.create_server(self._accept, a.host, a.port,
-                                                    ssl=self._ssl, reuse_address=True)
+                                                    ssl=self._ssl, reuse_address=True,
+                                                    ssl_handshake_timeout=tls_timeout)
         log.info("qstore server listening on %s", self.listening_on)
 
     @property
@@ -170,11 +179,21 @@ class Server:
 
     def _accept(self) -> Connection:
         conn = Connection(self, self.limits.max_frame, self._leases)
-        if len(self._conns) >= self.limits.max_connections:
+        ungreeted = self._ungreeted
+        if len(self._conns) - len(ungreeted) >= self.limits.max_connections:
             # Told why and closed once made (before that it has no transport).
             conn.refusal = _error_frame(ServerBusy(
                 f"over the limit of {self.limits.max_connections} connections"))
             return conn
+        while len(ungreeted) >= self.limits.max_ungreeted:
+            # The oldest connection still without a handshake makes room: a client
+            # that connects to work says hello within a round trip, so a flood of
+            # silent sockets evicts its own, not the clients (before, 1,024 silent
+            # sockets refused every new client; a security audit).
+            oldest = next(iter(ungreeted))
+            del ungreeted[oldest]
+            oldest.close()
+        ungreeted[conn] = None
         self._conns.add(conn)
         if self.metrics:
             self.metrics.connections.inc()
@@ -196,6 +215,7 @@ class Server:
         self._check_hello(hello)
         if conn.hello_timer is not None:
             conn.hello_timer.cancel()
+        self._ungreeted.pop(conn, None)
         conn.greeted = True
         conn.keep_leases = hello.get("keep_leases", False)
         conn.write(wire.pack({"qstore": wire.PROTOCOL_VERSION, "server": __version__,
@@ -236,6 +256,7 @@ class Server:
     def lost(self, conn: Connection) -> None:
         if conn.hello_timer is not None:
             conn.hello_timer.cancel()
+        self._ungreeted.pop(conn, None)
         if conn in self._conns:
             task = self.loop.create_task(self._end(conn))
             self._ending.add(task)

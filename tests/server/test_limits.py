@@ -64,6 +64,31 @@ def test_connections_over_the_limit_are_told_why_and_closed(tmp_path: Any) -> No
                 assert time.monotonic() < deadline, "the closed connections were never let go"
 
 
+def test_sockets_that_never_say_hello_cannot_lock_clients_out(tmp_path: Any) -> None:
+    # Silent sockets counted against --max-connections until their handshake timed
+    # out: 2 of them kept every client out here, 1,024 with the default limit
+    # (security audit). They no longer count, and past max_ungreeted (256) a new
+    # connection closes the oldest silent one.
+    with running(str(tmp_path / "s"), "--max-connections", "2") as srv:
+        pid = srv.proc.pid
+        with qstore.connect(srv.address) as c:
+            c.create_queue("q")
+        baseline = _open_fds(pid)
+        silent = [raw_socket(srv.address) for _ in range(300)]
+        try:
+            with qstore.connect(srv.address) as a, qstore.connect(srv.address) as b:
+                a.queue("q").push(b"in")
+                assert b.queue("q").pop().payload == b"in"
+                with pytest.raises(qstore.ServerBusy):  # the limit holds for clients
+                    qstore.connect(srv.address).stats()
+            assert _open_fds(pid) <= baseline + Limits().max_ungreeted + 4
+            # The oldest silent ones were closed by the server: no answer, no hello.
+            assert all(frames_until_closed(s) == [] for s in silent[:40])
+        finally:
+            for s in silent:
+                s.close()
+
+
 def test_waiting_pops_over_the_limit_raise_server_busy(tmp_path: Any) -> None:
     async def main(address: str) -> None:
         async with qstore.aio.connect(address) as a, qstore.aio.connect(address) as b:
