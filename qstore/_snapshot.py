@@ -49,6 +49,12 @@ def take_snapshot(core: Core, dest: str) -> str:
     ``errno`` kept) and removes what it wrote, so ``dest`` is as it was.
     """
     dest = os.fspath(dest)
+    if not dest:  # os.path.exists("") is False: it would be written into the cwd
+        raise InvalidArgument("snapshot destination is empty")
+    inside = os.path.realpath(core.path) + os.sep
+    if (os.path.realpath(dest) + os.sep).startswith(inside):
+        raise InvalidArgument(f"snapshot destination {dest!r} is inside the store "
+                              f"{core.path!r}")
     if os.path.isdir(dest) and unfinished(dest):
         # Ours, cut short by a kill: nothing reads it (no manifest). Its files are
         # hard links and a checkpoint's copies; the store's own stay untouched.

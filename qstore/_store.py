@@ -259,6 +259,8 @@ class Store:
         is that of a check after the repair, and its ``repairs`` say what was
         done. No payload and no message record is ever deleted.
         """
+        if not isinstance(repair, bool):  # a truthy "no" must not start a repair
+            raise InvalidArgument(f"repair must be a bool, not {repair!r:.60}")
         core = self._core
         payload_dir = os.path.join(self.path, "payload")
         if repair:

@@ -350,6 +350,22 @@ def test_a_snapshot_cut_short_by_a_kill_is_named_and_taken_again_in_its_place(
     assert sorted(os.listdir(other)) == ["notes.txt", "payload"]
 
 
+def test_a_snapshot_destination_that_is_empty_or_inside_the_store_is_refused(
+        tmp_path: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    # os.path.exists("") is False: an empty destination was written into the
+    # current directory (security audit); one inside the store put a copy of
+    # the store into its own directories.
+    path = str(tmp_path / "store")
+    build(path, clock)
+    monkeypatch.chdir(tmp_path)
+    with qstore.open(path, clock=clock, compactor=False) as s:
+        for dest in ("", os.path.join(path, "payload", "snap"), path):
+            with pytest.raises(qstore.InvalidArgument):
+                s.snapshot(dest)
+    assert sorted(os.listdir(tmp_path)) == ["store"]
+    assert "snap" not in os.listdir(os.path.join(path, "payload"))
+
+
 def test_a_snapshot_refuses_a_read_write_open_and_a_copy_of_it_is_a_store(
         tmp_path: Any, clock: FakeClock) -> None:
     # Its segments are hard links to the live store's, the active one included:

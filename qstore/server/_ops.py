@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -344,6 +345,12 @@ def store_op(store: Store, op: str, args: dict[str, Any]) -> Any:
         if op == "compact":
             return wire.encode_compaction(store.compact(**args))
         if op == "snapshot":
+            # The clients send an absolute path (through a unix socket they make
+            # a relative one absolute); a relative one would be the server's cwd.
+            dest = args.get("dest")
+            if not isinstance(dest, str) or not os.path.isabs(dest):
+                raise InvalidArgument(f"snapshot needs dest, an absolute path on the "
+                                      f"server's machine, not {dest!r:.100}")
             return store.snapshot(**args)
         if op == "check":
             return wire.encode_check(store.check(**args))

@@ -61,6 +61,12 @@ def default_max_frame(max_payload_bytes: int) -> int:
     return min(max_payload_bytes + max(max_payload_bytes // 4, 1024 * 1024), 2**32 - 1)
 
 
+# An error's message is cut to this many characters in its answer: some quote the
+# argument they refuse, which a client may make megabytes long (a 16 MiB rate
+# list answered 48 MiB; a security audit).
+ERROR_TEXT_MAX = 4096
+
+
 @dataclass(frozen=True)
 class Limits:
     """Server limits (``qstore serve --help``)."""
@@ -265,7 +271,7 @@ class Server:
     def _check_hello(self, hello: Any) -> None:
         if not isinstance(hello, dict) or "qstore" not in hello:
             raise ProtocolError("the first frame must be the handshake map")
-        if hello["qstore"] != wire.PROTOCOL_VERSION:
+        if type(hello["qstore"]) is not int or hello["qstore"] != wire.PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {hello['qstore']!r} is not supported; "
                                 f"this server speaks {wire.PROTOCOL_VERSION}")
         if type(hello.get("keep_leases", False)) is not bool:
@@ -519,11 +525,16 @@ class Server:
 
     def _reply_error(self, conn: Connection, rid: int, op: str, started: float,
                      exc: BaseException) -> None:
-        if not isinstance(exc, QStoreError):
+        if isinstance(exc, RecursionError):  # an argument nested past repr's limit
+            exc = InvalidArgument(f"{op}: an argument is nested too deeply")
+        elif not isinstance(exc, QStoreError):
             log.error("request %s failed", op, exc_info=exc)
         if self.metrics:
             self.metrics.request(op, time.perf_counter() - started, False)
-        self._send(conn, wire.pack([rid, wire.ERR, wire.encode_error(exc)]))
+        error = wire.encode_error(exc)
+        if len(error[1]) > ERROR_TEXT_MAX:  # a message that quotes a huge argument
+            error[1] = f"{error[1][:ERROR_TEXT_MAX]}... ({len(error[1])} characters)"
+        self._send(conn, wire.pack([rid, wire.ERR, error]))
 
     # -- waiting pops -----------------------------------------------------------------
 

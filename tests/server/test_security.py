@@ -18,7 +18,15 @@ from hypothesis import strategies as st
 import qstore
 from qstore.cli import main
 
-from ._support import ServerProcess, frame, frames_until_closed, raw_socket, running, send_junk
+from ._support import (
+    ServerProcess,
+    frame,
+    frames_until_closed,
+    raw_socket,
+    read_frames,
+    running,
+    send_junk,
+)
 
 
 def _token_file(tmp_path: Any) -> str:
@@ -164,3 +172,39 @@ def test_fuzzed_frames_never_harm_the_server(server: ServerProcess, junk: bytes,
         q.push(b"alive")
         assert q.pop().payload == b"alive"
     assert server.proc.poll() is None
+
+
+def test_hostile_arguments_get_short_errors_and_change_nothing(server: ServerProcess) -> None:
+    # Found by a security audit: a 1,000-deep list made the error's repr raise
+    # RecursionError ("server error", a traceback per request); a 16 MiB list
+    # was quoted whole in its error; check(repair="no") ran a repair; an empty
+    # snapshot dest wrote a copy of the store into the server's cwd (and a
+    # relative one went there too); version True passed the handshake.
+    with qstore.connect(server.address) as client:
+        client.create_queue("q").push(b"x")
+    s = raw_socket(server.address)
+    try:
+        s.sendall(frame({"qstore": 1}))
+        assert isinstance(read_frames(s, 1)[0], dict)
+        deep: Any = []
+        for _ in range(900):
+            deep = [deep]
+        requests = [
+            [1, "pop", {"queue": "q", "wait": deep}],
+            [2, "configure_queue", {"name": "q", "rate": [0] * 2_000_000}],
+            [3, "check", {"repair": "no"}],
+            [4, "snapshot", {"dest": ""}],
+            [5, "snapshot", {"dest": "relative/snap"}],
+        ]
+        s.sendall(b"".join(frame(r) for r in requests))
+        got = {a[0]: a for a in read_frames(s, len(requests))}
+        for rid in range(1, 6):
+            assert got[rid][1] == 1 and got[rid][2][0] == "InvalidArgument", got[rid][:2]
+            assert len(got[rid][2][1]) < 5000
+    finally:
+        s.close()
+    bad = raw_socket(server.address)
+    bad.sendall(frame({"qstore": True}))
+    assert _closed_with_error(bad)[2][0] == "ProtocolError"
+    with qstore.connect(server.address) as client:
+        assert client.queue("q").pop().payload == b"x"  # no repair, nothing changed
