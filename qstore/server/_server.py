@@ -397,7 +397,7 @@ class Server:
             def run() -> Any:
                 ack_group(store, key[1], key[2], receipts, takers)
                 return [None] * len(reqs)
-        if self._inline:
+        if self._inline_now():
             try:
                 results = run()
             except Exception:  # nothing was done: each alone gets its own answer
@@ -449,7 +449,7 @@ class Server:
             leases = conn.leases
             if op in _POPS and args.get("wait"):
                 kept = dict(args)  # queue_op consumes its args; a parked pop needs them
-            if self._inline:  # no closure, no future: the store call is microseconds
+            if self._inline_now():  # no closure, no future: the call is microseconds
                 self._run_inline(conn, rid, op, kept, started, queue_op, store, leases, op, args)
                 return
 
@@ -474,7 +474,9 @@ class Server:
             self._reply_error(conn, rid, op, started,
                               InvalidArgument(f"unknown operation {op!r}"))
             return
-        if self._inline:
+        # A ping touches no store: answered at once, even while a check holds the
+        # writer lock, unless its connection waits for an earlier answer.
+        if self._inline_now() or (op == "ping" and conn.pending == 1):
             self._run_inline(conn, rid, op, kept, started, run)
             return
         fut = self._submit(run)
@@ -507,7 +509,18 @@ class Server:
     async def _run_slow(self, op: str, args: dict[str, Any]) -> Any:
         if not self._inline:  # after every call the store thread was given before it
             await self._submit(_nothing)
+        elif op == "check" and isinstance(self._thread, InlineStore):
+            # It holds the writer lock throughout: meanwhile no store call runs on
+            # the loop, where it would wait for the lock (_worker.InlineStore).
+            with self._thread.holding():
+                return await asyncio.to_thread(store_op, self.store, op, args)
         return await asyncio.to_thread(store_op, self.store, op, args)
+
+    def _inline_now(self) -> bool:
+        """Whether a store call runs on the loop now (interval, none; not while a
+        check holds the writer lock, nor until the calls made meanwhile finished)."""
+        t = self._thread
+        return self._inline and not (isinstance(t, InlineStore) and t.diverting())
 
     def _slow_done(self, conn: Connection, rid: int, op: str, args: dict[str, Any],
                    started: float, fut: asyncio.Future[Any]) -> None:

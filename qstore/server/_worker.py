@@ -87,18 +87,62 @@ def _settle(done: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
 
 
 class InlineStore:
-    """The :class:`StoreThread` interface, running each call at once on the loop."""
+    """The :class:`StoreThread` interface, running each call at once on the loop.
+
+    Except while a call that holds the writer lock for long runs in another
+    thread (``store.check()``: seconds to minutes): a call made inline then
+    would wait for the lock on the event loop, so that not even a ping or a
+    handshake of another client is answered (a security audit saw 2.2 s
+    stalls during a 2.7 s check). While :meth:`holding` is in effect, and
+    until the calls made meanwhile have all finished (so that none overtakes
+    an earlier one), calls go to a side thread instead (:meth:`diverting`).
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._holds = 0
+        self._pending = 0
+        self._side: StoreThread | None = None
+
+    def diverting(self) -> bool:
+        """Whether calls go to the side thread now (the server asks before it runs
+        one inline itself)."""
+        return self._holds > 0 or self._pending > 0
+
+    def holding(self) -> _Holding:
+        """A context: a call holding the writer lock for long runs meanwhile."""
+        return _Holding(self)
 
     def submit(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        fut: asyncio.Future[Any] = self._loop.create_future()
+        if self.diverting():
+            if self._side is None:
+                self._side = StoreThread(self._loop)
+            self._pending += 1
+            fut = self._side.submit(fn)
+            fut.add_done_callback(self._side_done)
+            return fut
+        fut = self._loop.create_future()
         try:
             fut.set_result(fn())
         except Exception as exc:  # handed to the request's own future
             fut.set_exception(exc)
         return fut
 
+    def _side_done(self, _fut: asyncio.Future[Any]) -> None:
+        self._pending -= 1
+
     def stop(self) -> None:
-        """Nothing runs in the background: every call has finished already."""
+        """Finish the side thread's calls, if it has any; the others have finished."""
+        if self._side is not None:
+            self._side.stop()
+
+
+class _Holding:
+    def __init__(self, store: InlineStore) -> None:
+        self._store = store
+
+    def __enter__(self) -> None:
+        self._store._holds += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._store._holds -= 1
