@@ -593,13 +593,13 @@ class Server:
                               InvalidArgument("cancel takes args {'request': id}"))
             return
         withdrawn = found = False
-        for w in self._waiting.of(conn):
-            if w.rid == target and not w.done and not w.expired:
-                found = withdrawn = True
-                if w.busy:  # answered by the retry round in progress: empty, unless
-                    w.expired = True  # that round got it a message (given back, then)
-                else:
-                    self._answer_empty(w)
+        w = self._waiting.find(conn, target)
+        if w is not None and not w.done and not w.expired:
+            found = withdrawn = True
+            if w.busy:  # answered by the retry round in progress: empty, unless
+                w.expired = True  # that round got it a message (given back, then)
+            else:
+                self._answer_empty(w)
         if not found and conn.pending:  # maybe still in the store thread: not to park
             if len(conn.cancelled) >= MAX_PIPELINE:
                 conn.cancelled.clear()

@@ -53,9 +53,14 @@ class WaitingPops:
         self.limit = limit
         self.lines: dict[str, deque[Waiter]] = {}
         self.count = 0
+        # Each connection's waiters, in the order they parked: a cancel or a closed
+        # connection finds its own without walking every line. (Not by request id:
+        # a client may reuse one, and a closed connection must find every waiter.)
+        self._of: dict[object, dict[Waiter, None]] = {}
 
     def park(self, w: Waiter) -> None:
         self.lines.setdefault(w.queue, deque()).append(w)
+        self._of.setdefault(w.conn, {})[w] = None
         self.count += 1
 
     def remove(self, w: Waiter) -> None:
@@ -65,8 +70,20 @@ class WaitingPops:
             self.count -= 1
             if not line:
                 del self.lines[w.queue]
+        mine = self._of.get(w.conn)
+        if mine is not None and w in mine:
+            del mine[w]
+            if not mine:
+                del self._of[w.conn]
         if w.timer is not None:
             w.timer.cancel()
+
+    def find(self, conn: object, rid: int) -> Waiter | None:
+        """The first waiter of request ``rid`` of ``conn`` still to be answered."""
+        for w in self._of.get(conn, ()):
+            if w.rid == rid and not w.done and not w.expired:
+                return w
+        return None
 
     def round(self, queues: set[str] | None) -> tuple[list[Waiter], set[str]]:
         """The waiters one retry round tries, marked busy, queue by queue in order:
@@ -91,7 +108,7 @@ class WaitingPops:
         return out, more
 
     def of(self, conn: object) -> list[Waiter]:
-        return [w for line in self.lines.values() for w in line if w.conn is conn]
+        return list(self._of.get(conn, ()))
 
 
 def try_round(waiters: list[Waiter], attempt: Callable[[Waiter], Any],

@@ -10,6 +10,7 @@ import qstore
 from qstore.server import _ops
 from qstore.server._conn import Connection
 from qstore.server._ops import LeaseBook, Leases, queue_op
+from qstore.server._waiting import Waiter, WaitingPops
 
 from ..conftest import FakeClock
 
@@ -120,3 +121,30 @@ def test_a_connection_reports_its_loss_once_however_it_ends() -> None:
             conn.close()
         conn.close()
         assert owner.lost_calls == 1
+
+
+def test_parked_pops_are_found_by_connection_without_walking_every_line() -> None:
+    # A cancel or a closed connection looked for its waiters through every line
+    # (1,000 cancels among 10,000 waiters took 0.23 s; a security audit). Each
+    # connection's waiters are kept apart now; a request id a client reused
+    # must not hide one of them (a closed connection must find every one).
+    a, b = object(), object()
+    pops = WaitingPops(100)
+    mine = [Waiter(a, 1, "pop", {}, "x"), Waiter(a, 1, "pop", {}, "y"),
+            Waiter(a, 2, "pop", {}, "x")]
+    theirs = [Waiter(b, 1, "pop", {}, "x"), Waiter(b, 5, "pop", {}, "y")]
+    for w in (mine[0], theirs[0], mine[1], theirs[1], mine[2]):
+        pops.park(w)
+    assert pops.of(a) == mine and pops.of(b) == theirs
+    assert pops.find(a, 1) is mine[0] and pops.find(b, 5) is theirs[1]
+    assert pops.find(a, 5) is None
+    mine[0].done = True
+    assert pops.find(a, 1) is mine[1]
+    pops.remove(mine[0])
+    pops.remove(mine[1])
+    assert pops.of(a) == [mine[2]] and pops.count == 3
+    assert [w for line in pops.lines.values() for w in line] == [theirs[0], mine[2],
+                                                                  theirs[1]]
+    for w in (mine[2], *theirs):
+        pops.remove(w)
+    assert pops.of(a) == pops.of(b) == [] and pops.lines == {} and pops.count == 0
