@@ -593,8 +593,8 @@ class Server:
                               InvalidArgument("cancel takes args {'request': id}"))
             return
         withdrawn = found = False
-        w = self._waiting.find(conn, target)
-        if w is not None and not w.done and not w.expired:
+        w = self._waiting.find(conn, target)  # one still to be answered
+        if w is not None:
             found = withdrawn = True
             if w.busy:  # answered by the retry round in progress: empty, unless
                 w.expired = True  # that round got it a message (given back, then)
