@@ -16,7 +16,8 @@ import contextlib
 import json
 import mmap as _mmap
 import os
-from collections.abc import Sequence
+import shutil
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 try:
@@ -54,6 +55,19 @@ def make_room_for_files(segments: int) -> None:
     if new > soft:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+
+
+def remove_paths(paths: Iterable[str]) -> list[str]:
+    """Remove each path (a directory with what it holds; a file or a link itself);
+    returns those still there (an error is not raised: the caller says what is
+    left, as a failed snapshot or serve cleaning up after itself does)."""
+    for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    return [path for path in paths if os.path.lexists(path)]
 
 
 def map_read(fd: int, size: int) -> _mmap.mmap:

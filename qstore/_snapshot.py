@@ -12,17 +12,15 @@ live store and are ignored by readers of the snapshot.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
 import os
-import shutil
 from typing import Any
 
 from ._core import SNAPSHOT_MANIFEST, Core
 from ._errors import Corruption, InvalidArgument, StorageError
-from ._fs import calls, fsync_dir, write_json_durably
+from ._fs import calls, fsync_dir, remove_paths, write_json_durably
 from .payload._format import segment_name
 
 log = logging.getLogger("qstore.snapshot")
@@ -142,14 +140,8 @@ def _remove_partial(dest: str, existed: bool) -> None:
     Hard links and the checkpoint's files only: the store's own files are untouched.
     """
     paths = [os.path.join(dest, name) for name in os.listdir(dest)] if existed else [dest]
-    for path in paths:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):  # reported below
-                os.unlink(path)
-        if os.path.lexists(path):
-            log.error("cannot remove %s of a failed snapshot; remove it by hand", path)
+    for path in remove_paths(paths):
+        log.error("cannot remove %s of a failed snapshot; remove it by hand", path)
 
 
 def read_manifest(snapshot: str) -> dict[str, Any]:

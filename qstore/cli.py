@@ -11,11 +11,9 @@ qstore error (corruption, storage failure).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +27,7 @@ from . import _errors as errors
 from ._address import LOOPS
 from ._cli_target import is_address, open_target, read_token, server_answers, server_of
 from ._errors import EXIT_FOUND, exit_code
+from ._fs import remove_paths
 from ._lazy import lazy
 from ._numbers import plain_number
 from ._tables import print_stats
@@ -664,16 +663,8 @@ def _held_store(path: str) -> bool:
 
 def _remove_created(path: str, existed: bool, before: set[str]) -> None:
     """Remove what a failed ``serve`` created at ``path`` (which held no store)."""
-    if not existed:
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    for name in set(os.listdir(path)) - before:
-        full = os.path.join(path, name)
-        if os.path.isdir(full) and not os.path.islink(full):
-            shutil.rmtree(full, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.unlink(full)
+    remove_paths([os.path.join(path, n) for n in set(os.listdir(path)) - before]
+                 if existed else [path])
 
 
 if __name__ == "__main__":  # pragma: no cover
