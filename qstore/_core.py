@@ -212,7 +212,9 @@ class Settling:
     """The writer lock, taken as ``with core.lock`` would, for sections with no checks
     to make first (passes, inspections that promote, compaction, snapshots); an
     exception leaving after a metadata write started reads memory back
-    (:meth:`Core.settle`)."""
+    (:meth:`Core.settle`). After a failed metadata write the outermost entry
+    tries :meth:`Core.resume` first, as a writer does: once space is back, the
+    section's writes work without waiting for a write elsewhere."""
 
     __slots__ = ("_core",)
 
@@ -226,6 +228,14 @@ class Settling:
             lock.acquire()
             return
         lock.acquire()
+        if core.meta.failed is not None and not core.closed and not core.readonly:
+            try:
+                core.resume()
+            except StorageError:
+                pass  # still failing: the section's writes raise, its reads go on
+            except BaseException:
+                lock.release()
+                raise
         core.write_mark = core.meta.writes
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:

@@ -28,6 +28,7 @@ from ._errors import (
     LeaseExpired,
     MessageNotFound,
     QueueNotFound,
+    StorageError,
 )
 from ._message import Message, QueueStats, make_receipt
 from ._txn import BYTES, DEAD, DELAYED, INFLIGHT, READY, QueueState, Txn
@@ -597,8 +598,26 @@ class Queue:
 
     def _catch_up(self) -> None:
         """Run the due passes in batches, letting go of the writer lock between them
-        (before an inspection takes the lock for itself)."""
-        timers.catch_up(self._core, self._q)
+        (before an inspection takes the lock for itself). While metadata writes
+        fail (a full disk), the passes cannot run: the inspection goes on and
+        shows what the database holds; a write after it raises the failure."""
+        try:
+            timers.catch_up(self._core, self._q)
+        except StorageError:
+            if self._core.meta.failed is None:
+                raise
+
+    def _promote_all(self, q: QueueState, now_us: int) -> None:
+        """:func:`timers.promote_all` for an inspection (writer lock held): as in
+        :meth:`_catch_up`, a failed metadata write leaves the inspection to show
+        what the database holds. Memory is as before the failed batch: every
+        pass changes it only after its write (the next writer reopens and reads
+        everything back, :meth:`Core.resume`)."""
+        try:
+            timers.promote_all(self._core, q, now_us)
+        except StorageError:
+            if self._core.meta.failed is None:
+                raise
 
     def _maybe_promote(self) -> QueueState:
         core = self._core
@@ -607,7 +626,7 @@ class Queue:
         if not core.readonly:
             now_us = keys.to_us(core.clock())
             if q.next_event_us <= now_us:
-                timers.promote_all(core, q, now_us)  # what fell due since _catch_up
+                self._promote_all(q, now_us)  # what fell due since _catch_up
         return q
 
     def _messages(self, q: QueueState, index_keys: list[bytes]) -> list[Message]:

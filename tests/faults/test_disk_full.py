@@ -238,3 +238,57 @@ def test_background_sync_logs_one_line_per_failure_episode(
         assert any("background sync works again" in r.getMessage() for r in caplog.records)
     _assert_intact(store, kept)
     store.close()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_reads_work_while_full_even_when_something_fell_due(small_disk: str) -> None:
+    """A read that would promote a due lease or delay first (a metadata write)
+    shows what the database holds while writes fail; once space is back, reads,
+    snapshots and the promotion they skipped work again without a write first."""
+    path = os.path.join(small_disk, "s")
+    clock = _Clock()
+    store = qstore.open(path, compactor=False, clock=clock, segment_max_bytes=4 * SEGMENT)
+    q = store.create_queue("q")
+    kept: dict[int, bytes] = {}
+    for i in range(10):
+        kept[q.push(b"body %d" % i)] = b"body %d" % i
+    leased = q.pop(lease=10)
+    assert leased is not None
+    delayed = q.push(b"later", delay=5)
+    kept[delayed] = b"later"
+    os.unlink(os.path.join(path, RESERVE_NAME))
+    filler = os.path.join(small_disk, "filler")
+    _fill(filler)
+    _push_until_full(q, b"small ", kept)
+    with pytest.raises(qstore.StorageError):
+        q.push(b"still full")  # the database now refuses every write
+
+    clock.now += 20  # the lease and the delay fall due: a read would promote them
+    before = q.stats()
+    assert (before.ready, before.delayed, before.in_flight) == (len(kept) - 2, 1, 1)
+    assert q.get(delayed).payload == b"later"
+    assert q.get(leased.id).state == "in_flight"  # as written: its expiry is not
+    assert [m.id for m in q.peek(1)] == [leased.id + 1]  # the oldest ready one
+    assert q.dead_letters() == []
+    assert store.stats().queues[0].in_flight == 1
+    with pytest.raises(qstore.StorageError):
+        store.snapshot(os.path.join(small_disk, "snap-full"))
+
+    os.unlink(filler)  # space is back: no write comes first
+    after = q.stats()  # the read reopens the database and promotes what fell due
+    assert (after.ready, after.delayed, after.in_flight) == (len(kept), 0, 0)
+    assert q.get(leased.id).state == "ready"
+    snap = os.path.join(small_disk, "snap")
+    store.snapshot(snap)
+    store.close()
+    with qstore.open(snap, readonly=True) as view:
+        assert view.queue("q").stats().ready == len(kept)
+    with qstore.open(path, compactor=False, clock=clock) as again:
+        _assert_intact(again, kept)
