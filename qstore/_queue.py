@@ -598,18 +598,13 @@ class Queue:
 
     def _catch_up(self) -> None:
         """Run the due passes in batches, letting go of the writer lock between them
-        (before an inspection takes the lock for itself). While metadata writes
-        fail (a full disk), the passes cannot run: the inspection goes on and
-        shows what the database holds; a write after it raises the failure."""
-        try:
-            timers.catch_up(self._core, self._q)
-        except StorageError:
-            if self._core.meta.failed is None:
-                raise
+        (before an inspection takes the lock for itself; see
+        :func:`timers.catch_up_to_read` for a full disk)."""
+        timers.catch_up_to_read(self._core, self._q)
 
     def _promote_all(self, q: QueueState, now_us: int) -> None:
         """:func:`timers.promote_all` for an inspection (writer lock held): as in
-        :meth:`_catch_up`, a failed metadata write leaves the inspection to show
+        :func:`timers.catch_up_to_read`, a failed metadata write leaves the inspection to show
         what the database holds. Memory is as before the failed batch: every
         pass changes it only after its write (the next writer reopens and reads
         everything back, :meth:`Core.resume`)."""

@@ -28,6 +28,7 @@ import time
 from . import _aging as aging
 from . import _states as states
 from ._core import Core
+from ._errors import StorageError
 from ._txn import STATE_COUNTER, QueueState, Txn
 from .meta import keys, records
 
@@ -88,6 +89,18 @@ def catch_up(core: Core, q: QueueState) -> None:
         # Yield the GIL: a thread blocked on the writer lock gets it now, instead
         # of this loop taking it back at once (Python's locks are not fair).
         time.sleep(0)
+
+
+def catch_up_to_read(core: Core, q: QueueState) -> None:
+    """:func:`catch_up` before an inspection (stats, get, peek, dead_letters). While
+    metadata writes fail (a full disk), the passes cannot run: the inspection
+    goes on and shows what the database holds; a write after it raises the
+    failure."""
+    try:
+        catch_up(core, q)
+    except StorageError:
+        if core.meta.failed is None:
+            raise
 
 
 def _timed(core: Core, q: QueueState, kind: bytes, now_us: int, limit: int) -> int:

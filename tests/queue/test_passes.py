@@ -73,6 +73,27 @@ def test_expiry_of_a_large_backlog_runs_in_bounded_calls_letting_go_of_the_lock(
     assert_consistent(store, q)
 
 
+@pytest.mark.parametrize("call", ["store_stats", "configure_queue"])
+def test_store_wide_calls_run_a_large_expiry_letting_go_of_the_lock(
+        store: qstore.Store, clock: FakeClock, monkeypatch: pytest.MonkeyPatch,
+        small_budget: int, call: str) -> None:
+    """store.stats() (`qstore stats`) and configure_queue also run the passes one
+    call per hold of the writer lock, not all of them under one hold."""
+    q = store.create_queue("q")
+    for _ in range(0, N, 4_000):
+        q.push_many([(b"x", 1)] * 4_000, ttl=10)
+    clock.advance(11)
+    calls = _spy_promote(monkeypatch, store, q)
+    if call == "store_stats":
+        assert store.stats().queues[0].expired == N
+    else:
+        store.configure_queue("q", ttl=60)
+        assert q.stats().expired == N
+    assert len(calls) >= N // small_budget
+    assert all(held == 1 for held, _ in calls[:-1])
+    assert sum(n for _, n in calls) == N
+
+
 def test_a_pop_behind_a_large_expiry_never_delivers_an_expired_message(
         store: qstore.Store, clock: FakeClock, small_budget: int) -> None:
     q = store.create_queue("q")

@@ -314,3 +314,40 @@ def test_a_push_does_not_dedup_against_a_message_whose_ttl_ran_out(store: qstore
     st = q.stats()
     assert (st.ready, st.delayed, st.expired) == (1, 0, 1)
     assert_consistent(store, q)
+
+
+@pytest.mark.parametrize("leased", [False, True])
+@pytest.mark.parametrize(("before", "after"), [("drop", "dead"), ("dead", "drop")])
+def test_a_changed_on_expire_leaves_what_expired_before_the_change(
+        store: qstore.Store, clock: FakeClock, before: str, after: str, leased: bool) -> None:
+    """The outcome of an expiry never depends on when a pass looked: a TTL that ran
+    out before configure_queue took the queue's on_expire of that time."""
+    q = store.create_queue("q", on_expire=before)
+    mid = q.push(b"x", ttl=5)
+    msg = q.pop(lease=60) if leased else None
+    clock.advance(10)  # ran out under `before`; no call looked since
+    store.configure_queue("q", on_expire=after)
+    st = q.stats()
+    assert (st.expired, st.dead, st.on_expire) == (1, int(before == "dead"), after)
+    if before == "drop":
+        with pytest.raises(qstore.MessageNotFound):
+            q.get(mid)
+    else:
+        assert (q.get(mid).state, q.get(mid).dead_reason) == ("dead", "expired")
+    if msg is not None:
+        with pytest.raises(qstore.MessageNotFound if before == "drop" else qstore.LeaseExpired):
+            q.ack(msg)
+    assert_consistent(store, q)
+
+
+def test_configure_after_a_restart_first_expires_what_ran_out_while_closed(
+        store_path: str, clock: FakeClock) -> None:
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        s.create_queue("q", on_expire="dead").push_many([(b"m%d" % i, 0, 0.0, None, 5.0)
+                                                         for i in range(3)])
+    clock.advance(3600)
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        s.configure_queue("q", on_expire="drop")  # at start-up, before any other call
+        st = s.queue("q").stats()
+        assert (st.dead, st.expired) == (3, 3)
+        assert [m.dead_reason for m in s.queue("q").dead_letters()] == ["expired"] * 3
