@@ -41,7 +41,7 @@ from .._address import Address
 from .._errors import InvalidArgument, QStoreError
 from .._net_errors import AuthenticationFailed, ProtocolError, ServerBusy
 from .._store import Store
-from .._txn import NO_EVENT_US
+from .._txn import NO_EVENT_US, READY
 from ._conn import MAX_PIPELINE, Connection
 from ._metrics import Metrics
 from ._ops import PARK, LeaseBook, ack_group, group_key, pop_group, queue_op, store_op
@@ -758,8 +758,11 @@ class Server:
                 if q.next_event_us < NO_EVENT_US:
                     due = min(due, q.next_event_us / 1e6)
                 bucket = q.bucket
-                if bucket is not None and bucket.available(now) == 0:
-                    due = min(due, now + bucket.wait_time(now))
+                if bucket is not None and q.counts[READY]:
+                    # The next token (now if one is there: a retry is due). Skipping
+                    # a bucket with a token let an autojump clock jump past it to a
+                    # deadline, and a real one's timer for the token be cancelled.
+                    due = min(due, bucket.next_token_at(now))
         if due == self._due_at:
             return
         if self._due_timer is not None:

@@ -102,6 +102,26 @@ def test_an_autojump_clock_jumps_to_a_due_message_before_the_deadline(tmp_path: 
         assert clock.now == start + 5.0  # not the deadline: the message came first
 
 
+def test_an_autojump_clock_jumps_to_the_next_rate_token(tmp_path: Any) -> None:
+    # The due time was now + wait_time(now), which can fall a rounding error short
+    # of a whole token: the clock jumped there, the retry found no token, and the
+    # pop stayed parked for good on a clock that no longer moved (features audit).
+    clock = FakeClock(autojump=True)
+    start = clock.now
+    with serving(str(tmp_path / "s"), sweep_interval=SWEEP, clock=clock) as address, \
+            qstore.connect(address) as client:
+        q = client.create_queue("r", rate=(3, 1.0))
+        q.push_many([b"m%d" % i for i in range(5)])
+        assert len(q.pop_many(5)) == 3  # the bucket's three tokens
+        got: list[Any] = []
+        waiter = threading.Thread(target=lambda: got.append(q.pop(wait=5.0)), daemon=True)
+        waiter.start()
+        waiter.join(30)
+        assert not waiter.is_alive(), "the pop never got its token"
+        assert got[0] is not None and got[0].payload == b"m3"
+        assert 1 / 3 <= clock.now - start < 1 / 3 + 1e-3  # the token's time, not the deadline
+
+
 def test_a_parked_pop_ends_when_a_hand_moved_clock_passes_its_deadline(
         tmp_path: Any) -> None:
     clock = FakeClock()
