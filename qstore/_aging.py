@@ -25,13 +25,14 @@ by each round (once per round); rounds run when the earliest head may be
 due (the queue's next event), not on every pop.
 
 Guarantee. With ``aging_cap`` unset, a message of priority ``p`` pushed at
-``t`` sits at level ``p + k`` (order "max") from ``t + k*a`` on, and a level
-is popped in id order: it pops before every message pushed after ``t`` at a
-priority up to ``p + k``. So if the highest priority pushed is ``P``, it
-pops no later than the moment it reaches ``P`` (``t + (P - p) * a``) plus
-the time consumers need to pop the messages already ahead of it at that
-level (older ids: at most the backlog of level ``P`` present at ``t``, plus
-older messages that aged into ``P`` too).
+``t`` sits at level ``p + k`` (order "max") from ``t + k*a`` on (that time
+cut to whole microseconds, the grain the store reads its clock in, as for
+TTLs and delays), and a level is popped in id order: it pops before every
+message pushed after ``t`` at a priority up to ``p + k``. So if the highest
+priority pushed is ``P``, it pops no later than the moment it reaches ``P``
+(``t + (P - p) * a``) plus the time consumers need to pop the messages
+already ahead of it at that level (older ids: at most the backlog of level
+``P`` present at ``t``, plus older messages that aged into ``P`` too).
 With a cap ``c`` it reaches ``p + c`` and no further: it may starve behind
 a steady stream above ``p + c``.
 """
@@ -81,14 +82,29 @@ class Round:
 MAX_LEVELS = keys.INT_MAX - keys.INT_MIN  # the span of int priorities
 
 
-def levels_gained(rec_q: records.QueueRecord, enqueued_at: float, now: float) -> int:
-    """How many levels a message pushed at ``enqueued_at`` has gained by ``now``."""
-    assert rec_q.aging is not None
-    waited = now - enqueued_at
-    gained = int(waited / rec_q.aging + 1e-9) if waited > 0 else 0
+def level_due_us(enqueued_at: float, aging: float, k: int) -> int:
+    """The time (whole microseconds, as the store's clock is read) from which a
+    message pushed at ``enqueued_at`` has gained ``k`` levels: TTLs and delays
+    fall due the same way, at ``to_us`` of the time in seconds."""
+    return keys.to_us(enqueued_at + k * aging)
+
+
+def levels_gained(rec_q: records.QueueRecord, enqueued_at: float, now_us: int) -> int:
+    """How many levels a message pushed at ``enqueued_at`` has gained by ``now_us``:
+    the largest ``k`` whose :func:`level_due_us` is at or before it."""
+    a = rec_q.aging
+    assert a is not None
+    waited = now_us / 1e6 - enqueued_at
+    gained = int(waited / a) if waited > 0 else 0
     # More levels than the whole priority range cannot move a message further,
     # and must still encode (as u64) in its record: a tiny aging (1e-300 s)
     # would otherwise gain numbers msgpack cannot hold.
+    if gained < MAX_LEVELS:
+        # The estimate may be one off either way (two roundings to microseconds).
+        if level_due_us(enqueued_at, a, gained + 1) <= now_us:
+            gained += 1
+        elif gained > 0 and level_due_us(enqueued_at, a, gained) > now_us:
+            gained -= 1
     gained = min(gained, MAX_LEVELS)
     return gained if rec_q.aging_cap is None else min(gained, rec_q.aging_cap)
 
@@ -101,23 +117,25 @@ def aged_priority(rec_q: records.QueueRecord, priority: int, old_gain: int,
     return min(keys.INT_MAX, priority - old_gain + new_gain)
 
 
-def plan(rec_q: records.QueueRecord, recs: Sequence[records.MessageRecord], now: float) -> Plan:
-    """The moves for the head of one level (``recs`` in key order) at ``now``."""
-    assert rec_q.aging is not None
+def plan(rec_q: records.QueueRecord, recs: Sequence[records.MessageRecord],
+         now_us: int) -> Plan:
+    """The moves for the head of one level (``recs`` in key order) at ``now_us``."""
     a = rec_q.aging
+    assert a is not None
     cap = rec_q.aging_cap
     out = Plan()
     for i, rec in enumerate(recs):
-        if now - rec.enqueued_at < a - 1e-9:
-            out.next_us = min(out.next_us, keys.to_us(rec.enqueued_at + a))
+        first_us = level_due_us(rec.enqueued_at, a, 1)
+        if now_us < first_us:
+            out.next_us = min(out.next_us, first_us)
             out.stopped = True
             break  # every later message of the level was pushed later
-        gain = levels_gained(rec_q, rec.enqueued_at, now)
+        gain = levels_gained(rec_q, rec.enqueued_at, now_us)
         if gain > rec.aged:
             assert isinstance(rec.priority, int)
             new = aged_priority(rec_q, rec.priority, rec.aged, gain)
             if new != rec.priority:
                 out.moves.append((i, new, gain))
         if cap is None or gain < cap:
-            out.next_us = min(out.next_us, keys.to_us(rec.enqueued_at + (gain + 1) * a))
+            out.next_us = min(out.next_us, level_due_us(rec.enqueued_at, a, gain + 1))
     return out

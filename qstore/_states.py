@@ -24,6 +24,7 @@ in-memory state: :meth:`qstore._core.Core.commit` does both.
 
 from __future__ import annotations
 
+from ._aging import level_due_us
 from ._txn import BYTES, STATE_COUNTER, QueueState, Txn
 from .meta import keys, records
 from .payload import PayloadRef
@@ -105,7 +106,7 @@ def requeue(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord, now: 
         rec.state, rec.when_us = _READY, 0
         txn.add_ready(q, keys.ready_key(q.qid, q.priority_key(rec.priority), mid))
         if q.rec.aging is not None:  # it may be due for a level already
-            txn.add_event(q, keys.to_us(rec.enqueued_at + (rec.aged + 1) * q.rec.aging))
+            txn.add_event(q, level_due_us(rec.enqueued_at, q.rec.aging, rec.aged + 1))
     txn.count(q, STATE_COUNTER[rec.state], 1)
     txn.put_record(keys.message_key(q.qid, mid), rec.encode())
 

@@ -199,7 +199,6 @@ def _age(core: Core, q: QueueState, now_us: int, limit: int) -> bool:
     """
     rec_q = q.rec
     assert rec_q.aging is not None
-    now = now_us / 1e6
     rnd = q.aging_round
     if not isinstance(rnd, aging.Round) or rnd.rec is not rec_q:
         rnd = q.aging_round = aging.Round(rec_q, q.heads.discover_all(core.meta))
@@ -227,7 +226,7 @@ def _age(core: Core, q: QueueState, now_us: int, limit: int) -> bool:
         plan = aging.Plan()
         if front:
             recs = core.records_of(q, front)
-            plan = aging.plan(rec_q, recs, now)
+            plan = aging.plan(rec_q, recs, now_us)
             rnd.next_us = min(rnd.next_us, plan.next_us)
             for i in range(0, len(plan.moves), PROMOTE_BATCH):
                 txn = Txn()

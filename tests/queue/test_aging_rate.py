@@ -159,12 +159,31 @@ def test_rounds_do_not_read_again_the_capped_messages_at_a_levels_head(
     assert_consistent(store, q)
 
 
+@pytest.mark.parametrize("start", [1_700_000_651.5929728, 1_700_000_000.0, 1_234_567_890.123457])
+def test_a_level_is_gained_exactly_k_periods_after_the_push(store_path: str,
+                                                          start: float) -> None:
+    # The pass compared a clock cut to whole microseconds with the uncut push
+    # time: a level came up to 1 us late, and a message pushed at that instant at
+    # the level popped before the older one (features audit).
+    clock = FakeClock(start)
+    with qstore.open(store_path, clock=clock, compactor=False, sweep_interval=3600.0) as s:
+        q = s.create_queue("q", aging=10.0)
+        old = q.push(b"old", priority=0)
+        enqueued = q.get(old).enqueued_at
+        clock.now = enqueued + 30.0  # exactly three periods
+        new = q.push(b"new", priority=3)
+        assert [(m.id, m.priority) for m in q.peek(2)] == [(old, 3), (new, 3)]
+        clock.now = enqueued + 39.999  # not yet the fourth
+        assert q.get(old).priority == 3
+        assert_consistent(s, q)
+
+
 def test_aging_plan_stops_at_the_first_message_not_old_enough() -> None:
     from qstore.meta import records
 
     rec_q = records.QueueRecord(1, "max", "int", 5, False, 0.0, aging=10)
     recs = [records.MessageRecord(0, 3, 1, 0, 1, 0, 0, at, 0, None) for at in (0.0, 5.0, 1.0)]
-    plan = _aging.plan(rec_q, recs, 12.0)
+    plan = _aging.plan(rec_q, recs, 12_000_000)
     assert plan.moves == [(0, 4, 1)]  # the third is never looked at
     assert plan.next_us == 15_000_000
 
