@@ -13,6 +13,8 @@ def _options(q: Any) -> str:
     out = []
     if q.ttl is not None:
         out.append(f"ttl={q.ttl:g}s" + (" dead" if q.on_expire == "dead" else ""))
+    elif q.on_expire == "dead":  # no default TTL: per-push ones make dead letters
+        out.append("on_expire=dead")
     if q.aging is not None:
         cap = "" if q.aging_cap is None else f" cap={q.aging_cap}"
         out.append(f"aging={q.aging:g}s{cap}")

@@ -118,6 +118,21 @@ def test_stats_json_matches_store(runner: CliRunner, store_path: str) -> None:
     assert sum(s["live_bytes"] for s in data["segments"]) == data["live_bytes"] == 3 * 8 + 6
 
 
+def test_stats_table_shows_every_set_option(runner: CliRunner, store_path: str) -> None:
+    with qstore.open(store_path, compactor=False) as store:
+        store.create_queue("deadq", on_expire="dead")  # per-push TTLs make dead letters
+        store.create_queue("full", ttl=30, on_expire="dead", aging=5, aging_cap=2,
+                           rate=(3, 1))
+        store.create_queue("plain")
+    r = runner.invoke(main, ["stats", store_path], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    rows = {line.split()[1]: line for line in r.output.splitlines()
+            if len(line.split()) > 2 and line.split()[1] in ("deadq", "full", "plain")}
+    assert "on_expire=dead" in rows["deadq"]
+    assert "ttl=30s dead aging=5s cap=2 rate=3/1s" in rows["full"]
+    assert rows["plain"].split()[-2] == "-"
+
+
 def test_stats_table_and_queues_list(runner: CliRunner, store_path: str) -> None:
     with qstore.open(store_path, compactor=False) as store:
         store.create_queue("alpha")
