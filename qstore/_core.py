@@ -33,6 +33,7 @@ from ._durability import Syncer
 from ._errors import (
     Corruption,
     InvalidArgument,
+    QStoreError,
     ReadOnlyStore,
     StorageError,
     StoreClosed,
@@ -1070,6 +1071,10 @@ class Core(HotPaths):
         write_sst(meta_sst, entries)
         self.meta.ingest([*paths, meta_sst])
         q.counts = counts
+        try:
+            self.payload.adopt(new_segments)
+        except QStoreError as exc:  # the load stands; a read of its messages says more
+            log.error("the bulk load's segments could not be opened: %s", exc)
         for fid, seg in new_segments.items():
             self.segments[fid] = list(seg)
         self._id_hwm = hwm

@@ -587,6 +587,13 @@ class SegmentSet:
                 reader = self._readers[file_id] = SegmentReader(path, file_id)
         return reader
 
+    def adopt(self, file_ids: Iterable[int]) -> None:
+        """Open readers for sealed segments moved into the directory after open (a
+        bulk load's): listed by :meth:`file_ids` from now on, as after a reopen,
+        so stats, snapshots and compaction see them before any read does."""
+        for fid in file_ids:
+            self._open_reader(fid)
+
     # -- compaction primitives ------------------------------------------------
 
     def reserve_file_id(self) -> int:
