@@ -153,6 +153,9 @@ def _segment_files(payload_dir: str) -> list[str]:
 
 # The file that makes a directory a snapshot (qstore/_snapshot.py writes it).
 SNAPSHOT_MANIFEST = "MANIFEST.json"
+# In a snapshot's directory while it is taken (_snapshot.py): with no manifest,
+# a snapshot whose process was killed, which nothing opens.
+SNAPSHOT_UNFINISHED = ".qstore-snapshot-unfinished"
 
 
 def _refuse_lost_metadata(path: str) -> None:
@@ -352,7 +355,15 @@ class Core(HotPaths):
         self._found_covered: dict[int, int] = {}
         self._writer_key: tuple[int, int] | None = None
         _refuse_lost_metadata(path)
-        if not config.readonly and os.path.exists(os.path.join(path, SNAPSHOT_MANIFEST)):
+        manifest = os.path.exists(os.path.join(path, SNAPSHOT_MANIFEST))
+        if not manifest and os.path.exists(os.path.join(path, SNAPSHOT_UNFINISHED)):
+            # Its segments are hard links to the live store's (a read-write open cut
+            # the shared active segment), its metadata maybe half written.
+            raise InvalidArgument(f"{path!r} holds a snapshot whose taking was cut short "
+                                  "(its process was killed): nothing in it is to be read "
+                                  "or written; remove it, or take the snapshot to it again "
+                                  "(which replaces it)")
+        if not config.readonly and manifest:
             # A snapshot's segments are hard links to the live store's files (its
             # active one too): a read-write open would cut or append to them.
             raise InvalidArgument(f"{path!r} is a snapshot (it holds {SNAPSHOT_MANIFEST}): "

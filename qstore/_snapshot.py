@@ -18,7 +18,7 @@ import logging
 import os
 from typing import Any
 
-from ._core import SNAPSHOT_MANIFEST, Core
+from ._core import SNAPSHOT_MANIFEST, SNAPSHOT_UNFINISHED, Core
 from ._errors import Corruption, InvalidArgument, StorageError
 from ._fs import calls, fsync_dir, remove_paths, write_json_durably
 from .payload._format import segment_name
@@ -30,7 +30,7 @@ MANIFEST_FORMAT = 1  # never change the meaning of 1
 # In a snapshot's directory while it is taken; removed once its manifest is
 # durable. A directory holding it and no manifest is a snapshot whose process
 # was killed: a snapshot to it again replaces it, `qstore check` says so.
-UNFINISHED = ".qstore-snapshot-unfinished"
+UNFINISHED = SNAPSHOT_UNFINISHED
 
 
 def unfinished(dest: str) -> bool:
@@ -72,9 +72,14 @@ def take_snapshot(core: Core, dest: str) -> str:
 
 def _write(core: Core, dest: str) -> None:
     try:
-        os.makedirs(os.path.join(dest, "payload"), exist_ok=True)
+        # The marker before anything else, durable before the first hard link: a
+        # kill at any point leaves a directory that is empty or marked, never one
+        # that looks like a store (its segments are the live store's files).
+        os.makedirs(dest, exist_ok=True)
         with open(os.path.join(dest, UNFINISHED), "wb"):
             pass
+        fsync_dir(dest)
+        os.makedirs(os.path.join(dest, "payload"), exist_ok=True)
     except OSError as exc:
         raise _storage_error(f"cannot create the snapshot directory {dest!r}", exc) from exc
     with core.settling:
@@ -139,8 +144,18 @@ def _remove_partial(dest: str, existed: bool) -> None:
 
     Hard links and the checkpoint's files only: the store's own files are untouched.
     """
-    paths = [os.path.join(dest, name) for name in os.listdir(dest)] if existed else [dest]
-    for path in remove_paths(paths):
+    try:
+        names = os.listdir(dest)
+    except FileNotFoundError:
+        return
+    # The marker last: a kill meanwhile leaves the directory still marked, never
+    # meta/ and payload/ without it, which would look like a store.
+    left = remove_paths([os.path.join(dest, n) for n in names if n != UNFINISHED])
+    if not left:
+        left = remove_paths([os.path.join(dest, UNFINISHED)])
+    if not left and not existed:
+        left = remove_paths([dest])
+    for path in left:
         log.error("cannot remove %s of a failed snapshot; remove it by hand", path)
 
 

@@ -350,6 +350,67 @@ def test_a_snapshot_cut_short_by_a_kill_is_named_and_taken_again_in_its_place(
     assert sorted(os.listdir(other)) == ["notes.txt", "payload"]
 
 
+_KILLED_REPLACING = """
+import os, sys
+import qstore
+from qstore import _snapshot
+real = _snapshot.remove_paths
+def killed(paths):  # dies after the first removal of the replacement
+    real(paths)
+    os._exit(9)
+_snapshot.remove_paths = killed
+with qstore.open(sys.argv[1], compactor=False) as s:
+    s.snapshot(sys.argv[2])
+"""
+
+_KILLED_MAKING = """
+import os, sys
+import qstore
+from qstore import _snapshot
+def killed(*args, **kwargs):  # dies as it creates the marker, the first thing in it
+    os._exit(9)
+_snapshot.open = killed
+with qstore.open(sys.argv[1], compactor=False) as s:
+    s.snapshot(sys.argv[2])
+"""
+
+
+def test_an_unfinished_snapshot_is_never_opened_and_stays_marked_until_gone(
+        tmp_path: Any, clock: FakeClock) -> None:
+    # A read-write open of a killed snapshot was accepted: its segments are hard
+    # links to the live store's, and its close cut the shared active segment, so
+    # 200 pushes of the live store read back damaged. And a kill while a new
+    # snapshot replaced it could remove the marker first, leaving meta/ and
+    # payload/ that `qstore check` called a clean store (crash audit).
+    path, snap = str(tmp_path / "store"), str(tmp_path / "snap")
+    build(path, clock)
+    child = subprocess.run([sys.executable, "-c", _KILLED_SNAPSHOT, path, snap],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 9, child.stderr
+    sizes = {n: os.path.getsize(os.path.join(path, "payload", n))
+             for n in os.listdir(os.path.join(path, "payload"))}
+    for readonly in (False, True):
+        with pytest.raises(qstore.InvalidArgument, match="cut short"):
+            qstore.open(snap, readonly=readonly, compactor=False)
+    assert {n: os.path.getsize(os.path.join(path, "payload", n)) for n in sizes} == sizes
+    child = subprocess.run([sys.executable, "-c", _KILLED_REPLACING, path, snap],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 9, child.stderr
+    assert os.listdir(snap) == [".qstore-snapshot-unfinished"]  # the marker goes last
+    assert CliRunner().invoke(main, ["check", snap]).exit_code == 2
+    empty = str(tmp_path / "made")
+    child = subprocess.run([sys.executable, "-c", _KILLED_MAKING, path, empty],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 9, child.stderr
+    assert os.listdir(empty) == []  # nothing before the marker: taken again in place
+    with qstore.open(path, clock=clock, compactor=False) as s:
+        s.snapshot(snap)
+        s.snapshot(empty)
+    for done in (snap, empty):
+        report = check_path(done)
+        assert report.ok and report.messages == 11, report.findings
+
+
 def test_a_snapshot_destination_that_is_empty_or_inside_the_store_is_refused(
         tmp_path: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
     # os.path.exists("") is False: an empty destination was written into the
