@@ -124,9 +124,23 @@ def _int_priority(v: Any) -> int | str:
         n = v
     elif isinstance(v, str):
         try:
-            n = int(plain_number(v))
+            text = plain_number(v)
         except ValueError:
             return f"priority: {v!r:.40} is not an integer"
+        try:
+            n = int(text)
+        except ValueError:
+            # An integral numeral in another form ("7.0", as a float column is
+            # written, or "1e3"), read exactly: never through a float.
+            try:
+                d = Decimal(text)
+            except ArithmeticError:  # decimal.InvalidOperation
+                return f"priority: {v!r:.40} is not an integer"
+            if not d.is_finite() or d != d.to_integral_value():
+                return f"priority: {v!r:.40} is not an integer"
+            if d.adjusted() > 19:  # past 1e20 (before int(): "1e999999999" has 10**9 digits)
+                return f"priority: {v!r:.40} is outside signed 64-bit range"
+            n = int(d)
     elif isinstance(v, (float, Decimal)):
         if not (math.isfinite(v) if isinstance(v, float) else v.is_finite()) or v != int(v):
             return f"priority: {v} is not an integer"

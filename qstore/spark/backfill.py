@@ -292,10 +292,14 @@ class _Job:
         # CSV has no types: its columns are inferred, so "007" would be the int 7.
         # The payload, the dedup key and a str queue's priority are text as written.
         text = [self.payload_col, self.dedup_col]
+        exact = []  # read as text unless inferred as integers (see _read)
         if self._queue_kind()[0] == "str":
             text.append(self.priority_col)
+        else:
+            exact.append(self.priority_col)
         self.df, self.malformed_col = _read(spark, source, fmt,
-                                            [c for c in text if c is not None])
+                                            [c for c in text if c is not None],
+                                            [c for c in exact if c is not None])
         self.paths = _paths(source) if fmt == "parquet" else None
         self.explicit_options = explicit_options
         self.phases: list[tuple[str, float]] = []
@@ -638,14 +642,31 @@ def _csv_source(reader: Any, df: Any, paths: Any, text_cols: list[str]) -> tuple
     """
     from pyspark.sql import types as T
 
-    fields = [T.StructField(f.name, T.StringType(), True) if f.name in text_cols else f
-              for f in df.schema.fields]
     name = MALFORMED_COL
     while name in df.columns:
         name += "_"
-    schema = T.StructType([*fields, T.StructField(name, T.StringType(), True)])
+    schema = _text_schema(df, text_cols, T.StructField(name, T.StringType(), True))
     # A given schema: no second inference.
     return reader.schema(schema).option("columnNameOfCorruptRecord", name).load(paths), name
+
+
+def _not_integers(df: Any, cols: list[str]) -> list[str]:
+    """Those of ``cols`` in ``df`` whose inferred type is not an integer type."""
+    from pyspark.sql import types as T
+
+    ints = (T.ByteType, T.ShortType, T.IntegerType, T.LongType)
+    return [f.name for f in df.schema.fields
+            if f.name in cols and not isinstance(f.dataType, ints)]
+
+
+def _text_schema(df: Any, text_cols: list[str], *extra: Any) -> Any:
+    """``df``'s schema with ``text_cols`` as strings (a read with it takes each cell
+    of those as written), the other columns as inferred, then ``extra`` fields."""
+    from pyspark.sql import types as T
+
+    return T.StructType([
+        *(T.StructField(f.name, T.StringType(), True) if f.name in text_cols else f
+          for f in df.schema.fields), *extra])
 
 
 def _widened(reader: Any, df: Any, paths: Any) -> Any:
@@ -699,10 +720,17 @@ def _cores(spark: Any) -> int:
         return 2
 
 
-def _read(spark: Any, source: Any, fmt: str,
-          text_cols: list[str] | None = None) -> tuple[Any, str | None]:
+def _read(spark: Any, source: Any, fmt: str, text_cols: list[str] | None = None,
+          int_cols: list[str] | None = None) -> tuple[Any, str | None]:
     """The source as a DataFrame, and the name of its malformed-line column (CSV
-    files; None otherwise)."""
+    files; None otherwise).
+
+    CSV and JSON files carry no types: Spark infers them. ``text_cols`` are
+    read as text whatever they look like; ``int_cols`` too, unless inferred as
+    integers: a column that also holds a fraction (``2.5``) is inferred as
+    double, which rounds integers past 2**53 (``9007199254740993`` loaded as
+    ``...992``, no reject); as text, each cell is read exactly (_rows.py).
+    """
     if isinstance(source, (str, os.PathLike)) or (
             isinstance(source, (list, tuple)) and source
             and all(isinstance(s, (str, os.PathLike)) for s in source)):
@@ -715,8 +743,11 @@ def _read(spark: Any, source: Any, fmt: str,
 
         try:
             df = reader.load(paths)
+            texts = [*(text_cols or []), *_not_integers(df, int_cols or [])]
             if fmt == "csv":
-                return _csv_source(reader, df, paths, text_cols or [])
+                return _csv_source(reader, df, paths, texts)
+            if fmt == "json" and texts:
+                return reader.schema(_text_schema(df, texts)).load(paths), None
             if fmt == "parquet":
                 df = _widened(reader, df, paths)
             return df, None

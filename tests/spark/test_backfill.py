@@ -221,6 +221,31 @@ def test_csv_bad_rows_go_to_the_rejects_table_with_reasons(spark: Any, tmp_path:
     assert [b for _, _, b in drain(store, "q")] == [b"a"]
 
 
+@pytest.mark.parametrize("fmt", ["csv", "json"])
+def test_large_int_priorities_beside_a_fraction_load_exactly(spark: Any, tmp_path: Path,
+                                                            fmt: str) -> None:
+    # A priority column that also holds 2.5 is inferred as double, which rounded
+    # 9007199254740993 to ...992 and loaded it with no reject (Spark audit).
+    cells = ["9007199254740993", "1234567890123456789", "2.5", "7", "3.0", "1e3"]
+    src = tmp_path / f"src.{fmt}"
+    if fmt == "csv":
+        src.write_text("payload,p\n" + "".join(f"r{i},{c}\n" for i, c in enumerate(cells)),
+                       encoding="utf-8")
+    else:
+        src.write_text("".join(f'{{"payload": "r{i}", "p": {c}}}\n'
+                               for i, c in enumerate(cells)), encoding="utf-8")
+    store, rejects = tmp_path / "store", tmp_path / "rejects"
+    run = backfill_cli(src, "--format", fmt, "--queue", "q", "--priority-col", "p",
+                       "--into", store, "--rejects", rejects)
+    assert run.exit_code == 1, run.output
+    got = {bytes(b): p for _, p, b in drain(store, "q")}
+    assert got == {b"r0": 9007199254740993, b"r1": 1234567890123456789, b"r3": 7, b"r4": 3,
+                   b"r5": 1000}
+    table = spark.read.parquet(str(rejects)).collect()
+    assert [(r["payload"], r["reject_reason"]) for r in table] == [
+        ("r2", "priority: '2.5' is not an integer")]
+
+
 def test_csv_malformed_lines_are_rejected_not_loaded(spark: Any, tmp_path: Path) -> None:
     # Spark's PERMISSIVE mode loaded a line with a field missing with a null
     # (priority 0), one with a field too many without it, and an unclosed quote
