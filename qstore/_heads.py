@@ -28,9 +28,15 @@ Levels are learnt lazily: every level whose key prefix is below
 ``known_upto`` is either in ``levels`` or empty; past it, the index is read
 to find the next level. Memory is bounded: at most ``RETURNS_CAP`` returned
 keys per level (past that the frontier drops back to the smallest of them,
-which costs seeks but loses nothing), at most ``KNOWN_CAP`` known keys in all
-the levels of a queue, and at most ``LEVEL_CAP`` levels (empty ones are
-forgotten first; a forgotten empty level is still known empty).
+which costs seeks but loses nothing), and at most ``KNOWN_CAP`` known keys in
+all the levels of a queue. Levels past ``LEVEL_CAP`` make the empty ones be
+forgotten (a forgotten empty level is still known empty); a level holding
+ready messages is kept (below ``known_upto`` a missing level means an empty
+one), so a queue keeps one small ``Level`` (about 200 bytes) per distinct
+priority it holds ready messages of, learnt so far. The search for empty
+levels runs again only once the levels have doubled since the last one, so
+many distinct priorities (timestamps, scores) cost no scan of all of them
+per new level.
 
 All of this is touched only under the store's writer lock, and changed only
 after the batch it reflects has been committed. Ready keys leave the index
@@ -93,6 +99,7 @@ class ReadyHeads:
         self.base = keys.prefix(keys.READY, qid)
         self.base_end = keys.prefix_end(self.base)
         self.levels: dict[bytes, Level] = {}
+        self._forget_at = LEVEL_CAP  # look for empty levels to forget at this many
         self.active: list[bytes] = []  # sorted starts of active levels
         self.known_upto = self.base
         self.known_total = 0  # len(known) - k0, summed over the levels
@@ -115,8 +122,11 @@ class ReadyHeads:
     def _level(self, start: bytes) -> Level:
         lv = self.levels.get(start)
         if lv is None:
-            if len(self.levels) >= LEVEL_CAP:
+            if len(self.levels) >= self._forget_at:
                 self._forget_inactive()
+                # Levels holding messages stay: look again only once there are
+                # twice as many (a scan per new level made pushes quadratic).
+                self._forget_at = max(LEVEL_CAP, 2 * len(self.levels))
             lv = self.levels[start] = Level(start)
             # Below known_upto a level missing from ``levels`` is empty: from now
             # on it holds exactly what this process adds.
