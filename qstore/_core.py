@@ -1062,11 +1062,12 @@ class Core(HotPaths):
 
     def ingest(self, q: QueueState, paths: list[str], counts_delta: list[int],
                new_segments: dict[int, tuple[int, int, int]], end_id: int,
-               min_due_us: int | None) -> None:
+               min_due_us: int | None, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """Ingest sorted SST files holding new messages of ``q`` (a bulk load), atomically.
 
-        The counters, segment records and id high-water mark go in one more
-        file of the same ingestion, so all of it lands or none. Lock held.
+        The counters, segment records and id high-water mark (and ``extra``
+        keys) go in one more file of the same ingestion, so all of it lands or
+        none. Lock held.
         """
         counts = apply_counts(q.counts, counts_delta)
         hwm = max(self._id_hwm, end_id)
@@ -1077,6 +1078,7 @@ class Core(HotPaths):
         for fid, (live_bytes, live_count, end) in new_segments.items():
             entries.append((keys.segment_key(fid),
                             records.encode_segment(live_bytes, live_count, end)))
+        entries.extend(extra)
         meta_sst = os.path.join(os.path.dirname(paths[0]) if paths else self.path,
                                 "meta.sst")
         write_sst(meta_sst, entries)

@@ -28,6 +28,15 @@ COMPACTION_KEY = META + b"compaction"
 # [file_id, offset]: the active segment's bytes below offset were on stable
 # storage when the batch holding this value was written (power-loss recovery).
 SYNCED_KEY = META + b"synced"
+# M backfill/<job id>: a bulk load whose rows are in (written by its ingestion,
+# with them) and whose rejects directory may still lack _SUCCESS; deleted once
+# it has one (docs/backfill.md).
+BACKFILL_JOB = META + b"backfill/"
+
+
+def backfill_job_key(job_id: str) -> bytes:
+    return BACKFILL_JOB + job_id.encode("ascii")
+
 # Queues by name and their counters.
 QUEUE = b"Q"  # Q name(utf-8)                       -> QueueRecord
 COUNTS = b"C"  # C qid:u32                           -> counters

@@ -21,7 +21,12 @@ each point leaves (docs/backfill.md):
    MANIFEST edit, so the messages, their indexes and the counters appear
    together or not at all; ingested keys shadow older keys of the same name,
    which is how the counters are replaced.
-5. The staging directory is removed (``cleaned``).
+5. ``_SUCCESS`` is written in the rejects directory, the staging directory is
+   removed (``cleaned``), and the job's marker is deleted: ``M backfill/<job>``,
+   which the ingestion wrote with the rows. A crash before that leaves the
+   marker, and :func:`settle_loaded` (at the start of the next job) writes the
+   ``_SUCCESS`` the crashed one could not, and refuses a rerun of that job
+   (its rows are in).
 
 Steps are also crash points for tests: with ``QSTORE_BACKFILL_CRASH_AT=<step>``
 in the environment the process SIGKILLs itself right after that step, and
@@ -40,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import InvalidArgument, QStoreError, StorageError
 from .._fs import fsync_dir, write_json_durably
-from ..meta import keys
+from ..meta import keys, records
 from ..payload import _format as fmt
 
 if TYPE_CHECKING:
@@ -68,6 +73,65 @@ def step(name: str) -> None:
 
 def staging_root(store: Store) -> str:
     return os.path.join(os.path.abspath(store.path), STAGING_DIR)
+
+
+def job_fingerprint(source: Any, fmt_name: str, queue: str,
+                    columns: tuple[str | None, ...]) -> str | None:
+    """What names a job for :func:`settle_loaded`: its source paths (resolved), format,
+    queue and columns; None for a DataFrame source (nothing names it)."""
+    if isinstance(source, (str, os.PathLike)):
+        paths = [source]
+    elif isinstance(source, (list, tuple)) and all(
+            isinstance(p, (str, os.PathLike)) for p in source):
+        paths = list(source)
+    else:
+        return None
+    return json.dumps({"sources": sorted(os.path.realpath(os.fspath(p)) for p in paths),
+                       "format": fmt_name, "queue": queue, "columns": list(columns)},
+                      sort_keys=True)
+
+
+class AlreadyLoaded(QStoreError):
+    """The job was loaded by an earlier run that crashed after its commit."""
+
+
+def settle_loaded(store: Store, fingerprint: str | None) -> list[tuple[str, int]]:
+    """Finish what jobs that crashed after their ingestion left: each one's rejects
+    directory gets its ``_SUCCESS``, its marker goes. Returns (job id, rows
+    loaded) of each. Raises :class:`AlreadyLoaded` (after settling) if one of
+    them is the job ``fingerprint`` names: its rows are in the store, and a
+    rerun after a crash would load them twice (it is refused once: a second
+    run loads them again)."""
+    core = store.core
+    with core.settling:
+        core.check_writable()
+        found = list(core.meta.scan(keys.BACKFILL_JOB, keys.prefix_end(keys.BACKFILL_JOB)))
+        if not found:
+            return []
+        settled, same = [], None
+        for key, raw in found:
+            job_id = key[len(keys.BACKFILL_JOB):].decode("ascii", "replace")
+            _, rows, dest, mark = records.unpack(raw, "backfill job")
+            if isinstance(dest, str) and os.path.isdir(dest):
+                _write_success(dest)
+            settled.append((job_id, rows))
+            if fingerprint is not None and mark == fingerprint:
+                same = (job_id, rows, dest)
+        core.write_synced(deletes=[key for key, _ in found])
+    if same is not None:
+        job_id, rows, dest = same
+        raise AlreadyLoaded(
+            f"nothing loaded: an earlier run of this backfill (job {job_id}: the same sources, "
+            f"queue and columns) loaded its {rows} rows before it was killed"
+            + (f" (its rejects: {dest}, now marked {SUCCESS_FILE})" if dest else "")
+            + "; run it again to load them a second time")
+    return settled
+
+
+def _write_success(dest_dir: str) -> None:
+    with open(os.path.join(dest_dir, SUCCESS_FILE), "wb"):
+        pass
+    fsync_dir(dest_dir)
 
 
 def clean_staging(store: Store) -> list[str]:
@@ -199,15 +263,17 @@ def publish_rejects(store: Store, staging: str, job: StagedJob) -> list[str]:
     return out
 
 
-def commit_job(store: Store, staging: str,
-               loaded_digests: list[bytes] | None = None) -> StagedJob:
+def commit_job(store: Store, staging: str, loaded_digests: list[bytes] | None = None,
+               fingerprint: str | None = None) -> StagedJob:
     """Publish the staged job in ``staging`` into ``store``: all of it or, on a crash, none.
 
     ``loaded_digests``: the dedup digests the job loads, when other writers may
     have pushed since they were looked up; if a live message holds one now,
-    nothing is published.
+    nothing is published. ``fingerprint``: what names the job
+    (:func:`job_fingerprint`), kept in its marker until the commit is done.
     """
     job = StagedJob.load(staging)
+    marker = keys.backfill_job_key(job.job_id)
     # The writer lock, and memory read back if anything raises after a write
     # (other threads may use the store meanwhile: a server's).
     with store.core.settling:
@@ -226,7 +292,9 @@ def commit_job(store: Store, staging: str,
                     step("moving")
             fsync_dir(payload_dir)
             step("moved")
-            _ingest_locked(store, job, staging)
+            _ingest_locked(store, job, staging, (marker, records.pack(
+                [records.RECORD_VERSION, job.total("loaded"), rejects_dir(store, job),
+                 fingerprint])))
         except BaseException:
             # Not loaded: withdraw the rejects. Moved segments stay: nothing refers to
             # them and the compactor deletes them (removing one now could race a
@@ -237,16 +305,19 @@ def commit_job(store: Store, staging: str,
         step("ingested")
     dest_dir = rejects_dir(store, job)
     if dest_dir is not None and os.path.isdir(dest_dir):
-        with open(os.path.join(dest_dir, SUCCESS_FILE), "wb"):
-            pass
-        fsync_dir(dest_dir)
+        _write_success(dest_dir)
     shutil.rmtree(staging)
     fsync_dir(os.path.dirname(staging))
     step("cleaned")
+    # The marker last: a crash before this leaves it, for the next job to settle.
+    with store.core.settling:
+        store.core.check_writable()
+        store.core.write_synced(deletes=[marker])
     return job
 
 
-def _ingest_locked(store: Store, job: StagedJob, staging: str) -> None:
+def _ingest_locked(store: Store, job: StagedJob, staging: str,
+                   marker: tuple[bytes, bytes]) -> None:
     core = store.core
     paths = [os.path.join(staging, "sst", sst) for part in job.partitions for sst in part["ssts"]]
     # The files overlap each other's key ranges (every partition writes d, k, m and r
@@ -260,7 +331,7 @@ def _ingest_locked(store: Store, job: StagedJob, staging: str) -> None:
         [job.total("ready"), job.total("delayed"), 0, 0, job.total("bytes")],
         {seg["file_id"]: (seg["live_bytes"], seg["live_count"], seg["end"])
          for seg in job.segments()},
-        job.end_id, min(dues) if dues else None,
+        job.end_id, min(dues) if dues else None, [marker],
     )
 
 

@@ -301,6 +301,7 @@ class _Job:
                                             [c for c in text if c is not None],
                                             [c for c in exact if c is not None])
         self.paths = _paths(source) if fmt == "parquet" else None
+        self.fingerprint = _ingest.job_fingerprint(source, fmt, queue, columns)
         self.explicit_options = explicit_options
         self.phases: list[tuple[str, float]] = []
         self.first_id = self.end_id = 0
@@ -316,6 +317,9 @@ class _Job:
         ptype, dedup = self._queue_kind()
         self._check_schema(ptype, dedup)
         q = self._target_queue()
+        for job_id, rows in _ingest.settle_loaded(store, self.fingerprint):
+            log.warning("backfill %s had loaded its %d rows before it was killed; its rejects "
+                        "directory is marked %s now", job_id, rows, _ingest.SUCCESS_FILE)
         for leftover in _ingest.clean_staging(store):
             log.warning("removed staging/%s, left by a backfill that did not finish", leftover)
         staging = _ingest.new_job_dir(store, self.job_id)
@@ -350,7 +354,7 @@ class _Job:
                     self.phases.append(("write", time.perf_counter() - t))
             t = time.perf_counter()
             _ingest.commit_job(store, staging,
-                               self.loaded_digests if self.shared else None)
+                               self.loaded_digests if self.shared else None, self.fingerprint)
             self.phases.append(("commit", time.perf_counter() - t))
         except BaseException:
             if os.path.isdir(staging):

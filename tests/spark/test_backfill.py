@@ -21,7 +21,7 @@ from click.testing import CliRunner, Result
 import qstore
 from qstore._check import check_path
 from qstore.cli import main as qstore_cli
-from qstore.meta import MetaDB
+from qstore.meta import MetaDB, keys
 from qstore.payload import _format as fmt
 from qstore.spark import _ingest
 from qstore.spark._bulk import PartitionLoader, PartitionPlan
@@ -504,13 +504,15 @@ def test_bad_arguments_change_nothing(spark: Any, tmp_path: Path) -> None:
 # -- crash safety -------------------------------------------------------------------
 
 
-def _commit_in_child(store: Path, staging: Path, crash_at: str | None) -> int:
+def _commit_in_child(store: Path, staging: Path, crash_at: str | None,
+                     fingerprint: str | None = None) -> int:
     env = dict(os.environ)
     env.pop(_ingest.CRASH_ENV, None)
     if crash_at is not None:
         env[_ingest.CRASH_ENV] = crash_at
-    return subprocess.run([sys.executable, str(CHILD), str(store), str(staging)], env=env,
-                          timeout=60).returncode
+    extra = [] if fingerprint is None else [fingerprint]
+    return subprocess.run([sys.executable, str(CHILD), str(store), str(staging), *extra],
+                          env=env, timeout=60).returncode
 
 
 def test_kill_at_every_step_leaves_none_or_all_of_the_rows(spark: Any, tmp_path: Path,
@@ -563,6 +565,26 @@ def test_kill_at_every_step_leaves_none_or_all_of_the_rows(spark: Any, tmp_path:
                 assert seg.active or seg.live_count > 0, (crash_at, seg)
         check_consistent(work)
         assert {b for _, _, b in drain(work, "q")} == outcome, crash_at
+
+    # A crash after the ingestion, before _SUCCESS: the rejects directory looked
+    # like one of a job that loaded nothing, and a rerun loaded every row twice
+    # (Spark audit). The ingestion wrote the job's marker with the rows: the
+    # rerun marks the directory and refuses, once.
+    work = tmp_path / "after-ingested-rerun"
+    shutil.copytree(tmp_path / "image-staged", work)
+    mark = _ingest.job_fingerprint(str(src), "parquet", "q", ("payload", "p", None, None, None))
+    code = _commit_in_child(work, work / "staging" / staging.name, "ingested", mark)
+    assert code == -signal.SIGKILL
+    (rejects,) = (work / "rejects").iterdir()
+    assert not (rejects / "_SUCCESS").exists()
+    with pytest.raises(_ingest.AlreadyLoaded, match="loaded its 60 rows"):
+        run_backfill(str(src), into=work, queue="q", priority_col="p", spark=spark)
+    assert (rejects / "_SUCCESS").exists()
+    assert check_consistent(work)["q"][0] == len(old | loaded)  # nothing loaded twice
+    assert run_backfill(str(src), into=work, queue="q", priority_col="p",
+                        spark=spark).loaded == 60  # refused once: asked again, it loads
+    with qstore.open(work, compactor=False) as s:  # a job that finished leaves no marker
+        assert s.core.meta.scan_keys(keys.BACKFILL_JOB, keys.prefix_end(keys.BACKFILL_JOB)) == []
 
     # The next backfill after a crash cleans the old staging directory and loads
     # everything once (here: segments moved but never ingested, then compacted).
