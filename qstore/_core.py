@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _states as states
@@ -52,7 +52,6 @@ from .payload import (
     FRAME_SIZE,
     HEADER_SIZE,
     Located,
-    PayloadRef,
     SegmentSet,
     parse_segment_name,
     restore_records,
@@ -1151,7 +1150,7 @@ class Core(HotPaths):
     def drop_queue(self, q: QueueState) -> None:
         """Delete a queue with every message in it, in one batch (writer lock held)."""
         txn = Txn()
-        states.remove_all(txn, q, list(self.payload_refs(q)), self._keys_of_small(q))
+        states.remove_all(txn, q, self.payload_totals(q)[1], self._keys_of_small(q))
         txn.delete(keys.queue_key(q.name))
         # The counters put that commit() adds for q would bring the key back:
         # drop q's deltas, the key goes with the queue.
@@ -1164,14 +1163,14 @@ class Core(HotPaths):
 
     def purge(self, q: QueueState) -> int:
         """Delete every message of ``q`` in one batch; returns how many (lock held)."""
-        refs = list(self.payload_refs(q))
+        n, per_segment = self.payload_totals(q)
         txn = Txn()
-        states.remove_all(txn, q, refs, self._keys_of_small(q))
+        states.remove_all(txn, q, per_segment, self._keys_of_small(q))
         self.commit(txn)
         q.heads = ReadyHeads.of_empty_queue(q.qid)
         q.dead_floor = self._next_id  # every id below was purged; a later one is above
         q.next_event_us = NO_EVENT_US
-        return len(refs)
+        return n
 
     def _keys_of_small(self, q: QueueState) -> list[bytes] | None:
         """Every key of ``q``'s tables, if there are at most POINT_DELETES of them
@@ -1185,11 +1184,40 @@ class Core(HotPaths):
                 return None
         return found
 
-    def payload_refs(self, q: QueueState) -> Iterator[PayloadRef]:
+    def payload_totals(self, q: QueueState) -> tuple[int, dict[int, tuple[int, int]]]:
+        """How many messages ``q`` holds, and per segment the bytes (frames included)
+        and number of their payloads: what a purge releases. Records are read
+        in bulk (:func:`records.message_refs`: a purge of a million messages
+        held the writer lock 3.7 s decoding them one by one)."""
+        from ._lazy import np
+
         lo = keys.prefix(keys.MESSAGE, q.qid)
-        for _, value in self.meta.scan(lo, keys.prefix_end(lo)):
-            rec = records.MessageRecord.decode(value)
-            yield PayloadRef(rec.file_id, rec.offset, rec.length)
+        ks: list[bytes] = []
+        vs: list[bytes] = []
+        n = 0
+        per: dict[int, tuple[int, int]] = {}
+
+        def add() -> None:
+            refs = records.message_refs(ks, vs)
+            fids, where = np.unique(refs[:, 0], return_inverse=True)
+            nbytes = np.zeros(len(fids), np.int64)
+            np.add.at(nbytes, where, refs[:, 2] + FRAME_SIZE)
+            counts = np.bincount(where, minlength=len(fids))
+            for fid, b, c in zip(fids.tolist(), nbytes.tolist(), counts.tolist(), strict=True):
+                old = per.get(fid, (0, 0))
+                per[fid] = (old[0] + b, old[1] + c)
+            ks.clear()
+            vs.clear()
+
+        for key, value in self.meta.scan(lo, keys.prefix_end(lo)):
+            ks.append(key)
+            vs.append(value)
+            n += 1
+            if len(ks) >= 8192:
+                add()
+        if ks:
+            add()
+        return n, per
 
     # -- time (the passes themselves are in _timers.py) ------------------------
 
