@@ -168,7 +168,7 @@ class Server:
         """Stop accepting, answer parked pops, finish in-flight requests, close the store."""
         if self._server is not None:
             self._server.close()
-        for w in [w for line in self._waiting.lines.values() for w in line]:
+        for w in self._waiting.waiting():
             self._answer_empty(w)
         if self._inbox:
             self._round()  # requests already read are answered, not dropped
@@ -657,8 +657,7 @@ class Server:
     def _expire_due(self) -> None:
         """Injected clock: answer the waiters whose deadline that clock has reached."""
         now = self.store.core.wait_clock()
-        for w in [w for line in self._waiting.lines.values() for w in line
-                  if w.deadline <= now and not w.done]:
+        for w in [w for w in self._waiting.waiting() if w.deadline <= now and not w.done]:
             if w.busy:
                 w.expired = True  # the round in progress answers it
             else:
@@ -760,7 +759,7 @@ class Server:
             now = core.clock()
             for name, line in looked:
                 if not self._real_clock:
-                    due = min(due, min(w.deadline for w in line))
+                    due = min(due, min(w.deadline for w in line if not w.gone))
                 q = core.queues.get(name)
                 if q is None:
                     continue
