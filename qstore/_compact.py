@@ -65,6 +65,7 @@ log = logging.getLogger("qstore.compact")
 COPYING, REPOINTING, DELETING = records.COPYING, records.REPOINTING, records.DELETING
 
 REPOINT_CHUNK = 1000  # messages per repoint batch: bounds how long the writer lock is held
+DELETE_CHUNK = 64  # dead segments deleted per hold of the writer lock
 # A pass that rewrites anything also folds in small sealed segments (at most
 # 1/SMALL_FRACTION of segment_max_bytes) once there are MERGE_MIN of them, so
 # the outputs of many passes holding a few long-lived messages do not pile up.
@@ -297,31 +298,40 @@ class Compactor:
     def _delete_dead_segments(self) -> list[tuple[int, int]]:
         """Delete sealed segments nothing refers to; returns (file id, size) of each.
 
-        Their counters go first, in one synced batch, then the files; a crash
-        between the two leaves files without counters, which the next open
-        deletes. Under the writer lock, so no read can be looking one up; and
-        only while no read-only view is opening (payload/_views.py): one that is
-        may hold metadata that still refers to them, so they are left (nothing
-        live) for the next pass.
+        :data:`DELETE_CHUNK` at a time: their counters go first, in one synced
+        batch, then the files; a crash between the two leaves files without
+        counters, which the next open deletes. Under the writer lock, so no read
+        can be looking one up; and only while no read-only view is opening
+        (payload/_views.py): one that is may hold metadata that still refers to
+        them, so they are left (nothing live) for the next pass.
         """
         core = self._core
         with core.settling:
             dead = [(fid, size) for fid, size, _, count in self._sealed_segments() if count == 0]
-            if not dead:
-                return []
-            with core.payload.no_view_opening() as free:
-                if not free:
-                    # A read-only view is opening: its metadata may still refer to
-                    # these. They stay (S records with nothing live) for the next pass.
-                    return []
-                core.write_synced(deletes=[keys.segment_key(fid) for fid, _ in dead])
-                accounts = {fid: core.segments.pop(fid, None) for fid, _ in dead}
-                try:
-                    core.payload.delete(fid for fid, _ in dead)
-                except StorageError:
-                    self._account_undeleted(accounts)
-                    raise
-        return dead
+        done: list[tuple[int, int]] = []
+        # DELETE_CHUNK at a time, letting go of the writer lock between them: one
+        # hold for all took about 100 us a segment (5,000 dead segments held every
+        # push 0.5 s; a scale audit). A sealed segment with nothing live stays so:
+        # only pushes (to the active segment) and passes (to new ones) add refs.
+        for start in range(0, len(dead), DELETE_CHUNK):
+            chunk = dead[start:start + DELETE_CHUNK]
+            with core.settling:
+                if core.closed:
+                    break
+                with core.payload.no_view_opening() as free:
+                    if not free:
+                        # A read-only view is opening: its metadata may still refer to
+                        # these. They stay (S records with nothing live) for the next pass.
+                        break
+                    core.write_synced(deletes=[keys.segment_key(fid) for fid, _ in chunk])
+                    accounts = {fid: core.segments.pop(fid, None) for fid, _ in chunk}
+                    try:
+                        core.payload.delete(fid for fid, _ in chunk)
+                    except StorageError:
+                        self._account_undeleted(accounts)
+                        raise
+            done += chunk
+        return done
 
     def _account_undeleted(self, accounts: dict[int, list[int] | None]) -> None:
         """Writer lock held: give the dead segments whose unlink failed their S records back.
