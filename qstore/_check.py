@@ -109,7 +109,7 @@ def inspect_store(meta: MetaDB, payload_dir: str, lengths: Mapping[int, int] | N
     try:
         if active_id is None:
             active_id = max(files.sizes, default=None)
-        check = Check(meta, files, active_id)
+        check = Check(meta, files, active_id, view=pinned is not None)
         return check.run(), check
     finally:
         files.close()
@@ -158,10 +158,12 @@ def message_problem(rec: records.MessageRecord, priority_type: str | None) -> st
 class Check:
     """One run of the check; after :meth:`run` its recounts and lists feed a repair."""
 
-    def __init__(self, meta: MetaDB, files: SegmentFiles, active_id: int | None) -> None:
+    def __init__(self, meta: MetaDB, files: SegmentFiles, active_id: int | None,
+                 view: bool = False) -> None:
         self.meta = meta
         self.files = files
         self.active_id = active_id
+        self.view = view  # a read-only view's check, beside a writer
         self.findings: list[Finding] = []
         self.notes: list[Finding] = []
         self.queues: dict[int, tuple[str, records.QueueRecord]] = {}
@@ -203,7 +205,8 @@ class Check:
         self._orphan_queue_keys()
         self._counters()
         journaled_files = {fid for fid, _ in self.journal}
-        for f in check_segments(self.meta, self.files, self.segs, self.active_id, compaction):
+        for f in check_segments(self.meta, self.files, self.segs, self.active_id, compaction,
+                                view=self.view):
             if f.kind == k.SEGMENT_TRUNCATED and f.file_id in journaled_files:
                 self.notes.append(Finding(k.JOURNALED, file_id=f.file_id, detail=(
                     f"{f.kind}: {f.detail}; the payload journal holds records of it, which "

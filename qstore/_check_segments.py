@@ -29,14 +29,20 @@ COPYING, DELETING = records.COPYING, records.DELETING
 
 
 def check_segments(meta: MetaDB, files: SegmentFiles, recount: Mapping[int, list[int]],
-                   active_id: int | None, compaction: tuple[str, int, list[int]] | None
-                   ) -> list[Finding]:
+                   active_id: int | None, compaction: tuple[str, int, list[int]] | None,
+                   *, view: bool = False) -> list[Finding]:
     """Findings about segments. ``recount``: file id -> [bytes with frames, count, max end].
 
     Not orphans: the active segment (a fresh one has no ``S`` record yet), a
     file holding no more than a header, the output of a compaction pass still
     copying (the next open discards it) and the sources of a pass that was
-    deleting them (the next open finishes that).
+    deleting them (the next open finishes that). In a read-only ``view`` beside
+    a writer, which does not know the writer's active segment, also every
+    segment above those its metadata has ``S`` records of: made since its
+    metadata's last account (the active one, which the writer appends to
+    before it writes the records, and a pass's output, whose id is above it;
+    taking the highest id for the active one made the active one an orphan
+    while a pass copied).
     """
     findings: list[Finding] = []
     stored: dict[int, tuple[int, int, int]] = {}
@@ -59,9 +65,11 @@ def check_segments(meta: MetaDB, files: SegmentFiles, recount: Mapping[int, list
     lengths = files.lengths
     phase, output, sources = compaction if compaction is not None else ("", None, [])
     fids = set(files.sizes) | set(stored) | set(recount) | set(lengths or ())
+    newest = max(stored, default=0) if view else None
     for fid in sorted(fids):
+        active = fid if newest is not None and fid > newest else active_id
         findings += _check_one(fid, files, stored.get(fid), recount.get(fid, [0, 0, 0]),
-                               active_id, phase, output, sources)
+                               active, phase, output, sources)
     return findings
 
 

@@ -15,12 +15,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from typing import Any
 
 import pytest
 
 import qstore
-from qstore import _core
+from qstore import _compact, _core
 from qstore._errors import Corruption, StorageError
 
 KEPT = 40
@@ -133,3 +134,54 @@ def test_a_view_opens_again_when_its_open_raced_the_writer(store_path: str,
     with pytest.raises(StorageError, match="Permission denied"):
         qstore.open(store_path, readonly=True)
     assert failures == []
+
+
+def test_a_views_check_takes_the_writers_fresh_active_segment_for_no_orphan(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A view does not know the writer's active segment; its check took the
+    # highest id on disk for it. While a pass copied, that is the pass's output,
+    # and the new active segment, holding a push's bytes whose records were not
+    # written yet, was reported as an orphan (a race audit: `qstore check` beside
+    # a busy server exits 1).
+    path = str(tmp_path / "s")
+    store = qstore.open(path, compactor=False, segment_max_bytes=64 * 1024)
+    q = store.create_queue("q")
+    for _ in range(200):
+        q.push(b"x" * 1000)
+    for m in q.pop_many(200):
+        if m.id % 10:
+            q.ack(m)
+        else:
+            q.nack(m)
+    reports: list[Any] = []
+    blocked, release = threading.Event(), threading.Event()
+    real_write = store.core.meta.write
+
+    def write(batch: Any, *, sync: bool = False) -> None:
+        if threading.current_thread().name == "pusher":
+            blocked.set()  # its bytes are in the active segment, its records not written
+            release.wait(30)
+        real_write(batch, sync=sync)
+
+    def copied(step: str) -> None:
+        if step != "copied":
+            return
+        monkeypatch.setattr(store.core.meta, "write", write)
+        pusher = threading.Thread(target=lambda: q.push(b"y" * 1000), name="pusher")
+        pusher.start()
+        assert blocked.wait(30)
+        try:
+            with qstore.open(path, readonly=True) as view:
+                reports.append(view.check())
+        finally:
+            release.set()
+            pusher.join(30)
+            monkeypatch.setattr(store.core.meta, "write", real_write)
+
+    monkeypatch.setattr(_compact, "step_hook", copied)
+    result = store.compact(threshold=0.3)
+    assert result.output is not None and result.output > store.core.payload.active_id
+    (report,) = reports
+    assert report.ok, report.summary()
+    assert store.check().ok
+    store.close()
