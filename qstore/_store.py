@@ -281,6 +281,7 @@ class Store:
                 return run_repair(core, payload_dir)
         core.check_open()
         with core.lock:
+            core.check_open()  # again: a close() may have run while this waited for the lock
             pinned = core.payload.pinned() if core.readonly else None
             return run_check(core.meta, payload_dir, active_id=core.payload.active_id,
                              pinned=pinned)

@@ -713,3 +713,25 @@ def test_a_dead_letter_reason_that_is_not_a_str_is_a_finding_and_the_data_source
     good_ids, rows, skipped = checked_records([key, key], [raw, damaged], "int")
     assert good_ids == [ids["dead"]] and len(rows) == 1
     assert [b.message_id for b in skipped] == [ids["dead"]]
+
+
+def test_a_check_that_a_close_overtakes_raises_store_closed(
+        tmp_path: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    # check() looked at the store's state before it took the writer lock only: a
+    # close() in between closed the database under it, and it raised
+    # StorageError ("the metadata database is closed"; a race audit).
+    path = str(tmp_path / "store")
+    build(path, clock)
+    store = qstore.open(path, clock=clock, compactor=False)
+    real = type(store.core).check_open
+    calls = []
+
+    def overtaken(core: Any) -> None:
+        real(core)
+        if not calls:
+            calls.append(1)
+            store.close()  # as another thread's close() would, right here
+
+    monkeypatch.setattr(type(store.core), "check_open", overtaken)
+    with pytest.raises(qstore.StoreClosed):
+        store.check()
