@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _states as states
 from ._config import Config, checked_clock
@@ -57,6 +57,11 @@ from .payload import (
     restore_records,
     viewing,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from ._lazy import np  # imported on first use (_lazy.py)
 
 log = logging.getLogger("qstore")
 
@@ -1189,8 +1194,6 @@ class Core(HotPaths):
         and number of their payloads: what a purge releases. Records are read
         in bulk (:func:`records.message_refs`: a purge of a million messages
         held the writer lock 3.7 s decoding them one by one)."""
-        from ._lazy import np
-
         lo = keys.prefix(keys.MESSAGE, q.qid)
         ks: list[bytes] = []
         vs: list[bytes] = []
