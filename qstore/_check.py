@@ -27,6 +27,7 @@ from . import _check_report as k
 from ._check_files import SegmentFiles
 from ._check_report import CheckReport, Finding
 from ._check_segments import check_segments
+from ._core import writer_running
 from ._errors import Corruption, InvalidArgument, StorageError
 from ._seg_accounts import covered_ids
 from ._snapshot import MANIFEST, read_manifest
@@ -67,12 +68,15 @@ def check_path(path: str | os.PathLike[str]) -> CheckReport:
                 fmt.parse_segment_name(n) is not None for n in os.listdir(payload_dir)):
             raise Corruption(meta_path, 0, "metadata directory is missing")
         raise InvalidArgument(f"{path!r} is not a qstore store or snapshot")
+    # Beside a running writer, its active segment is not known here (a pass's
+    # output may have a higher id): checked as a view's check is.
+    beside = lengths is None and writer_running(path)
     files = SegmentFiles(payload_dir, lengths)  # before the metadata: see _check_files
     try:
         if active is None and lengths is None:
             active = max(files.sizes, default=None)
         with _readonly_meta(meta_path, path) as meta:
-            return Check(meta, files, active).run()
+            return Check(meta, files, active, view=beside).run()
     finally:
         files.close()
 

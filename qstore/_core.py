@@ -47,7 +47,15 @@ from ._reserve import SpaceReserve, free_bytes
 from ._seg_accounts import load_segments
 from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts, plain_push
 from ._waits import sleep_time_of, watch
-from .meta import MetaDB, keys, new_batch, records, space_to_open, write_sst
+from .meta import (
+    MetaDB,
+    keys,
+    locked_by_another_process,
+    new_batch,
+    records,
+    space_to_open,
+    write_sst,
+)
 from .payload import (
     FRAME_SIZE,
     HEADER_SIZE,
@@ -88,6 +96,18 @@ def _claim_writer(path: str) -> tuple[int, int]:
             raise StoreLocked(path)
         _writers.add(key)
     return key
+
+
+def writer_running(path: str) -> bool:
+    """Whether a process (this one or another) has the store at ``path`` open read-write."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    with _writers_lock:
+        if (st.st_dev, st.st_ino) in _writers:
+            return True
+    return locked_by_another_process(os.path.join(path, "meta"))
 
 
 def _release_writer(key: tuple[int, int] | None) -> None:

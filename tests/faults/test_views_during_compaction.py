@@ -22,6 +22,7 @@ import pytest
 
 import qstore
 from qstore import _compact, _core
+from qstore._check import check_path
 from qstore._errors import Corruption, StorageError
 
 KEPT = 40
@@ -173,6 +174,7 @@ def test_a_views_check_takes_the_writers_fresh_active_segment_for_no_orphan(
         try:
             with qstore.open(path, readonly=True) as view:
                 reports.append(view.check())
+            reports.append(check_path(path))  # `qstore check STORE` beside the writer
         finally:
             release.set()
             pusher.join(30)
@@ -181,7 +183,8 @@ def test_a_views_check_takes_the_writers_fresh_active_segment_for_no_orphan(
     monkeypatch.setattr(_compact, "step_hook", copied)
     result = store.compact(threshold=0.3)
     assert result.output is not None and result.output > store.core.payload.active_id
-    (report,) = reports
-    assert report.ok, report.summary()
+    assert len(reports) == 2
+    for report in reports:
+        assert report.ok, report.summary()
     assert store.check().ok
     store.close()

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import qstore
 from qstore import StorageError
-from qstore.meta import MetaDB, SstWriter, new_batch, write_sst
+from qstore._core import writer_running
+from qstore.meta import MetaDB, SstWriter, locked_by_another_process, new_batch, write_sst
 
 
 def _db(tmp_path: Path, keys: list[bytes]) -> MetaDB:
@@ -81,3 +85,24 @@ def test_a_scan_of_a_database_written_meanwhile_ends_cleanly(tmp_path: Path, rea
         assert [k for k, _ in db.scan(b"k", b"l")][-1] == b"k199"
     finally:
         db.close()
+
+
+def test_a_writer_is_seen_in_this_process_and_in_another_without_taking_its_lock(
+        tmp_path: Path) -> None:
+    path = str(tmp_path / "s")
+    qstore.open(path).close()
+    assert not writer_running(path) and not locked_by_another_process(path + "/meta")
+    with qstore.open(path):
+        assert writer_running(path)  # this process's own (its record lock is invisible here)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, qstore\n"
+         "with qstore.open(sys.argv[1]):\n    print('open', flush=True)\n    sys.stdin.read()",
+         path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "open\n"
+        assert locked_by_another_process(path + "/meta") and writer_running(path)
+        assert locked_by_another_process(path + "/meta")  # asking took nothing
+    finally:
+        child.communicate("", timeout=60)
+    assert child.returncode == 0  # its close found its lock as it left it
+    assert not writer_running(path)
