@@ -292,7 +292,7 @@ class _Job:
         # CSV has no types: its columns are inferred, so "007" would be the int 7.
         # The payload, the dedup key and a str queue's priority are text as written.
         text = [self.payload_col, self.dedup_col]
-        exact = []  # read as text unless inferred as integers (see _read)
+        exact = []  # read as text if inferred as float or decimal (see _read)
         if self._queue_kind()[0] == "str":
             text.append(self.priority_col)
         else:
@@ -654,13 +654,12 @@ def _csv_source(reader: Any, df: Any, paths: Any, text_cols: list[str]) -> tuple
     return reader.schema(schema).option("columnNameOfCorruptRecord", name).load(paths), name
 
 
-def _not_integers(df: Any, cols: list[str]) -> list[str]:
-    """Those of ``cols`` in ``df`` whose inferred type is not an integer type."""
+def _fractional(df: Any, cols: list[str]) -> list[str]:
+    """Those of ``cols`` in ``df`` whose inferred type is a float or a decimal."""
     from pyspark.sql import types as T
 
-    ints = (T.ByteType, T.ShortType, T.IntegerType, T.LongType)
-    return [f.name for f in df.schema.fields
-            if f.name in cols and not isinstance(f.dataType, ints)]
+    return [f.name for f in df.schema.fields if f.name in cols
+            and isinstance(f.dataType, (T.FloatType, T.DoubleType, T.DecimalType))]
 
 
 def _text_schema(df: Any, text_cols: list[str], *extra: Any) -> Any:
@@ -729,11 +728,12 @@ def _read(spark: Any, source: Any, fmt: str, text_cols: list[str] | None = None,
     """The source as a DataFrame, and the name of its malformed-line column (CSV
     files; None otherwise).
 
-    CSV and JSON files carry no types: Spark infers them. ``text_cols`` are
-    read as text whatever they look like; ``int_cols`` too, unless inferred as
-    integers: a column that also holds a fraction (``2.5``) is inferred as
-    double, which rounds integers past 2**53 (``9007199254740993`` loaded as
-    ``...992``, no reject); as text, each cell is read exactly (_rows.py).
+    Spark infers the types of CSV and JSON files. A CSV file's ``text_cols``
+    are read as text whatever they look like. ``int_cols`` inferred as float
+    or decimal (a column that also holds ``2.5`` is inferred as double, which
+    rounds integers past 2**53: ``9007199254740993`` loaded as ``...992``, no
+    reject) are read as text too, in CSV and JSON, and each cell is read
+    exactly (_rows.py).
     """
     if isinstance(source, (str, os.PathLike)) or (
             isinstance(source, (list, tuple)) and source
@@ -747,11 +747,13 @@ def _read(spark: Any, source: Any, fmt: str, text_cols: list[str] | None = None,
 
         try:
             df = reader.load(paths)
-            texts = [*(text_cols or []), *_not_integers(df, int_cols or [])]
+            fractional = _fractional(df, int_cols or [])
             if fmt == "csv":
-                return _csv_source(reader, df, paths, texts)
-            if fmt == "json" and texts:
-                return reader.schema(_text_schema(df, texts)).load(paths), None
+                return _csv_source(reader, df, paths, [*(text_cols or []), *fractional])
+            if fmt == "json" and fractional:
+                # Only those: JSON has types, and a payload or key column of the wrong
+                # one (an object, a number) stays a usage error (_check_schema).
+                return reader.schema(_text_schema(df, fractional)).load(paths), None
             if fmt == "parquet":
                 df = _widened(reader, df, paths)
             return df, None

@@ -246,6 +246,26 @@ def test_large_int_priorities_beside_a_fraction_load_exactly(spark: Any, tmp_pat
         ("r2", "priority: '2.5' is not an integer")]
 
 
+def test_json_columns_of_the_wrong_type_stay_usage_errors(spark: Any, tmp_path: Path) -> None:
+    # The exact read of int priorities re-read every JSON source with the payload
+    # (and a str queue's priority) as text: an object payload loaded as its JSON
+    # text, an int priority into a str queue as "10" (review of this change).
+    objects = tmp_path / "objects.json"
+    objects.write_text("".join(f'{{"payload": {{"n": {i}}}}}\n' for i in range(3)),
+                       encoding="utf-8")
+    ints = tmp_path / "ints.json"
+    ints.write_text("".join(f'{{"payload": "m{i}", "p": {10 + i}}}\n' for i in range(3)),
+                    encoding="utf-8")
+    store = tmp_path / "store"
+    run = backfill_cli(objects, "--format", "json", "--queue", "q", "--into", store)
+    assert run.exit_code == 2 and "payload column 'payload' has type struct" in run.output
+    run = backfill_cli(ints, "--format", "json", "--queue", "s", "--priority-type", "str",
+                       "--priority-col", "p", "--into", store)
+    assert run.exit_code == 2 and "priority column 'p' has type bigint" in run.output
+    with qstore.open(store, compactor=False) as s:
+        assert [s.queue(n).stats().total for n in s.queues()] in ([], [0], [0, 0])
+
+
 def test_csv_malformed_lines_are_rejected_not_loaded(spark: Any, tmp_path: Path) -> None:
     # Spark's PERMISSIVE mode loaded a line with a field missing with a null
     # (priority 0), one with a field too many without it, and an unclosed quote
