@@ -297,8 +297,10 @@ def commit_job(store: Store, staging: str, loaded_digests: list[bytes] | None = 
                  fingerprint])))
         except BaseException:
             # Not loaded: withdraw the rejects. Moved segments stay: nothing refers to
-            # them and the compactor deletes them (removing one now could race a
-            # half-known ingestion outcome for no gain).
+            # them, and the next read-write open deletes them (removing one now could
+            # race a half-known ingestion outcome for no gain). An open store (a
+            # server's) does not know them until then: its check reports them as
+            # orphans and its compactor does not see them.
             for path in published:
                 os.unlink(path)
             raise
