@@ -1221,6 +1221,14 @@ class Core(HotPaths):
         per: dict[int, tuple[int, int]] = {}
 
         def add() -> None:
+            if len(ks) < 512:  # a small queue's: no numpy (loaded on first use)
+                for value in vs:
+                    fid, _, length = records.message_ref(value)
+                    old = per.get(fid, (0, 0))
+                    per[fid] = (old[0] + FRAME_SIZE + length, old[1] + 1)
+                ks.clear()
+                vs.clear()
+                return
             refs = records.message_refs(ks, vs)
             fids, where = np.unique(refs[:, 0], return_inverse=True)
             nbytes = np.zeros(len(fids), np.int64)
