@@ -268,7 +268,15 @@ class Check:
 
     def _messages(self) -> None:
         raw_hwm = self.meta.get(keys.ID_HWM_KEY)
-        hwm = records.unpack(raw_hwm, "id")[1] if raw_hwm is not None else None
+        hwm = None
+        if raw_hwm is not None:
+            try:
+                hwm = records.unpack(raw_hwm, "id")[1]
+                if type(hwm) is not int:
+                    raise ValueError(f"the mark {hwm!r:.40} is not an int")
+            except (StorageError, ValueError, TypeError, IndexError) as exc:
+                self.add(k.BAD_RECORD, detail=f"M id_hwm record does not decode: {exc}")
+                hwm = None
         for key, value in self.meta.scan(keys.MESSAGE, keys.prefix_end(keys.MESSAGE)):
             self.messages += 1
             if len(key) != keys.QID_ID.size + 1:

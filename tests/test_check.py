@@ -234,6 +234,19 @@ def test_wrong_counter_and_wrong_segment_record(damaged: tuple[str, dict[str, An
     assert "ready: stored" in report.findings[0].detail
 
 
+def test_an_id_hwm_record_that_does_not_decode_is_a_finding(
+        damaged: tuple[str, dict[str, Any]]) -> None:
+    # It made the whole check raise StorageError (exit 5) and report nothing else
+    # (a differential audit against the Spark audit).
+    path, where = damaged
+    write_meta(path, puts={keys.ID_HWM_KEY: b"\x91\xa1x"})  # msgpack ["x"]
+    report = check_path(path)
+    assert [(f.kind, f.detail) for f in report.findings] == [
+        ("bad_record", "M id_hwm record does not decode: unsupported id record version: "
+                       "['x']")]
+    assert report.messages == len({w[1] for w in where.values()})  # the rest was checked
+
+
 def test_orphan_segment_file_is_found(tmp_path: Any, clock: FakeClock) -> None:
     path = str(tmp_path / "store")
     with qstore.open(path, clock=clock, compactor=False, segment_max_bytes=SEGMENT_MAX) as s:
