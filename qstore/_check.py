@@ -375,17 +375,11 @@ class Check:
         lo = keys.prefix(kind, qid)
         batch: list[tuple[bytes, bytes, int]] = []
         for key, value in self.meta.scan(lo, keys.prefix_end(lo)):
-            if kind == keys.DEDUP:
-                if len(key) != 21 or len(value) != 8:
-                    self._stray(name, None, kind, key, "not k qid:u32 digest[16] -> id:u64")
-                    continue
-                mid = keys.U64.unpack(value)[0]
-            elif len(key) < 13 or (kind != keys.READY and len(key) != (13 if kind == keys.DEAD
-                                                                        else 21)):
-                self._stray(name, None, kind, key, "malformed key")
+            why = keys.index_key_problem(kind, key, value)
+            if why is not None:
+                self._stray(name, None, kind, key, why)
                 continue
-            else:
-                mid = keys.trailing_id(key)
+            mid = keys.U64.unpack(value)[0] if kind == keys.DEDUP else keys.trailing_id(key)
             batch.append((key, value, mid))
             if len(batch) >= BATCH:
                 self._check_owners(qid, name, rec_q, kind, batch)

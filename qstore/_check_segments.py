@@ -9,9 +9,9 @@ nothing references or accounts for is an orphan.
 
 The single checks are small functions of plain values (``header_finding``,
 ``manifest_truncation``, ``orphan_exempt``, ``orphan``, ``unlisted``,
-``record_mismatch``, ``end_past_manifest``) that the Spark audit's driver
-(``qstore/spark/_audit_checks.py``) calls too: one implementation, the same
-findings in the same words.
+``record_mismatch``, ``end_past_manifest``, ``records_past_end``) that the
+Spark audit's driver (``qstore/spark/_audit_checks.py``) calls too: one
+implementation, the same findings in the same words.
 """
 
 from __future__ import annotations
@@ -186,9 +186,15 @@ def _check_one(fid: int, files: SegmentFiles, stored: tuple[int, int, int] | Non
     if stored is not None and stored[0] < 0:
         return out  # an S record that does not decode: reported already
     out += found(record_mismatch(fid, stored, count, nbytes))
-    end = stored[2] if stored is not None else 0
-    if stored is not None and max_end > end:
-        out.append(Finding(k.SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
-            f"messages refer to records up to offset {max_end}, past the S record's data "
-            f"end {end}")))
+    if stored is not None:
+        out += found(records_past_end(fid, max_end, stored[2]))
     return out
+
+
+def records_past_end(fid: int, max_end: int, end: int) -> Finding | None:
+    """Messages refer to records past the ``S`` record's data end."""
+    if max_end <= end:
+        return None
+    return Finding(k.SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
+        f"messages refer to records up to offset {max_end}, past the S record's data "
+        f"end {end}"))

@@ -252,3 +252,15 @@ def split_rows(rows: np.ndarray) -> list[bytes]:
 def to_us(seconds: float) -> int:
     """Seconds since the epoch as non-negative integer microseconds."""
     return max(0, int(seconds * 1_000_000))
+
+
+def index_key_problem(kind: bytes, key: bytes, value: bytes) -> str | None:
+    """Why ``key`` (with ``value``) of index ``kind`` is not laid out as that index's keys
+    are, or None. Such a key names no message (the id at its end would be whatever
+    its last 8 bytes are); the check and the Spark audit report it so."""
+    if kind == DEDUP:
+        return None if len(key) == 21 and len(value) == 8 else \
+            "not k qid:u32 digest[16] -> id:u64"
+    if len(key) < 13 or (kind != READY and len(key) != (13 if kind == DEAD else 21)):
+        return "malformed key"
+    return None

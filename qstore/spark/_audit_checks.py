@@ -238,6 +238,12 @@ def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]],
     late = late or {}
     fids = sorted(set(facts.manifest) | set(facts.files) | set(facts.segment_records)
                   | set(recount) | set(late))
+    # Where each segment's referenced records end, from the runs (which hold the
+    # records of deferred pushes too: a segment with any is not compared).
+    ends: dict[int, int] = {}
+    if runs is not None and runs.num_rows:
+        by = runs.group_by("file_id").aggregate([("end", "max")])
+        ends = dict(zip(by["file_id"].to_pylist(), by["end_max"].to_pylist(), strict=True))
     for fid in fids:
         listed = fid in facts.manifest
         present = fid in facts.files
@@ -282,6 +288,8 @@ def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]],
             findings += found(segs.end_past_file(fid, facts.files[fid], end))  # as the check
         elif stored is not None and listed:
             findings += found(segs.end_past_manifest(fid, end, length))
+        if stored is not None and fid in ends and fid not in late and live_bytes >= 0:
+            findings += found(segs.records_past_end(fid, ends[fid], end))  # as the check
         if stored is not None and not listed and not present and refs == 0:
             findings.append(Finding(SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
                 "S record for a segment that does not exist")))

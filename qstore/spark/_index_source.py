@@ -127,6 +127,16 @@ def stray_keys(snap: Snapshot, qid: int, kind: bytes) -> Iterator[tuple[int | No
 
 def _check_chunk(snap: Snapshot, qid: int, qrec: records.QueueRecord, kind: bytes,
                  chunk: list[tuple[bytes, bytes]]) -> Iterator[tuple[int | None, str]]:
+    well_formed = []
+    for key, value in chunk:
+        why = keys.index_key_problem(kind, key, value)
+        if why is None:
+            well_formed.append((key, value))
+        else:
+            yield None, f"index key {key.hex()}: {why}"
+    chunk = well_formed
+    if not chunk:
+        return
     if kind == keys.DEDUP:
         mids = [keys.U64.unpack(v)[0] if len(v) == 8 else None for _, v in chunk]
     else:

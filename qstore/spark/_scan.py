@@ -320,12 +320,36 @@ _PRIORITY_TYPES: dict[str | None, tuple[frozenset[type], ...]] = {
 class BadRecord:
     """A message record that cannot be used: its id, its key and why (naming the key)."""
 
-    message_id: int
+    message_id: int | None  # None: the key names no id (or none Arrow's int64 holds)
     key: bytes
     reason: str
 
 
 def checked_records(ks: list[bytes], vs: list[bytes], priority_type: str | None
+                    ) -> tuple[list[int], list[tuple[Any, ...]], list[BadRecord]]:
+    """:func:`_checked_records` of the records whose keys are laid out as message keys,
+    ``m qid:u32 id:u64`` with an id below 2**63 (ids count up from 1; Arrow's
+    columns are signed); each other key is a :class:`BadRecord`, as the integrity
+    check reports it (a key of another length was taken for an id from its last 8
+    bytes, and an id of 2**63 or more failed the whole audit)."""
+    bad: list[BadRecord] = []
+    if any(len(k) != 13 or k[5] >= 0x80 for k in ks):
+        kept = []
+        for k, v in zip(ks, vs, strict=True):
+            if len(k) != 13:
+                bad.append(BadRecord(None, k, f"message key {k.hex()} is not m qid:u32 id:u64"))
+            elif k[5] >= 0x80:
+                bad.append(BadRecord(None, k, f"message key {k.hex()}: id "
+                                              f"{int.from_bytes(k[5:], 'big')} is 2**63 or "
+                                              "more, which no push hands out"))
+            else:
+                kept.append((k, v))
+        ks, vs = [k for k, _ in kept], [v for _, v in kept]
+    ids, rows, more = _checked_records(ks, vs, priority_type)
+    return ids, rows, bad + more
+
+
+def _checked_records(ks: list[bytes], vs: list[bytes], priority_type: str | None
                     ) -> tuple[list[int], list[tuple[Any, ...]], list[BadRecord]]:
     """Decode message records and check every field: (ids, rows, bad records).
 

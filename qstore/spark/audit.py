@@ -38,7 +38,7 @@ from .._check_report import Finding
 from .._fs import write_json_durably
 from ..payload import _format as fmt
 from . import _audit_checks as checks
-from ._audit_checks import MetaFacts
+from ._audit_checks import OVERLAP, MetaFacts
 from ._audit_merge import cross_task_overlaps, merge
 from ._index_hash import MASK
 from ._report import render_html, render_text
@@ -154,11 +154,14 @@ def _spark_passes(spark: Any, path: str, facts: MetaFacts) -> _Passes:
 
 
 def _dedup(findings: list[Finding]) -> list[Finding]:
-    """An overlap can be found by its task and again by the check between tasks."""
+    """An overlap can be found by its task and again by the check between tasks. Only
+    overlaps are told apart by where alone: two other findings of one kind at one
+    place (a bad message key and a huge id, both with no message id) are two."""
     seen: set[tuple[Any, ...]] = set()
     out = []
     for f in findings:
-        key = (f.kind, f.message_id, f.file_id, f.offset)
+        key = ((f.kind, f.message_id, f.file_id, f.offset) if f.kind == OVERLAP
+               else (f.kind, f.queue, f.message_id, f.file_id, f.offset, f.detail))
         if key not in seen:
             seen.add(key)
             out.append(f)

@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 import qstore
+from qstore._check import check_path
 from qstore.cli import main as qstore_cli
 from qstore.meta import MetaDB, keys, new_batch, records
 from qstore.payload._format import segment_name
@@ -342,3 +343,46 @@ def test_a_snapshot_whose_segment_record_defers_pushes_audits_clean(
     bad = run_audit(snap, spark=spark, out=str(tmp_path / "out2"), quiet=True)
     assert [f["kind"] for f in bad.summary["findings"]["examples"]] == [
         "segment_record_mismatch"]
+
+
+def test_malformed_keys_and_a_short_s_end_are_findings_as_in_the_check(
+        spark: Any, tmp_path: Any) -> None:
+    # A differential audit of the two checkers: an index key too short for an id,
+    # a message key of the wrong length and a message id of 2**63 or more failed
+    # the whole audit (exit 3; or made up an id), and an S record whose data end
+    # is before records messages refer to went unseen (the check reports it).
+    with qstore.open(str(tmp_path / "store"), clock=FakeClock(), compactor=False,
+                     segment_max_bytes=1200) as store:
+        jobs = store.create_queue("jobs")
+        jobs.push_many([(b"%-100d" % i, i % 3) for i in range(30)])
+        snap = store.snapshot(str(tmp_path / "snap"))
+    first = min(r["file_id"] for r in scan_snapshot(snap, queues=["jobs"]).to_pylist())
+    db = MetaDB(os.path.join(snap, "meta"), readonly=False, store_path=snap)
+    seg = records.decode_segment(db.get(keys.segment_key(first)) or b"")
+    any_id = keys.trailing_id(db.scan_keys(keys.prefix(keys.MESSAGE, 1),
+                                            keys.prefix_end(keys.prefix(keys.MESSAGE, 1)), 1)[0])
+    some = db.get(keys.message_key(1, any_id)) or b""
+    batch = new_batch()
+    batch.put(keys.prefix(keys.DELAYED, 1), b"")  # d qid: no time, no id
+    batch.put(keys.message_key(1, 7) + b"\x01", some)  # one byte too many
+    batch.put(keys.message_key(1, 2**63 + 5), some)
+    batch.put(keys.segment_key(first), records.encode_segment(seg[0], seg[1], seg[2] - 1))
+    db.write(batch, sync=True)
+    db.close()
+
+    checked = {(f.kind, f.detail.split(":")[0]) for f in check_path(snap).findings}
+    result = run_audit(snap, spark=spark, quiet=True)
+    audited = pq.read_table(result.paths["findings"]).to_pylist()
+    short = keys.prefix(keys.DELAYED, 1).hex()
+    assert ("stray_index_key", f"delayed index key {short}") in checked
+    assert [f["detail"] for f in audited if f["kind"] == "stray_index_key"] == [
+        f"delayed index: index key {short}: malformed key"]
+    long_key = (keys.message_key(1, 7) + b"\x01").hex()
+    bad = sorted(f["detail"] for f in audited if f["kind"] == "bad_record")
+    assert bad == [f"message key {long_key} is not m qid:u32 id:u64",
+                   f"message key {keys.message_key(1, 2**63 + 5).hex()}: id {2**63 + 5} is "
+                   "2**63 or more, which no push hands out"]
+    past = (f"messages refer to records up to offset {seg[2]}, past the S record's data end "
+            f"{seg[2] - 1}")
+    assert past in [f.detail for f in check_path(snap).findings]
+    assert past in [f["detail"] for f in audited if f["file_id"] == first]
