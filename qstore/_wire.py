@@ -43,9 +43,23 @@ STORE_OPS = frozenset({
 _packer = msgpack.Packer(use_bin_type=True)
 
 
+MAX_BODY = 2**32 - 1  # what the frame's uint32 length can say
+
+
+class FrameTooLarge(ValueError):
+    """A value whose frame body would be over :data:`MAX_BODY` bytes."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"a frame of {size} bytes is over the {MAX_BODY}-byte limit of the "
+                         "protocol's uint32 length")
+        self.size = size
+
+
 def pack(value: Any) -> bytes:
-    """One frame: length prefix and msgpack body."""
+    """One frame: length prefix and msgpack body (FrameTooLarge past MAX_BODY)."""
     body: bytes = _packer.pack(value)
+    if len(body) > MAX_BODY:
+        raise FrameTooLarge(len(body))
     return LENGTH.pack(len(body)) + body
 
 

@@ -139,6 +139,18 @@ class Leases:
         return len(taken)
 
 
+def give_back(store: Store, leases: Leases, receipts: list[str]) -> None:
+    """Nack the leases ``receipts`` of ``leases`` now (their answer could not be sent)."""
+    for receipt in receipts:
+        held = leases.held.get(receipt)
+        if held is None:
+            continue
+        leases.book.settle(receipt)
+        with contextlib.suppress(LeaseExpired, MessageNotFound, QueueNotFound,
+                                 InvalidArgument):
+            store.queue(held[0]).nack(receipt)
+
+
 def _wait(args: dict[str, Any]) -> float:
     wait = args.pop("wait", 0.0)
     if (isinstance(wait, bool) or not isinstance(wait, (int, float)) or not math.isfinite(wait)

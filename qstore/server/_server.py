@@ -44,7 +44,16 @@ from .._store import Store
 from .._txn import NO_EVENT_US, READY
 from ._conn import MAX_PIPELINE, Connection
 from ._metrics import Metrics
-from ._ops import PARK, LeaseBook, ack_group, group_key, pop_group, queue_op, store_op
+from ._ops import (
+    PARK,
+    LeaseBook,
+    ack_group,
+    give_back,
+    group_key,
+    pop_group,
+    queue_op,
+    store_op,
+)
 from ._waiting import Waiter, WaitingPops, try_round
 from ._worker import InlineStore, StoreThread
 
@@ -538,9 +547,31 @@ class Server:
         if result is PARK:
             self._park(conn, rid, op, args, started)
             return
+        try:
+            frame = wire.pack([rid, wire.OK, result])
+        except wire.FrameTooLarge as exc:
+            # More than a frame can carry (a pop_many of many large messages past
+            # 4 GiB): an error, and what it leased goes back now, attempts
+            # counted, as a dropped connection's would (no answer at all left the
+            # client waiting out its timeout and the messages leased).
+            if op in _POPS and result:
+                self._give_back(conn, result if op == "pop_many" else [result])
+            self._reply_error(conn, rid, op, started, InvalidArgument(
+                f"{op}: the answer, {exc.size} bytes, is over the {wire.MAX_BODY}-byte "
+                "limit of a frame; take fewer messages at once"))
+            return
         if self.metrics:  # counted before the answer: a client that reads it sees the count
             self.metrics.request(op, time.perf_counter() - started, True)
-        self._send(conn, wire.pack([rid, wire.OK, result]))
+        self._send(conn, frame)
+
+    def _give_back(self, conn: Connection, fields: list[Any]) -> None:
+        """Nack the popped messages (wire fields) of an answer that cannot be sent."""
+        receipts = [f[7] for f in fields]
+        leases, store = conn.leases, self.store
+        if self._inline_now():
+            give_back(store, leases, receipts)
+        else:
+            self._submit(lambda: give_back(store, leases, receipts))
 
     def _reply_error(self, conn: Connection, rid: int, op: str, started: float,
                      exc: BaseException) -> None:
@@ -717,9 +748,7 @@ class Server:
             elif got is not None:
                 self._waiting.remove(w)
                 w.done = True
-                if self.metrics:
-                    self.metrics.request(w.op, time.perf_counter() - w.started, True)
-                self._send(w.conn, wire.pack([w.rid, wire.OK, got]))
+                self._answer(w.conn, w.rid, w.op, w.args, w.started, got)
             elif w.expired:
                 self._answer_empty(w)
         self._update_listening()

@@ -12,6 +12,7 @@ import pytest
 
 import qstore
 import qstore.aio
+from qstore import _wire
 from qstore.server import Limits
 
 from ._support import frames_until_closed, raw_socket, running, serving
@@ -161,3 +162,23 @@ def test_a_connection_silent_past_the_handshake_timeout_is_closed(tmp_path: Any)
             silent.close()
         with qstore.connect(address) as client:  # one that says hello works
             assert client.queues() == []
+
+
+def test_an_answer_over_the_frame_format_is_an_error_and_its_messages_go_back(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pop_many whose answer passed 4 GiB (the uint32 frame length) leased its
+    # messages, then failed to pack the answer on the event loop: no answer, no
+    # error, the client waited out its timeout, and the messages stayed leased to
+    # the connection (a limits audit). The bound is lowered here to test it.
+    monkeypatch.setattr(_wire, "MAX_BODY", 64 * 1024)
+    with serving(str(tmp_path / "s")) as address, qstore.connect(address, timeout=30) as c:
+        q = c.create_queue("q")
+        for _ in range(5):
+            q.push(b"x" * 20_000)
+        with pytest.raises(qstore.InvalidArgument, match="over the 65536-byte limit"):
+            q.pop_many(5)
+        st = q.stats()
+        assert (st.ready, st.in_flight) == (5, 0)  # given back at once
+        assert [m.attempts for m in q.peek(2)] == [1, 1]  # as a dropped connection's
+        got = q.pop_many(2)  # the connection goes on; an answer that fits is sent
+        assert [m.payload for m in got] == [b"x" * 20_000] * 2
