@@ -32,7 +32,7 @@ FDS_PER_SEGMENT = 2
 FDS_BESIDES = 1024
 
 
-def make_room_for_files(segments: int) -> None:
+def make_room_for_files(segments: int, extra: int = 0) -> int | None:
     """Raise this process's soft limit on open files toward its hard limit when
     ``segments`` payload segments may not fit under it.
 
@@ -42,19 +42,24 @@ def make_room_for_files(segments: int) -> None:
     rotation with EMFILE, and could not even be opened again. Databases raise
     the soft limit the same way (it is the process's to raise, up to the hard
     one); past the hard limit, opens fail with EMFILE, reported as a
-    StorageError naming it.
+    StorageError naming it. ``extra``: descriptors wanted besides (a server's
+    connections). Returns the soft limit then in force (None: none known).
     """
     if resource is None:
-        return
-    want = segments * FDS_PER_SEGMENT + FDS_BESIDES
+        return None
+    want = segments * FDS_PER_SEGMENT + FDS_BESIDES + extra
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= want:
-        return
+    if soft == resource.RLIM_INFINITY:
+        return None
+    if soft >= want:
+        return int(soft)
     # Room for the store to grow: twice what it needs now, at most the hard limit.
     new = 2 * want if hard == resource.RLIM_INFINITY else min(hard, 2 * want)
     if new > soft:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
 def remove_paths(paths: Iterable[str]) -> list[str]:

@@ -39,6 +39,7 @@ from .. import __version__
 from .. import _wire as wire
 from .._address import Address
 from .._errors import InvalidArgument, QStoreError
+from .._fs import FDS_PER_SEGMENT, make_room_for_files
 from .._net_errors import AuthenticationFailed, ProtocolError, ServerBusy
 from .._store import Store
 from .._txn import NO_EVENT_US, READY
@@ -62,6 +63,10 @@ log = logging.getLogger("qstore.server")
 RELEASE_SLICE = 500  # leases of a closed connection given back per store call
 SLOW_OPS = frozenset({"compact", "snapshot", "check", "backfill"})
 _POPS = frozenset({"pop", "pop_many"})
+# Descriptors a server keeps besides its connections and the store's segments:
+# RocksDB's table and log files, its listening socket, the process's own.
+FDS_SERVER = 256
+MIN_CONNECTIONS = 16  # served whatever the descriptor limit says
 _Request = tuple[Connection, int, str, dict[str, Any], float]
 
 
@@ -105,6 +110,7 @@ class Server:
         self._token = token.encode() if token else None
         self._ssl = ssl_context
         self.limits = limits = limits or Limits()
+        self._max_connections = limits.max_connections  # what fits: set by start()
         self.metrics = metrics
         self._conns: set[Connection] = set()
         self._ungreeted: dict[Connection, None] = {}  # in arrival order
@@ -142,6 +148,7 @@ class Server:
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
+        self._max_connections = self._connections_that_fit()
         self._loop = loop = asyncio.get_running_loop()
         ready = getattr(loop, "_ready", None)
         self._loop_ready = ready if isinstance(ready, Sized) else None
@@ -163,6 +170,26 @@ class Server:
                                                     ssl=self._ssl, reuse_address=True,
                                                     ssl_handshake_timeout=tls_timeout)
         log.info("qstore server listening on %s", self.listening_on)
+
+    def _connections_that_fit(self) -> int:
+        """``--max-connections``, or fewer if the process's descriptor limit (raised
+        toward the hard one first) cannot hold that many beside the store's files:
+        idle connections used every descriptor at 999 under a limit of 1,024, and
+        then the store's own writes and syncs failed with EMFILE (a limits audit)."""
+        limits = self.limits
+        segments = len(self.store.core.payload.file_ids())
+        soft = make_room_for_files(segments, limits.max_connections + limits.max_ungreeted
+                                   + FDS_SERVER)
+        if soft is None:
+            return limits.max_connections
+        fit = soft - segments * FDS_PER_SEGMENT - FDS_SERVER - limits.max_ungreeted
+        if fit >= limits.max_connections:
+            return limits.max_connections
+        fit = max(MIN_CONNECTIONS, fit)
+        log.warning("serving at most %d connections, not %d: the limit on open files is %d "
+                    "(raise it, e.g. ulimit -n, to serve more)", fit, limits.max_connections,
+                    soft)
+        return fit
 
     @property
     def listening_on(self) -> str:
@@ -199,10 +226,10 @@ class Server:
     def _accept(self) -> Connection:
         conn = Connection(self, self.limits.max_frame, self._leases)
         ungreeted = self._ungreeted
-        if len(self._conns) - len(ungreeted) >= self.limits.max_connections:
+        if len(self._conns) - len(ungreeted) >= self._max_connections:
             # Told why and closed once made (before that it has no transport).
             conn.refusal = _error_frame(ServerBusy(
-                f"over the limit of {self.limits.max_connections} connections"))
+                f"over the limit of {self._max_connections} connections"))
             return conn
         while len(ungreeted) >= self.limits.max_ungreeted:
             # The oldest connection still without a handshake makes room: a client

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import time
 from typing import Any
 
@@ -182,3 +183,28 @@ def test_an_answer_over_the_frame_format_is_an_error_and_its_messages_go_back(
         assert [m.attempts for m in q.peek(2)] == [1, 1]  # as a dropped connection's
         got = q.pop_many(2)  # the connection goes on; an answer that fits is sent
         assert [m.payload for m in got] == [b"x" * 20_000] * 2
+
+
+def test_connections_are_capped_where_the_descriptor_limit_leaves_the_store_room(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under a limit of 1,024 open files (hard and soft), 999 idle connections
+    # used every descriptor before --max-connections (1,024) refused any: new
+    # clients were cut off without ServerBusy and the store's own appends,
+    # seals and syncs failed with EMFILE (a limits audit). The server now serves
+    # only what fits beside the store's files. The limit is faked at 600 here:
+    # 600 - 2 (one segment) - 256 (RocksDB, the process) - 256 (ungreeted) = 86.
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (600, 600))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: None)
+    with serving(str(tmp_path / "s")) as address:
+        clients = [qstore.connect(address) for _ in range(86)]
+        try:
+            for c in clients:
+                c.ping()
+            with pytest.raises(qstore.ServerBusy, match="limit of 86 connections"):
+                qstore.connect(address).ping()
+            q = clients[0].create_queue("q")
+            q.push_many([b"x"] * 10)  # the store writes on
+            assert q.stats().ready == 10
+        finally:
+            for c in clients:
+                c.close()
