@@ -76,6 +76,25 @@ def default_max_frame(max_payload_bytes: int) -> int:
     return min(max_payload_bytes + max(max_payload_bytes // 4, 1024 * 1024), 2**32 - 1)
 
 
+# Room a frame keeps around the largest payload for the rest of its request (the
+# request id, op and argument names, the msgpack headers).
+REQUEST_ROOM = 64 * 1024
+
+
+def _check_frame_room(max_frame: int, max_payload: int) -> None:
+    """A push of a payload at the limit must fit in a frame: refused at start, not per
+    push (a frame limit a few bytes above the payload limit made such a push fail
+    with a message about batches; a limits audit)."""
+    if max_payload + REQUEST_ROOM > 2**32 - 1:
+        raise InvalidArgument(
+            f"max_payload_bytes={max_payload} is too large to serve: a request carrying such "
+            f"a payload would not fit in a frame (at most {2**32 - 1 - REQUEST_ROOM})")
+    if max_frame < max_payload + REQUEST_ROOM:
+        raise InvalidArgument(
+            f"max_frame={max_frame} leaves no room for a request around a payload of "
+            f"max_payload_bytes={max_payload}: give at least {max_payload + REQUEST_ROOM}")
+
+
 # An error's message is cut to this many characters in its answer: some quote the
 # argument they refuse, which a client may make megabytes long (a 16 MiB rate
 # list answered 48 MiB; a security audit).
@@ -103,8 +122,7 @@ class Server:
         if address.kind == "tcp" and not address.is_loopback and not token:
             raise InvalidArgument(f"refusing to listen on {address} without a token: "
                                   "give --token-file (any non-loopback TCP address needs one)")
-        if (limits or Limits()).max_frame <= store.config.max_payload_bytes:
-            raise InvalidArgument("max_frame must be above the store's max_payload_bytes")
+        _check_frame_room((limits or Limits()).max_frame, store.config.max_payload_bytes)
         self.store = store
         self.address = address
         self._token = token.encode() if token else None

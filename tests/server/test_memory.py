@@ -149,8 +149,14 @@ def test_max_payload_bytes_sets_the_payload_and_frame_limits(tmp_path: Any) -> N
             assert q.pop().payload == b"x" * PAYLOAD_LIMIT
             stats = q.stats()  # nothing of the refused batches was pushed
             assert (stats.ready, stats.in_flight) == (0, 1)
-    with pytest.raises(AssertionError, match="max_frame must be above"):
-        ServerProcess(str(tmp_path / "t"), "--max-payload-bytes", "1000", "--max-frame", "1000")
+    # A frame limit must leave room for a request around the largest payload (one a
+    # few bytes above it made a push at the payload limit fail; a limits audit).
+    for frame_limit in ("1000", str(1000 + 1024)):
+        with pytest.raises(AssertionError, match="leaves no room for a request"):
+            ServerProcess(str(tmp_path / "t"), "--max-payload-bytes", "1000",
+                          "--max-frame", frame_limit)
+    with pytest.raises(AssertionError, match="too large to serve"):
+        ServerProcess(str(tmp_path / "u"), "--max-payload-bytes", str(2**32 - 1))
 
 
 def test_a_client_allows_a_long_wait_its_time_for_the_answer() -> None:
