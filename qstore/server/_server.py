@@ -176,17 +176,22 @@ class Server:
         # A TLS handshake that does not finish (a socket that never sends its hello)
         # holds a descriptor until this, not asyncio's default of 60 s.
         tls_timeout = self.limits.handshake_timeout if self._ssl is not None else None
+        # Connections waiting to be accepted while the loop is busy (asyncio's default
+        # of 100 turned a burst of clients away with EAGAIN; the kernel caps it).
+        backlog = max(100, self._max_connections)
         if a.kind == "unix":
             old = os.umask(0o177)  # the socket is born mode 0600: no window where others connect
             try:
                 self._server = await loop.create_unix_server(
-                    self._accept, a.path, ssl=self._ssl, ssl_handshake_timeout=tls_timeout)
+                    self._accept, a.path, ssl=self._ssl, ssl_handshake_timeout=tls_timeout,
+                    backlog=backlog)
             finally:
                 os.umask(old)
         else:
             self._server = await loop.create_server(self._accept, a.host, a.port,
                                                     ssl=self._ssl, reuse_address=True,
-                                                    ssl_handshake_timeout=tls_timeout)
+                                                    ssl_handshake_timeout=tls_timeout,
+                                                    backlog=backlog)
         log.info("qstore server listening on %s", self.listening_on)
 
     def _connections_that_fit(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import socket
 import time
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 import qstore
 import qstore.aio
-from qstore import _wire
+from qstore import _client, _wire
 from qstore.server import Limits
 
 from ._support import frames_until_closed, raw_socket, running, serving
@@ -208,3 +209,40 @@ def test_connections_are_capped_where_the_descriptor_limit_leaves_the_store_room
         finally:
             for c in clients:
                 c.close()
+
+
+def test_a_unix_connect_waits_while_the_accept_backlog_is_full(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A unix socket says EAGAIN at once when the server's accept backlog is full
+    # (its loop busy), whatever the timeout: 199 of 300 clients connecting then
+    # failed with ConnectionLost (a limits audit). The client tries again.
+    path = str(tmp_path / "sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(1)
+    queued = []
+    while True:  # fill the backlog
+        s = socket.socket(socket.AF_UNIX)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BlockingIOError:
+            s.close()
+            break
+        queued.append(s)
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 2:
+            listener.accept()[0].close()  # the server takes one: a place is free
+
+    monkeypatch.setattr(_client.time, "sleep", pause)
+    sock = _client._connect_unix(path, 5.0)
+    try:
+        assert len(pauses) >= 2 and sock.getpeername() == path
+    finally:
+        sock.close()
+        for s in queued:
+            s.close()
+        listener.close()
