@@ -33,6 +33,9 @@ HELLO_MAX_FRAME = 64 * 1024  # the handshake is a small map: an unauthenticated 
 MAX_PIPELINE = 1024  # requests of one connection in progress before it stops reading
 ANSWERS_MAX = 4 * 1024 * 1024  # unsent answer bytes after which its requests wait
 _LENGTH = struct.Struct(">I")
+# A frame this big or bigger that stops coming in mid-way is timed (Limits
+# frame_stall_timeout): it holds up to --max-frame of the server's memory.
+STALL_MIN_BYTES = 64 * 1024
 
 
 class Owner(Protocol):
@@ -47,9 +50,13 @@ class Owner(Protocol):
 
 
 class Connection(asyncio.Protocol):
-    def __init__(self, owner: Owner, max_frame: int, book: LeaseBook) -> None:
+    def __init__(self, owner: Owner, max_frame: int, book: LeaseBook,
+                 stall_timeout: float = 60.0) -> None:
         self.owner = owner
         self.max_frame = max_frame
+        self.stall_timeout = stall_timeout
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._last_data = 0.0  # loop time of the last bytes of a frame being timed
         self.transport: asyncio.Transport | None = None
         self.leases = Leases(book)
         self.keep_leases = False
@@ -97,6 +104,8 @@ class Connection(asyncio.Protocol):
         if buf:
             buf += data
             if len(buf) < self._need:
+                if len(buf) >= STALL_MIN_BYTES:
+                    self._timing()
                 return
             view: bytes | bytearray = buf
         else:
@@ -130,8 +139,35 @@ class Connection(asyncio.Protocol):
         elif pos < size:
             buf += view[pos:]
         self._need = _LENGTH.unpack_from(buf)[0] + 4 if len(buf) >= 4 else 4
+        if len(buf) >= STALL_MIN_BYTES:
+            self._timing()
+        elif self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         if pos:
             self.owner.read_done(self)
+
+    def _timing(self) -> None:
+        """A big frame is coming in: note when its last bytes came, and close the
+        connection if none come for ``stall_timeout`` (a peer that sends most of
+        an 80 MiB frame and stops held that memory for good, each; a limits audit)."""
+        loop = asyncio.get_running_loop()
+        self._last_data = loop.time()
+        if self._stall_timer is None and self.greeted:
+            self._stall_timer = loop.call_later(self.stall_timeout, self._stall_check)
+
+    def _stall_check(self) -> None:
+        self._stall_timer = None
+        if self.closed or len(self._buf) < STALL_MIN_BYTES:
+            return
+        loop = asyncio.get_running_loop()
+        idle = loop.time() - self._last_data
+        if idle < self.stall_timeout:
+            self._stall_timer = loop.call_later(self.stall_timeout - idle, self._stall_check)
+            return
+        self._buf.clear()  # its memory goes now, not when the transport is done
+        self.owner.failed(self, ProtocolError(
+            f"a frame stopped coming in: no byte of it for {self.stall_timeout:g} s"))
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: a half-closed client gets no more answers
@@ -210,6 +246,9 @@ class Connection(asyncio.Protocol):
         if last is not None:
             self.write(last)
         was_closed, self.closed = self.closed, True
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         if self.transport is not None:
             self.transport.close()
         if not was_closed:  # once: a second lost() would start a second release

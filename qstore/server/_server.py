@@ -109,6 +109,9 @@ class Limits:
     max_connections: int = 1024
     max_waiting: int = 10_000
     handshake_timeout: float = 10.0
+    # A connection that stops sending mid-way through a frame of 64 KiB or more
+    # for this long is closed (ProtocolError): the part holds up to max_frame.
+    frame_stall_timeout: float = 60.0
     # Connections that have not finished their handshake, at most: a new one
     # beyond it closes the oldest of them. They do not count against
     # max_connections, so sockets that never say hello cannot lock clients out.
@@ -247,7 +250,8 @@ class Server:
     # -- connections (called by _conn.Connection) -------------------------------------
 
     def _accept(self) -> Connection:
-        conn = Connection(self, self.limits.max_frame, self._leases)
+        conn = Connection(self, self.limits.max_frame, self._leases,
+                          self.limits.frame_stall_timeout)
         ungreeted = self._ungreeted
         if len(self._conns) - len(ungreeted) >= self._max_connections:
             # Told why and closed once made (before that it has no transport).

@@ -7,6 +7,7 @@ import asyncio
 import os
 import resource
 import socket
+import struct
 import time
 from typing import Any
 
@@ -17,7 +18,7 @@ import qstore.aio
 from qstore import _client, _wire
 from qstore.server import Limits
 
-from ._support import frames_until_closed, raw_socket, running, serving
+from ._support import frame, frames_until_closed, raw_socket, read_frames, running, serving
 
 
 def _open_fds(pid: int) -> int:
@@ -246,3 +247,24 @@ def test_a_unix_connect_waits_while_the_accept_backlog_is_full(
         for s in queued:
             s.close()
         listener.close()
+
+
+def test_a_frame_that_stops_coming_in_is_timed_out_and_its_memory_freed(tmp_path: Any) -> None:
+    # A connection that sent most of an 80 MiB frame and stopped held those bytes
+    # for good, each such connection (1,024 of them: 80 GiB; a limits audit). With
+    # no byte of a frame of 64 KiB or more for frame_stall_timeout, the server
+    # closes it with a ProtocolError. A short timeout here.
+    limits = Limits(frame_stall_timeout=0.2)
+    with serving(str(tmp_path / "s"), limits) as address:
+        s = raw_socket(address)
+        try:
+            s.sendall(frame({"qstore": 1}))
+            assert isinstance(read_frames(s, 1)[0], dict)
+            s.sendall(struct.pack(">I", 1 << 20) + b"\x00" * (256 * 1024))  # a quarter
+            answers = frames_until_closed(s)
+            assert len(answers) == 1 and answers[0][2][0] == "ProtocolError"
+            assert "stopped coming in" in answers[0][2][1]
+        finally:
+            s.close()
+        with qstore.connect(address) as client:  # others are served as ever
+            assert client.queues() == []
