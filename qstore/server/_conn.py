@@ -173,6 +173,9 @@ class Connection(asyncio.Protocol):
         return None  # close the transport: a half-closed client gets no more answers
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._stall_timer is not None:  # it holds the connection, and its buffer
+            self._stall_timer.cancel()
+            self._stall_timer = None
         if not self.closed:
             self.closed = True
             self.owner.lost(self)
