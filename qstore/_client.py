@@ -13,6 +13,7 @@ call runs on a connection no other thread is using at that moment
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import socket
@@ -578,12 +579,13 @@ def connect(address: str | os.PathLike[str], *, token: str | None = None,
     return Client(link)
 
 
-def _connect_unix(path: str, timeout: float) -> socket.socket:
+def _connect_unix(path: str, timeout: float | None) -> socket.socket:
     """A connected unix socket, trying again within ``timeout`` while the server's
     accept backlog is full (EAGAIN: a busy server, not a gone one; a unix socket
     says so at once whatever its timeout: 199 of 300 clients connecting while
     the server's loop was busy failed; a limits audit)."""
-    deadline = time.monotonic() + timeout
+    # (No timeout: a blocking connect waits for a place in the backlog itself.)
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
     pause = 0.001
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
