@@ -326,12 +326,24 @@ _KILLED_SNAPSHOT = """
 import os, sys
 import qstore
 from qstore import _snapshot
-def killed(*args, **kwargs):  # the process dies here: checkpoint and links are written
+real = getattr(_snapshot, {name!r}, None)
+def killed(*args, **kwargs):
+    if {after!r}:
+        real(*args, **kwargs)
     os._exit(9)
-_snapshot.write_json_durably = killed
+setattr(_snapshot, {name!r}, killed)
 with qstore.open(sys.argv[1], compactor=False) as s:
     s.snapshot(sys.argv[2])
 """
+
+
+def _snapshot_killed(path: str, dest: str, name: str, *, after: bool = False) -> None:
+    """A snapshot of ``path`` to ``dest`` in a child process that dies (exit 9) at its
+    first call of ``_snapshot.<name>`` (``after``: once that call returned)."""
+    child = subprocess.run([sys.executable, "-c", _KILLED_SNAPSHOT.format(name=name,
+                                                                          after=after),
+                            path, dest], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 9, child.stderr
 
 
 def test_a_snapshot_cut_short_by_a_kill_is_named_and_taken_again_in_its_place(
@@ -342,9 +354,7 @@ def test_a_snapshot_cut_short_by_a_kill_is_named_and_taken_again_in_its_place(
     # (durability audit). A child process dies right before the manifest.
     path, snap = str(tmp_path / "store"), str(tmp_path / "snap")
     build(path, clock)
-    child = subprocess.run([sys.executable, "-c", _KILLED_SNAPSHOT, path, snap],
-                           capture_output=True, text=True, timeout=120)
-    assert child.returncode == 9, child.stderr
+    _snapshot_killed(path, snap, "write_json_durably")  # checkpoint and links written
     assert sorted(os.listdir(snap)) == [".qstore-snapshot-unfinished", "meta", "payload"]
     r = CliRunner().invoke(main, ["check", snap])
     assert r.exit_code == 2 and "cut short" in r.output
@@ -363,31 +373,6 @@ def test_a_snapshot_cut_short_by_a_kill_is_named_and_taken_again_in_its_place(
     assert sorted(os.listdir(other)) == ["notes.txt", "payload"]
 
 
-_KILLED_REPLACING = """
-import os, sys
-import qstore
-from qstore import _snapshot
-real = _snapshot.remove_paths
-def killed(paths):  # dies after the first removal of the replacement
-    real(paths)
-    os._exit(9)
-_snapshot.remove_paths = killed
-with qstore.open(sys.argv[1], compactor=False) as s:
-    s.snapshot(sys.argv[2])
-"""
-
-_KILLED_MAKING = """
-import os, sys
-import qstore
-from qstore import _snapshot
-def killed(*args, **kwargs):  # dies as it creates the marker, the first thing in it
-    os._exit(9)
-_snapshot.open = killed
-with qstore.open(sys.argv[1], compactor=False) as s:
-    s.snapshot(sys.argv[2])
-"""
-
-
 def test_an_unfinished_snapshot_is_never_opened_and_stays_marked_until_gone(
         tmp_path: Any, clock: FakeClock) -> None:
     # A read-write open of a killed snapshot was accepted: its segments are hard
@@ -397,24 +382,18 @@ def test_an_unfinished_snapshot_is_never_opened_and_stays_marked_until_gone(
     # payload/ that `qstore check` called a clean store (crash audit).
     path, snap = str(tmp_path / "store"), str(tmp_path / "snap")
     build(path, clock)
-    child = subprocess.run([sys.executable, "-c", _KILLED_SNAPSHOT, path, snap],
-                           capture_output=True, text=True, timeout=120)
-    assert child.returncode == 9, child.stderr
+    _snapshot_killed(path, snap, "write_json_durably")  # checkpoint and links written
     sizes = {n: os.path.getsize(os.path.join(path, "payload", n))
              for n in os.listdir(os.path.join(path, "payload"))}
     for readonly in (False, True):
         with pytest.raises(qstore.InvalidArgument, match="cut short"):
             qstore.open(snap, readonly=readonly, compactor=False)
     assert {n: os.path.getsize(os.path.join(path, "payload", n)) for n in sizes} == sizes
-    child = subprocess.run([sys.executable, "-c", _KILLED_REPLACING, path, snap],
-                           capture_output=True, text=True, timeout=120)
-    assert child.returncode == 9, child.stderr
+    _snapshot_killed(path, snap, "remove_paths", after=True)  # after its first removal
     assert os.listdir(snap) == [".qstore-snapshot-unfinished"]  # the marker goes last
     assert CliRunner().invoke(main, ["check", snap]).exit_code == 2
     empty = str(tmp_path / "made")
-    child = subprocess.run([sys.executable, "-c", _KILLED_MAKING, path, empty],
-                           capture_output=True, text=True, timeout=120)
-    assert child.returncode == 9, child.stderr
+    _snapshot_killed(path, empty, "open")  # as it makes the marker, the first thing in it
     assert os.listdir(empty) == []  # nothing before the marker: taken again in place
     with qstore.open(path, clock=clock, compactor=False) as s:
         s.snapshot(snap)
