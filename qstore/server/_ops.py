@@ -19,7 +19,7 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import _wire as wire
@@ -124,10 +124,17 @@ class Leases:
     def release(self, store: Store, most: int) -> int:
         """Nack up to ``most`` of the leases still held (store thread); returns how
         many it took off the table (the caller repeats until none is held)."""
+        taken = list(itertools.islice(self.held, most))
+        self.give_back(store, taken)
+        return len(taken)
+
+    def give_back(self, store: Store, receipts: Iterable[str]) -> None:
+        """Take ``receipts`` (those still held) off the table and nack them."""
         held = self.held
-        taken = list(itertools.islice(held, most))
-        for receipt in taken:
-            name = held[receipt][0]
+        for receipt in receipts:
+            lease = held.get(receipt)
+            if lease is None:
+                continue
             self.book.settle(receipt)
             # Expired, dead-lettered, or the queue is gone (InvalidArgument: its name
             # now belongs to a queue created since, which the receipt is not of):
@@ -135,20 +142,7 @@ class Leases:
             # this one held until its deadline.
             with contextlib.suppress(LeaseExpired, MessageNotFound, QueueNotFound,
                                      InvalidArgument):
-                store.queue(name).nack(receipt)
-        return len(taken)
-
-
-def give_back(store: Store, leases: Leases, receipts: list[str]) -> None:
-    """Nack the leases ``receipts`` of ``leases`` now (their answer could not be sent)."""
-    for receipt in receipts:
-        held = leases.held.get(receipt)
-        if held is None:
-            continue
-        leases.book.settle(receipt)
-        with contextlib.suppress(LeaseExpired, MessageNotFound, QueueNotFound,
-                                 InvalidArgument):
-            store.queue(held[0]).nack(receipt)
+                store.queue(lease[0]).nack(receipt)
 
 
 def _wait(args: dict[str, Any]) -> float:

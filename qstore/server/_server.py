@@ -49,7 +49,6 @@ from ._ops import (
     PARK,
     LeaseBook,
     ack_group,
-    give_back,
     group_key,
     pop_group,
     queue_op,
@@ -623,9 +622,9 @@ class Server:
         receipts = [f[7] for f in fields]
         leases, store = conn.leases, self.store
         if self._inline_now():
-            give_back(store, leases, receipts)
+            leases.give_back(store, receipts)
         else:
-            self._submit(lambda: give_back(store, leases, receipts))
+            self._submit(lambda: leases.give_back(store, receipts))
 
     def _reply_error(self, conn: Connection, rid: int, op: str, started: float,
                      exc: BaseException) -> None:
