@@ -11,7 +11,9 @@ reconnects. Nothing is retried on its own.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
+import socket
 import ssl
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -45,8 +47,9 @@ class _Link(base.LinkSettings):
         loop = asyncio.get_running_loop()
         try:
             if a.kind == "unix":
+                sock = await _connect_unix(a.path, self.timeout)
                 coro = loop.create_unix_connection(
-                    lambda: _Protocol(a), a.path, ssl=self._ssl,
+                    lambda: _Protocol(a), sock=sock, ssl=self._ssl,
                     server_hostname=self._hostname if self._ssl else None)
             else:
                 coro = loop.create_connection(
@@ -416,3 +419,28 @@ def connect(address: str | os.PathLike[str], *, token: str | None = None,
         base.client_tls(cafile) if tls or cafile else None)
     return AsyncClient(_Link(parse_address(address), token, timeout, keep_leases, ctx,
                              server_hostname))
+
+
+async def _connect_unix(path: str, timeout: float | None) -> socket.socket:
+    """A connected, non-blocking unix socket, trying again within ``timeout`` while the
+    server's accept backlog is full: a unix connect says EAGAIN then, and asyncio's
+    own connect turned that into a broken connection (EINVAL) at once, as the sync
+    client's plain connect failed (a limits audit; qstore/_client.py)."""
+    loop = asyncio.get_running_loop()
+    deadline = math.inf if timeout is None else loop.time() + timeout
+    pause = 0.001
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(path)  # a unix connect completes at once, or says EAGAIN
+            return sock
+        except BlockingIOError:
+            sock.close()
+            if loop.time() + pause > deadline:
+                raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        except BaseException:
+            sock.close()
+            raise

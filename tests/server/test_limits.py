@@ -268,3 +268,41 @@ def test_a_frame_that_stops_coming_in_is_timed_out_and_its_memory_freed(tmp_path
             s.close()
         with qstore.connect(address) as client:  # others are served as ever
             assert client.queues() == []
+
+
+def test_an_asyncio_unix_connect_waits_while_the_accept_backlog_is_full(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # asyncio's own unix connect turned EAGAIN (a full accept backlog) into a
+    # broken connection at once ("[Errno 22] Invalid argument"): 299 of 400
+    # asyncio clients connecting to a busy server failed. The client connects
+    # the socket itself and tries again within its timeout, as the sync one.
+    path = str(tmp_path / "sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(1)
+    queued = []
+    while True:  # fill the backlog
+        s = socket.socket(socket.AF_UNIX)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BlockingIOError:
+            s.close()
+            break
+        queued.append(s)
+    pauses: list[float] = []
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 2:
+            listener.accept()[0].close()  # the server takes one: a place is free
+
+    monkeypatch.setattr(asyncio, "sleep", pause)
+    sock = asyncio.run(qstore.aio._connect_unix(path, 5.0))
+    try:
+        assert len(pauses) >= 2 and sock.getpeername() == path
+    finally:
+        sock.close()
+        for s in queued:
+            s.close()
+        listener.close()
