@@ -13,7 +13,8 @@ call runs on a connection no other thread is using at that moment
 from __future__ import annotations
 
 import contextlib
-import math
+import errno
+import itertools
 import os
 import select
 import socket
@@ -581,24 +582,22 @@ def connect(address: str | os.PathLike[str], *, token: str | None = None,
 
 def _connect_unix(path: str, timeout: float | None) -> socket.socket:
     """A connected unix socket, trying again within ``timeout`` while the server's
-    accept backlog is full (EAGAIN: a busy server, not a gone one; a unix socket
-    says so at once whatever its timeout: 199 of 300 clients connecting while
-    the server's loop was busy failed; a limits audit)."""
-    # (No timeout: a blocking connect waits for a place in the backlog itself.)
-    deadline = math.inf if timeout is None else time.monotonic() + timeout
-    pause = 0.001
-    while True:
+    accept backlog is full (:func:`base.unix_connect_once`). No timeout: a
+    blocking connect waits for a place in the backlog itself."""
+    if timeout is None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
         try:
             sock.connect(path)
-            return sock
-        except BlockingIOError:
-            sock.close()
-            if time.monotonic() + pause > deadline:
-                raise
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
         except BaseException:
             sock.close()
             raise
+        return sock
+    deadline = time.monotonic() + timeout
+    for pause in itertools.chain(base.CONNECT_PAUSES, itertools.repeat(0.05)):
+        got = base.unix_connect_once(path, timeout)
+        if got is not None:
+            return got
+        if time.monotonic() + pause > deadline:
+            raise BlockingIOError(errno.EAGAIN, "the server's accept backlog is full")
+        time.sleep(pause)
+    raise AssertionError("unreachable")

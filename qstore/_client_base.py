@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import ssl
 from collections.abc import Iterable
 from typing import Any
@@ -188,3 +189,27 @@ def push_many_args(items: Iterable[Any], delay: float, ttl: float | None) -> dic
     if ttl is not None:
         args["ttl"] = ttl
     return args
+
+def unix_connect_once(path: str, timeout: float | None) -> socket.socket | None:
+    """A unix socket connected to ``path`` (``timeout`` set on it, None: non-blocking),
+    or None when the server's accept backlog is full (EAGAIN: a busy server, not a
+    gone one; a unix connect says so at once whatever its timeout). The clients
+    try again within their timeout (199 of 300 clients connecting while a
+    server's loop was busy failed at once; a limits audit)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if timeout is None:
+        sock.setblocking(False)
+    else:
+        sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+        return sock
+    except BlockingIOError:
+        sock.close()
+        return None
+    except BaseException:
+        sock.close()
+        raise
+
+
+CONNECT_PAUSES = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032)  # then 0.05 s each

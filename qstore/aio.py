@@ -11,6 +11,8 @@ reconnects. Nothing is retried on its own.
 from __future__ import annotations
 
 import asyncio
+import errno
+import itertools
 import math
 import os
 import socket
@@ -423,24 +425,15 @@ def connect(address: str | os.PathLike[str], *, token: str | None = None,
 
 async def _connect_unix(path: str, timeout: float | None) -> socket.socket:
     """A connected, non-blocking unix socket, trying again within ``timeout`` while the
-    server's accept backlog is full: a unix connect says EAGAIN then, and asyncio's
-    own connect turned that into a broken connection (EINVAL) at once, as the sync
-    client's plain connect failed (a limits audit; qstore/_client.py)."""
+    server's accept backlog is full (:func:`base.unix_connect_once`): asyncio's own
+    connect turned that EAGAIN into a broken connection (EINVAL) at once."""
     loop = asyncio.get_running_loop()
     deadline = math.inf if timeout is None else loop.time() + timeout
-    pause = 0.001
-    while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            sock.connect(path)  # a unix connect completes at once, or says EAGAIN
+    for pause in itertools.chain(base.CONNECT_PAUSES, itertools.repeat(0.05)):
+        sock = base.unix_connect_once(path, None)
+        if sock is not None:
             return sock
-        except BlockingIOError:
-            sock.close()
-            if loop.time() + pause > deadline:
-                raise
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.05)
-        except BaseException:
-            sock.close()
-            raise
+        if loop.time() + pause > deadline:
+            raise BlockingIOError(errno.EAGAIN, "the server's accept backlog is full")
+        await asyncio.sleep(pause)
+    raise AssertionError("unreachable")

@@ -212,25 +212,31 @@ def test_connections_are_capped_where_the_descriptor_limit_leaves_the_store_room
                 c.close()
 
 
-def test_a_unix_connect_waits_while_the_accept_backlog_is_full(
-        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A unix socket says EAGAIN at once when the server's accept backlog is full
-    # (its loop busy), whatever the timeout: 199 of 300 clients connecting then
-    # failed with ConnectionLost (a limits audit). The client tries again.
-    path = str(tmp_path / "sock")
+def _full_backlog(path: str) -> tuple[socket.socket, list[socket.socket]]:
+    """A unix listener at ``path`` that accepts nothing, and the connections that fill
+    its accept backlog: the next connect says EAGAIN."""
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path)
     listener.listen(1)
     queued = []
-    while True:  # fill the backlog
+    while True:
         s = socket.socket(socket.AF_UNIX)
         s.setblocking(False)
         try:
             s.connect(path)
         except BlockingIOError:
             s.close()
-            break
+            return listener, queued
         queued.append(s)
+
+
+def test_a_unix_connect_waits_while_the_accept_backlog_is_full(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A unix socket says EAGAIN at once when the server's accept backlog is full
+    # (its loop busy), whatever the timeout: 199 of 300 clients connecting then
+    # failed with ConnectionLost (a limits audit). The client tries again.
+    path = str(tmp_path / "sock")
+    listener, queued = _full_backlog(path)
     pauses: list[float] = []
 
     def pause(seconds: float) -> None:
@@ -243,10 +249,8 @@ def test_a_unix_connect_waits_while_the_accept_backlog_is_full(
     try:
         assert len(pauses) >= 2 and sock.getpeername() == path
     finally:
-        sock.close()
-        for s in queued:
+        for s in (sock, *queued, listener):
             s.close()
-        listener.close()
 
 
 def test_a_frame_that_stops_coming_in_is_timed_out_and_its_memory_freed(tmp_path: Any) -> None:
@@ -277,19 +281,7 @@ def test_an_asyncio_unix_connect_waits_while_the_accept_backlog_is_full(
     # asyncio clients connecting to a busy server failed. The client connects
     # the socket itself and tries again within its timeout, as the sync one.
     path = str(tmp_path / "sock")
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(path)
-    listener.listen(1)
-    queued = []
-    while True:  # fill the backlog
-        s = socket.socket(socket.AF_UNIX)
-        s.setblocking(False)
-        try:
-            s.connect(path)
-        except BlockingIOError:
-            s.close()
-            break
-        queued.append(s)
+    listener, queued = _full_backlog(path)
     pauses: list[float] = []
 
     async def pause(seconds: float) -> None:
@@ -302,7 +294,5 @@ def test_an_asyncio_unix_connect_waits_while_the_accept_backlog_is_full(
     try:
         assert len(pauses) >= 2 and sock.getpeername() == path
     finally:
-        sock.close()
-        for s in queued:
+        for s in (sock, *queued, listener):
             s.close()
-        listener.close()
