@@ -28,7 +28,6 @@ from ._errors import (
     LeaseExpired,
     MessageNotFound,
     QueueNotFound,
-    StorageError,
 )
 from ._message import Message, QueueStats, make_receipt
 from ._txn import BYTES, DEAD, DELAYED, INFLIGHT, READY, QueueState, Txn
@@ -602,18 +601,6 @@ class Queue:
         :func:`timers.catch_up_to_read` for a full disk)."""
         timers.catch_up_to_read(self._core, self._q)
 
-    def _promote_all(self, q: QueueState, now_us: int) -> None:
-        """:func:`timers.promote_all` for an inspection (writer lock held): as in
-        :func:`timers.catch_up_to_read`, a failed metadata write leaves the inspection to show
-        what the database holds. Memory is as before the failed batch: every
-        pass changes it only after its write (the next writer reopens and reads
-        everything back, :meth:`Core.resume`)."""
-        try:
-            timers.promote_all(self._core, q, now_us)
-        except StorageError:
-            if self._core.meta.failed is None:
-                raise
-
     def _maybe_promote(self) -> QueueState:
         core = self._core
         core.check_open()  # reads of a closed store must not reach rocksdict
@@ -621,7 +608,7 @@ class Queue:
         if not core.readonly:
             now_us = keys.to_us(core.clock())
             if q.next_event_us <= now_us:
-                self._promote_all(q, now_us)  # what fell due since _catch_up
+                timers.promote_all_to_read(core, q, now_us)  # what fell due since _catch_up
         return q
 
     def _messages(self, q: QueueState, index_keys: list[bytes]) -> list[Message]:

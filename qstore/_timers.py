@@ -24,6 +24,8 @@ resume point), and aging reads the heads of the priority levels
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from . import _aging as aging
 from . import _states as states
@@ -92,12 +94,28 @@ def catch_up(core: Core, q: QueueState) -> None:
 
 
 def catch_up_to_read(core: Core, q: QueueState) -> None:
-    """:func:`catch_up` before an inspection (stats, get, peek, dead_letters). While
-    metadata writes fail (a full disk), the passes cannot run: the inspection
-    goes on and shows what the database holds; a write after it raises the
-    failure."""
-    try:
+    """:func:`catch_up` before an inspection (stats, get, peek, dead_letters): see
+    :func:`past_failed_writes`."""
+    with past_failed_writes(core):
         catch_up(core, q)
+
+
+def promote_all_to_read(core: Core, q: QueueState, now_us: int) -> None:
+    """:func:`promote_all` for an inspection (writer lock held): see
+    :func:`past_failed_writes`. Memory is as before a failed batch: every pass
+    changes it only after its write (the next writer reopens and reads
+    everything back, :meth:`Core.resume`)."""
+    with past_failed_writes(core):
+        promote_all(core, q, now_us)
+
+
+@contextmanager
+def past_failed_writes(core: Core) -> Iterator[None]:
+    """While metadata writes fail (a full disk), the passes cannot run: an inspection
+    goes on without them and shows what the database holds; a write after it
+    raises the failure."""
+    try:
+        yield
     except StorageError:
         if core.meta.failed is None:
             raise
