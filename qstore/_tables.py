@@ -1,4 +1,10 @@
-"""Rich tables of store statistics, for the command line and the demo."""
+"""Rich tables of store statistics, for the command line and the demo.
+
+Queue names, payloads and findings are data: they go into a table as
+:class:`~rich.text.Text`, never as console markup, so a queue named
+``x[/y]`` prints as it is instead of raising ``MarkupError`` (and
+``[bold]`` in a payload is shown, not obeyed).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,12 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
+
+
+def add_plain_row(table: Table, *cells: str) -> None:
+    """A row of plain text (no markup, no highlighting)."""
+    table.add_row(*(Text(c) for c in cells))
 
 
 def _options(q: Any) -> str:
@@ -31,15 +43,16 @@ def print_stats(st: Any, console: Console | None = None) -> None:
                 "options"):
         table.add_column(col, justify="left" if col in ("queue", "options") else "right")
     for q in st.queues:
-        table.add_row(q.queue, *(f"{v:,}" for v in (q.ready, q.delayed, q.in_flight, q.dead,
-                                                     q.bytes, q.expired)), _options(q))
+        add_plain_row(table, q.queue, *(f"{v:,}" for v in (q.ready, q.delayed, q.in_flight,
+                                                            q.dead, q.bytes, q.expired)),
+                      _options(q))
     console.print(table)
     segs = Table(title="payload segments")
     for col in ("file", "size", "live bytes", "live msgs", "garbage"):
         segs.add_column(col, justify="right")
     for s in st.segments:
-        segs.add_row(f"{s.file_id}{' (active)' if s.active else ''}", f"{s.size:,}",
-                     f"{s.live_bytes:,}", f"{s.live_count:,}", f"{s.garbage_ratio:.0%}")
+        add_plain_row(segs, f"{s.file_id}{' (active)' if s.active else ''}", f"{s.size:,}",
+                      f"{s.live_bytes:,}", f"{s.live_count:,}", f"{s.garbage_ratio:.0%}")
     console.print(segs)
     console.print(f"disk {st.disk_bytes:,} bytes, live {st.live_bytes:,}, "
                   f"garbage {st.garbage_ratio:.0%}")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from . import _errors as errors
 from ._address import LOOPS
@@ -30,7 +31,7 @@ from ._errors import EXIT_FOUND, exit_code
 from ._fs import remove_paths
 from ._lazy import lazy
 from ._numbers import plain_number
-from ._tables import print_stats
+from ._tables import add_plain_row, print_stats
 
 if TYPE_CHECKING:
     from . import _check, _demo, _snapshot, server
@@ -49,6 +50,12 @@ err = Console(stderr=True)
 EXIT_SPARK_FAILED = 3  # a Spark run failed (contract section 5); nothing was changed
 
 
+def _error(message: str) -> None:
+    """``error: MESSAGE`` on stderr. The message is plain text, never markup: it
+    quotes queue names, paths and arguments (``x[/y]`` raised MarkupError)."""
+    err.print(Text.assemble(("error:", "red"), " ", message))
+
+
 @contextmanager
 def _exit_codes() -> Iterator[None]:
     """Turn a qstore error into its message on stderr and its documented exit code."""
@@ -58,14 +65,13 @@ def _exit_codes() -> Iterator[None]:
         # Its message names Python's readonly=True, which no command takes. A command
         # gets here when the writer is not a server answering on the store's socket
         # (through one, the command would have gone through it).
-        err.print(f"[red]error:[/red] store {exc.path!r} is locked by another writer (a "
-                  "process that opened it with qstore.open): read-only commands (stats, "
-                  "peek, queues, check) still work; to change it while that process runs, "
-                  "let a server own the store (qstore serve) and have both go through it",
-                  highlight=False)
+        _error(f"store {exc.path!r} is locked by another writer (a "
+               "process that opened it with qstore.open): read-only commands (stats, "
+               "peek, queues, check) still work; to change it while that process runs, "
+               "let a server own the store (qstore serve) and have both go through it")
         sys.exit(exit_code(exc))
     except errors.QStoreError as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        _error(str(exc))
         sys.exit(exit_code(exc))
 
 
@@ -287,7 +293,8 @@ def peek(store_path: str, queue: str, count: int, dead: bool, token_file: str | 
 
     for m in msgs:
         when = dt.datetime.fromtimestamp(m.enqueued_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
-        table.add_row(str(m.id), str(m.priority), str(m.attempts), when, _show_payload(m.payload))
+        add_plain_row(table, str(m.id), str(m.priority), str(m.attempts), when,
+                      _show_payload(m.payload))
     out.print(table)
 
 
@@ -360,10 +367,10 @@ def audit(snapshot_path: str, master: str | None, out_dir: str | None, quiet: bo
     try:
         result = run_audit(snapshot_path, master=master, out=out_dir, quiet=quiet)
     except errors.InvalidArgument as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        _error(str(exc))
         sys.exit(errors.EXIT_USAGE)
     except Exception as exc:  # reported, not swallowed: the code says the audit failed
-        err.print(f"[red]error:[/red] the audit could not complete: {exc}", highlight=False)
+        _error(f"the audit could not complete: {exc}")
         sys.exit(EXIT_INCOMPLETE)
     sys.exit(result.exit_code)
 
@@ -394,7 +401,7 @@ def check(store_path: str, repair: bool, token_file: str | None) -> None:
     """
     if repair:
         if os.path.exists(os.path.join(store_path, _snapshot.MANIFEST)):
-            err.print("[red]error:[/red] a snapshot is never changed: --repair takes a store")
+            _error("a snapshot is never changed: --repair takes a store")
             sys.exit(errors.EXIT_USAGE)
         if not is_address(store_path) and not os.path.isdir(os.path.join(store_path, "meta")):
             with _exit_codes():
@@ -420,7 +427,7 @@ def check(store_path: str, repair: bool, token_file: str | None) -> None:
     for col in ("kind", "where", "detail"):
         table.add_column(col, overflow="fold")
     for f in report.findings:
-        table.add_row(f.kind, f.where(), f.detail)
+        add_plain_row(table, f.kind, f.where(), f.detail)
     out.print(table)
     sys.exit(EXIT_FOUND)
 
@@ -502,8 +509,7 @@ def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
                 create_queue_options=options or None)
     except Exception as exc:  # a failed Spark run: reported, and the store is unchanged
         logging.getLogger("qstore.backfill").exception("backfill failed; nothing was loaded")
-        err.print(f"[red]error:[/red] backfill failed, nothing was loaded: {exc}",
-                  markup=True, highlight=False)
+        _error(f"backfill failed, nothing was loaded: {exc}")
         sys.exit(EXIT_SPARK_FAILED)
     finally:
         active = SparkSession.getActiveSession()
@@ -524,9 +530,8 @@ def _backfill_through_server(into: str, args: dict[str, Any],
     if is_address(into):
         relative = [p for p in paths if not os.path.isabs(p)]
         if relative:
-            err.print(f"[red]error:[/red] through a server address, SOURCE and --rejects "
-                      f"must be absolute paths on the server's machine, not {relative[0]!r}",
-                      highlight=False)
+            _error(f"through a server address, SOURCE and --rejects "
+                   f"must be absolute paths on the server's machine, not {relative[0]!r}")
             sys.exit(errors.EXIT_USAGE)
     else:
         args["sources"] = [os.path.abspath(p) for p in args["sources"]]
@@ -542,7 +547,7 @@ def _backfill_through_server(into: str, args: dict[str, Any],
                 return client._backfill(args)
             except errors.QStoreError as exc:
                 if getattr(exc, "spark_failed", False):
-                    err.print(f"[red]error:[/red] {exc}", highlight=False)
+                    _error(str(exc))
                     sys.exit(EXIT_SPARK_FAILED)
                 raise
 

@@ -237,3 +237,43 @@ def test_a_store_whose_meta_is_a_file_says_what_is_wrong(
     said = " ".join(r.output.split())  # rich wraps long lines
     assert "meta' is not a directory" in said and "not a qstore directory" not in said
     assert "Traceback" not in said
+
+
+MARKUP_NAME = "x[/y]"  # a closing tag that matches nothing: MarkupError as console markup
+
+
+def test_queue_names_payloads_and_errors_print_as_written(runner: CliRunner,
+                                                          store_path: str) -> None:
+    """Names and payloads are data, never console markup: ``x[/y]`` made every
+    table and error that quoted it raise rich's MarkupError (a traceback, exit 1),
+    and ``[bold]`` in a payload was obeyed instead of shown."""
+    with qstore.open(store_path, compactor=False) as store:
+        store.create_queue(MARKUP_NAME).push(b"say [bold]hi[/bold]", priority=1)
+        store.create_queue("[bold]loud")
+    r = runner.invoke(main, ["stats", store_path], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert MARKUP_NAME in r.output and "[bold]loud" in r.output
+    r = runner.invoke(main, ["peek", store_path, MARKUP_NAME], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "say [bold]hi[/bold]" in r.output
+    r = runner.invoke(main, ["pop", store_path, "no[/such]"])
+    assert r.exit_code == 4
+    assert r.output.strip() == "error: queue 'no[/such]' does not exist"
+
+
+def test_check_findings_name_a_markup_like_queue_as_written(runner: CliRunner,
+                                                            store_path: str) -> None:
+    with qstore.open(store_path, compactor=False) as store:
+        q = store.create_queue(MARKUP_NAME)
+        q.push(b"payload to damage")
+    # The only message's payload ends the only segment (a clean close cuts it there).
+    [seg] = [os.path.join(store_path, "payload", n)
+             for n in os.listdir(os.path.join(store_path, "payload")) if n.endswith(".seg")]
+    with open(seg, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    r = runner.invoke(main, ["check", store_path], env={"COLUMNS": "200"})
+    assert r.exit_code == 1, r.output
+    assert f"message 1 in '{MARKUP_NAME}'" in r.output
