@@ -13,8 +13,10 @@ each point leaves (docs/backfill.md):
 3. The Spark passes write ``<store>/staging/<job>/`` (segments, SSTs, rejects);
    the driver then writes ``job.json`` (step ``staged``).
 4. :func:`commit_job`: rejects are published (``rejects_published``), segments
-   are renamed into ``payload/`` (``moving``, ``moved``): unreferenced files,
-   which the store opens and its compactor deletes as dead segments. Then ONE
+   are renamed into ``payload/`` (``moving``, ``moved``): unreferenced files
+   until the ingestion (a crash leaves them for the next read-write open to
+   delete; a commit that raises deletes them itself once the database says
+   the ingestion did not land). Then ONE
    ``ingest_external_file`` call adds every SST of the job plus a small SST
    holding the queue's new counters, the new segments' records and the id
    high-water mark (``ingested``). RocksDB commits an ingestion with one
@@ -35,7 +37,9 @@ in the environment the process SIGKILLs itself right after that step, and
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -50,6 +54,8 @@ from ..payload import _format as fmt
 
 if TYPE_CHECKING:
     from .._store import Store
+
+log = logging.getLogger("qstore.backfill")
 
 STAGING_DIR = "staging"
 DIGEST_CHUNK = 10_000  # dedup keys looked up per multi-get at the commit
@@ -283,8 +289,8 @@ def commit_job(store: Store, staging: str, loaded_digests: list[bytes] | None = 
             _check_digests_free(store, job, loaded_digests)
         published = publish_rejects(store, staging, job)
         step("rejects_published")
+        payload_dir = os.path.join(store.path, "payload")
         try:
-            payload_dir = os.path.join(store.path, "payload")
             for i, seg in enumerate(job.segments()):
                 name = fmt.segment_name(seg["file_id"])
                 os.rename(os.path.join(staging, "seg", name), os.path.join(payload_dir, name))
@@ -296,13 +302,18 @@ def commit_job(store: Store, staging: str, loaded_digests: list[bytes] | None = 
                 [records.RECORD_VERSION, job.total("loaded"), rejects_dir(store, job),
                  fingerprint])))
         except BaseException:
-            # Not loaded: withdraw the rejects. Moved segments stay: nothing refers to
-            # them, and the next read-write open deletes them (removing one now could
-            # race a half-known ingestion outcome for no gain). An open store (a
-            # server's) does not know them until then: its check reports them as
-            # orphans and its compactor does not see them.
-            for path in published:
+            landed = _landed(store, marker)
+            if landed:  # committed, and something after it raised: the rows are in,
+                raise   # and the next job settles the marker (settle_loaded)
+            for path in published:  # not loaded: withdraw the rejects
                 os.unlink(path)
+            if landed is False:
+                # And the moved segments, which nothing refers to: an open store (a
+                # server's) would not know them until its next open, keeping their
+                # disk space (on a full disk, what the failed load needs) while its
+                # check reported them as orphans. Left where the outcome is unknown
+                # (the database cannot be read): the next read-write open decides.
+                _withdraw_segments(payload_dir, job)
             raise
         step("ingested")
     dest_dir = rejects_dir(store, job)
@@ -316,6 +327,26 @@ def commit_job(store: Store, staging: str, loaded_digests: list[bytes] | None = 
         store.core.check_writable()
         store.core.write_synced(deletes=[marker])
     return job
+
+
+def _landed(store: Store, marker: bytes) -> bool | None:
+    """Whether the ingestion that writes ``marker`` committed (None: unknown)."""
+    try:
+        return store.core.meta.get(marker) is not None
+    except Exception:  # the database cannot be read now
+        log.exception("could not tell whether the failed backfill's ingestion landed")
+        return None
+
+
+def _withdraw_segments(payload_dir: str, job: StagedJob) -> None:
+    """Delete the segments a job that did not commit moved into ``payload/``."""
+    try:
+        for seg in job.segments():
+            with contextlib.suppress(FileNotFoundError):  # not moved yet
+                os.unlink(os.path.join(payload_dir, fmt.segment_name(seg["file_id"])))
+        fsync_dir(payload_dir)
+    except OSError:  # the next read-write open deletes what is left
+        log.exception("could not delete the segments of a backfill that did not load")
 
 
 def _ingest_locked(store: Store, job: StagedJob, staging: str,

@@ -20,6 +20,7 @@ from click.testing import CliRunner, Result
 
 import qstore
 from qstore._check import check_path
+from qstore._errors import StorageError
 from qstore.cli import main as qstore_cli
 from qstore.meta import MetaDB, keys
 from qstore.payload import _format as fmt
@@ -617,6 +618,68 @@ def test_kill_at_every_step_leaves_none_or_all_of_the_rows(spark: Any, tmp_path:
     assert os.listdir(work / "staging") == []
     assert {b for _, _, b in drain(work, "q")} == loaded
     check_consistent(work)
+
+
+def _segment_files(store: Path) -> list[str]:
+    return sorted(n for n in os.listdir(store / "payload") if n.endswith(".seg"))
+
+
+def test_a_commit_that_raises_in_an_open_store_withdraws_its_segments(
+        spark: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    """A load that failed after moving its segments into ``payload/`` left them
+    there until the store's next open: a server kept their disk space (on a
+    full disk, what the load needed) and its check reported them as orphans."""
+    src = write_parquet(tmp_path / "src.parquet", payload=[b"n%d" % i for i in range(20)]
+                        + [None], p=list(range(21)))
+    store, rejects = tmp_path / "store", tmp_path / "rejects"
+
+    def fail(step: str) -> None:
+        if step == "moved":
+            raise StorageError("injected: the ingestion's disk is full")
+
+    with qstore.open(store, compactor=False) as s:
+        s.create_queue("q").push(b"old")
+        before = _segment_files(store)
+        monkeypatch.setattr(_ingest, "step_hook", fail)
+        with pytest.raises(StorageError, match="injected"):
+            run_backfill(str(src), into=s, queue="q", priority_col="p", spark=spark,
+                         rejects=str(rejects))
+        monkeypatch.setattr(_ingest, "step_hook", None)
+        assert _segment_files(store) == before
+        assert s.check().ok, s.check().findings
+        assert not rejects.exists() or os.listdir(rejects) == []  # withdrawn
+        assert s.queue("q").stats().ready == 1
+        result = run_backfill(str(src), into=s, queue="q", priority_col="p", spark=spark,
+                              rejects=str(tmp_path / "rejects2"))
+        assert (result.loaded, result.rejected) == (20, 1)
+    assert check_consistent(store)["q"][0] == 21
+
+
+def test_a_commit_that_raises_after_its_ingestion_landed_keeps_the_load(
+        spark: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    """The database holds the job's marker: every row is in, so neither its
+    segments nor its rejects are withdrawn, and the next job settles it."""
+    src = write_parquet(tmp_path / "src.parquet", payload=[b"n%d" % i for i in range(20)]
+                        + [None], p=list(range(21)))
+    store, rejects = tmp_path / "store", tmp_path / "rejects"
+    with qstore.open(store, compactor=False) as s:
+        s.create_queue("q")
+        ingest = s.core.ingest
+
+        def ingest_then_fail(*args: Any, **kwargs: Any) -> None:
+            ingest(*args, **kwargs)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(s.core, "ingest", ingest_then_fail)
+        with pytest.raises(KeyboardInterrupt):
+            run_backfill(str(src), into=s, queue="q", priority_col="p", spark=spark,
+                         rejects=str(rejects))
+        monkeypatch.undo()
+        assert s.queue("q").stats().ready == 20
+        assert [f.kind for f in s.check().findings] == []
+    assert len(list(rejects.glob("*.parquet"))) == 1
+    assert check_consistent(store)["q"][0] == 20
+    assert len(drain(store, "q")) == 20
 
 
 def test_the_spark_submit_entry_point_runs_the_qstore_backfill_command() -> None:
