@@ -147,6 +147,32 @@ def test_a_parked_pop_ends_when_a_hand_moved_clock_passes_its_deadline(
         assert not waiter.is_alive() and got == [None]
 
 
+@pytest.mark.parametrize("durability", ["interval", "always"])  # on the loop; store thread
+def test_a_parked_pop_whose_deadline_passes_as_its_message_falls_due_gets_it(
+        tmp_path: Any, durability: str) -> None:
+    # The server answered a waiter whose time ran out empty without looking again,
+    # where the embedded pop makes one last attempt: with the wall clock stepping
+    # forward past a delay, a pop(wait=3) came back None with the message ready
+    # (a time audit; here the store's clock moves by hand, past both at once).
+    clock = FakeClock()
+    with serving(str(tmp_path / "s"), sweep_interval=SWEEP, clock=clock,
+                 durability=durability) as address, qstore.connect(address) as client:
+        client.create_queue("d").push(b"tomorrow", delay=86_400.0)
+        got: list[Any] = []
+
+        def pop() -> None:
+            with qstore.connect(address) as other:
+                got.append(other.queue("d").pop(wait=10.0))
+
+        waiter = threading.Thread(target=pop)
+        waiter.start()
+        wait_blocks(clock, 1)  # parked
+        clock.advance(86_400.0)
+        waiter.join(30)
+        assert not waiter.is_alive()
+        assert got[0] is not None and got[0].payload == b"tomorrow" and got[0].attempts == 1
+
+
 def test_a_push_tries_only_the_pops_waiting_on_its_queue(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # Every commit that added ready keys woke a retry round over every parked pop
