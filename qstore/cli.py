@@ -292,7 +292,10 @@ def peek(store_path: str, queue: str, count: int, dead: bool, token_file: str | 
     import datetime as dt
 
     for m in msgs:
-        when = dt.datetime.fromtimestamp(m.enqueued_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        try:
+            when = dt.datetime.fromtimestamp(m.enqueued_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        except (ValueError, OverflowError, OSError):  # past year 9999 (an injected clock)
+            when = f"{m.enqueued_at:.6f}"
         add_plain_row(table, str(m.id), str(m.priority), str(m.attempts), when,
                       _show_payload(m.payload))
     out.print(table)

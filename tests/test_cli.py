@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 import qstore
 from qstore.cli import main
+from tests.conftest import FakeClock
 
 
 @pytest.fixture
@@ -277,3 +278,14 @@ def test_check_findings_name_a_markup_like_queue_as_written(runner: CliRunner,
     r = runner.invoke(main, ["check", store_path], env={"COLUMNS": "200"})
     assert r.exit_code == 1, r.output
     assert f"message 1 in '{MARKUP_NAME}'" in r.output
+
+
+def test_peek_shows_a_push_time_past_year_9999_as_seconds(runner: CliRunner,
+                                                          store_path: str) -> None:
+    # An injected clock may read up to 1e13 s; datetime stops at year 9999, and the
+    # peek ended in a ValueError traceback, exit 1 (the "nothing to show" code).
+    with qstore.open(store_path, compactor=False, clock=FakeClock(3e11)) as store:
+        store.create_queue("far").push(b"from the future", priority=1)
+    r = runner.invoke(main, ["peek", store_path, "far"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "300000000000.000000" in r.output and "from the future" in r.output
