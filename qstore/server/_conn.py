@@ -86,6 +86,7 @@ class Connection(asyncio.Protocol):
         self._need = 4  # bytes the buffer must hold before a frame can be cut
         self._write_paused = False
         self._pipeline_full = False
+        self._stopped = False  # the server shuts down: no more reading
 
     # -- asyncio.Protocol -------------------------------------------------------
 
@@ -206,11 +207,24 @@ class Connection(asyncio.Protocol):
         if self.pending == 0 and self.idle is not None:
             self.idle.set()
 
+    async def wait_idle(self) -> None:
+        """Until no request of this connection is in progress (none started and
+        unanswered, none held in its backlog)."""
+        if self.pending:
+            if self.idle is None or self.idle.is_set():
+                self.idle = asyncio.Event()
+            await self.idle.wait()
+
+    def stop_reading(self) -> None:
+        """Read no more requests (the server shuts down)."""
+        self._stopped = True
+        self._reading()
+
     def _reading(self) -> None:
         t = self.transport
         if t is None or t.is_closing():
             return
-        if self._write_paused or self._pipeline_full:
+        if self._write_paused or self._pipeline_full or self._stopped:
             if t.is_reading():
                 t.pause_reading()
         elif not t.is_reading():

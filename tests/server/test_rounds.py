@@ -88,6 +88,7 @@ class _Transport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
         self.out: list[bytes] = []
+        self.reading = True
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.out.append(bytes(data))
@@ -96,7 +97,13 @@ class _Transport(asyncio.Transport):
         return False
 
     def is_reading(self) -> bool:
-        return True
+        return self.reading
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
 
     def close(self) -> None:
         pass
