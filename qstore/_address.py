@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import socket
 import stat
 from dataclasses import dataclass
 
@@ -19,6 +20,21 @@ SOCKET_NAME = "qstore.sock"
 # not in the server package, so that the command line lists them without
 # importing the server.
 LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def unix_socket_answers(path: str, timeout: float) -> bool:
+    """True when a server accepts connections on the unix socket ``path`` (a connect
+    succeeds; no handshake, so no token is needed to tell). False for no file or a
+    stale one, left by a server that was killed."""
+    if not os.path.exists(path):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError:
+            return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,11 @@ left by a server that died (nothing answers) is ignored: the store opens.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from ._address import SOCKET_NAME
+from ._address import SOCKET_NAME, unix_socket_answers
 from ._client import Client, connect
 from ._lazy import lazy
 from ._net_errors import ConnectionLost
@@ -45,16 +44,7 @@ def read_token(token_file: str | None) -> str | None:
 def server_answers(store_path: str) -> bool:
     """True when a server answers on ``STORE/qstore.sock`` (a connect succeeds;
     no handshake, so no token is needed to tell)."""
-    path = os.path.join(store_path, SOCKET_NAME)
-    if not os.path.exists(path):
-        return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(CONNECT_TIMEOUT)
-        try:
-            sock.connect(path)
-        except OSError:
-            return False  # a stale socket file: no server runs
-    return True
+    return unix_socket_answers(os.path.join(store_path, SOCKET_NAME), CONNECT_TIMEOUT)
 
 
 def server_of(target: str, token: str | None, keep_leases: bool = False, *,

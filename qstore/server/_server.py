@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import logging
 import math
@@ -37,7 +38,7 @@ from typing import Any
 
 from .. import __version__
 from .. import _wire as wire
-from .._address import Address
+from .._address import Address, unix_socket_answers
 from .._errors import InvalidArgument, QStoreError
 from .._fs import FDS_PER_SEGMENT, make_room_for_files
 from .._net_errors import AuthenticationFailed, ProtocolError, ServerBusy
@@ -101,6 +102,7 @@ ERROR_TEXT_MAX = 4096
 # Seconds a shutdown waits for the requests already read to be answered before
 # it closes the connections (a request still running then finishes unanswered).
 SHUTDOWN_ANSWER_WAIT = 10.0
+UNIX_PROBE_TIMEOUT = 5.0  # seconds to tell a live server's socket from a stale file
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,11 @@ class Server:
         # of 100 turned a burst of clients away with EAGAIN; the kernel caps it).
         backlog = max(100, self._max_connections)
         if a.kind == "unix":
+            # asyncio replaces a socket file at the path: one left by a killed server
+            # is fine to replace, but one another server listens on is not (its
+            # clients then reached this server's store; an operations audit).
+            if unix_socket_answers(a.path, UNIX_PROBE_TIMEOUT):
+                raise OSError(errno.EADDRINUSE, "another server listens there")
             old = os.umask(0o177)  # the socket is born mode 0600: no window where others connect
             try:
                 self._server = await loop.create_unix_server(

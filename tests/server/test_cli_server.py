@@ -174,6 +174,29 @@ def test_serve_on_a_taken_port_says_so_and_leaves_nothing_behind(tmp_path: Any) 
         assert s.queues() == ["kept"] and s.queue("kept").pop().payload == b"x"
 
 
+def test_serve_on_the_socket_of_a_running_server_is_refused(tmp_path: Any) -> None:
+    # asyncio replaces a socket file: a second server listening at a running one's
+    # socket took it over, and that server's clients reached the other store (an
+    # operations audit). A stale socket file (a killed server's) is still replaced.
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    with running(first) as srv:
+        with qstore.connect(srv.address) as client:
+            client.create_queue("a")
+        r = subprocess.run([sys.executable, "-m", "qstore.cli", "serve", second,
+                            "--listen", srv.address], capture_output=True, text=True,
+                           timeout=60, env=env())
+        assert r.returncode == 5, r.stderr
+        assert "another server listens there" in r.stderr and "Traceback" not in r.stderr
+        with qstore.connect(srv.address) as client:
+            assert client.queues() == ["a"]  # still the first server's store
+        srv.proc.kill()
+        srv.proc.wait(30)
+    assert os.path.exists(os.path.join(first, "qstore.sock"))  # stale now
+    with running(second, "--listen", "unix://" + os.path.join(first, "qstore.sock")) as srv2:
+        with qstore.connect(srv2.address) as client:
+            assert client.queues() == []
+
+
 def test_python_dash_m_qstore_is_the_command_line(tmp_path: Any) -> None:
     r = subprocess.run([sys.executable, "-m", "qstore", "push", str(tmp_path / "s"), "jobs",
                         "hello", "--create"], capture_output=True, text=True, timeout=60,
