@@ -588,7 +588,7 @@ def demo(directory: str, fresh: bool, messages: int, no_spark: bool) -> None:
 @click.option("--tls-cert", type=click.Path(dir_okay=False, exists=True),
               help="PEM certificate (chain) for TLS.")
 @click.option("--tls-key", type=click.Path(dir_okay=False, exists=True), help="PEM key for TLS.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
               help="Serve Prometheus metrics on 127.0.0.1:PORT.")
 @click.option("--max-payload-bytes", type=click.IntRange(1), default=None,
               help="Largest message payload, bytes (default: the store's, 64 MiB).")
@@ -610,7 +610,8 @@ def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert:
     """Serve STORE to clients (qstore.connect) until SIGTERM or SIGINT.
 
     Prints "listening on ADDRESS" once clients can connect, then the event loop
-    it runs on ("event loop: uvloop" or "event loop: asyncio").
+    it runs on ("event loop: uvloop" or "event loop: asyncio"), then, with
+    --metrics-port, "metrics on URL".
     See docs/server.md for operations and security.
     """
     if (tls_cert is None) != (tls_key is None):
@@ -634,6 +635,8 @@ def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert:
         listened = True
         click.echo(f"listening on {address}")
         click.echo(f"event loop: {loop_name}")
+        if metrics_port is not None:
+            click.echo(f"metrics on http://127.0.0.1:{metrics_port}/metrics")
         sys.stdout.flush()
 
     # What was at the path before: a serve that creates a store and then cannot

@@ -4,7 +4,8 @@ Through ``prometheus_client``, on a registry of the server's own (never the
 process-global one), served over HTTP by the library's own thread:
 
 - ``qstore_requests_total{op,outcome}`` and ``qstore_request_seconds{op}``
-  (a histogram: a waiting pop counts from its arrival to its answer);
+  (a histogram: a waiting pop counts from its arrival to its answer; an op
+  the protocol does not have counts as ``op="unknown"``);
 - ``qstore_connections`` (open now);
 - ``qstore_queue_messages{queue,state}`` and ``qstore_queue_bytes{queue}``,
   read from the store at each scrape;
@@ -26,7 +27,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .. import _wire as wire
 from .._store import Store
+
+# A request's op is a label value only if the protocol has it: an unknown op is
+# counted as "unknown" (any string a client sends made a series and a histogram
+# of its own, kept for the life of the process: 2,000 made-up names made a 12 MB
+# scrape; an operations audit).
+KNOWN_OPS = wire.QUEUE_OPS | wire.STORE_OPS | {"cancel"}
 
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
             0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -92,6 +100,8 @@ class Metrics:
         r.register(_StoreCollector(store))
 
     def request(self, op: str, seconds: float, ok: bool) -> None:
+        if op not in KNOWN_OPS:
+            op = "unknown"
         self.requests.labels(op, "ok" if ok else "error").inc()
         self.latency.labels(op).observe(seconds)
 

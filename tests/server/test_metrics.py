@@ -8,11 +8,13 @@ import urllib.request
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 import qstore
+from qstore.cli import main
 
-from ._support import running
+from ._support import frame, raw_socket, read_frames, running
 
 
 def _free_port() -> int:
@@ -119,3 +121,31 @@ def test_the_leases_of_a_closed_connection_go_back_and_leave_the_book(
             assert time.monotonic() < deadline
         assert _scrape(port)[("qstore_leases_held", ())] == 0
         assert sorted(m.attempts for m in q.pop_many(1200)) == [1] * 100 + [2] * 1100
+
+
+def test_unknown_ops_are_counted_under_one_label(tmp_path: Any) -> None:
+    # Any op string a client sent became a label value: a series and a histogram of
+    # its own for the life of the process (2,000 made-up names, a 12 MB scrape; an
+    # operations audit).
+    port = _free_port()
+    with running(str(tmp_path / "store"), "--metrics-port", str(port)) as srv:
+        # (It says where; a port of 0 was taken and never told, so it is refused.)
+        assert srv._expect("metrics on ", time.monotonic() + 30) == \
+            f"http://127.0.0.1:{port}/metrics"
+        s = raw_socket(srv.address)
+        s.sendall(frame({"qstore": 1}))
+        read_frames(s, 1)
+        s.sendall(b"".join(frame([i, f"made-up-{i}", {}]) for i in range(1, 51)))
+        answers = read_frames(s, 50)
+        s.close()
+        assert all(a[1] == 1 for a in answers)  # each an error: unknown operation
+        got = _scrape(port)
+    ops = {dict(labels).get("op") for name, labels in got if name == "qstore_requests_total"}
+    assert ops == {"unknown"}
+    assert got[("qstore_requests_total", (("op", "unknown"), ("outcome", "error")))] == 50
+
+
+def test_a_metrics_port_of_0_is_refused(tmp_path: Any) -> None:
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "s"), "--metrics-port", "0"])
+    assert r.exit_code == 2 and "--metrics-port" in r.output
+    assert not (tmp_path / "s").exists()
