@@ -64,7 +64,11 @@ def _exit_codes() -> Iterator[None]:
     except errors.StoreLocked as exc:
         # Its message names Python's readonly=True, which no command takes. A command
         # gets here when the writer is not a server answering on the store's socket
-        # (through one, the command would have gone through it).
+        # (through one, the command would have gone through it), or it is a serve.
+        if exc.served and server_answers(exc.path):
+            _error(f"store {exc.path!r} is served already: a qstore server answers on "
+                   "its socket; every other command goes through it")
+            sys.exit(exit_code(exc))
         _error(f"store {exc.path!r} is locked by another writer (a "
                "process that opened it with qstore.open): read-only commands (stats, "
                "peek, queues, check) still work; to change it while that process runs, "
@@ -161,9 +165,14 @@ def main() -> None:
 
 @main.command()
 @click.argument("store_path", metavar="STORE")
-def queues(store_path: str) -> None:
-    """List the queues of STORE (read-only; works while a writer runs)."""
-    with _store(store_path, readonly=True) as store:
+@server_options
+def queues(store_path: str, token_file: str | None) -> None:
+    """List the queues of STORE (read-only; works while a writer runs).
+
+    STORE is a store directory (through its server when one runs) or a
+    server address, unix:///PATH or tcp://HOST:PORT.
+    """
+    with _target(store_path, token_file, readonly=True) as store:
         for name in store.queues():
             out.print(name, markup=False, highlight=False)
 
@@ -387,12 +396,14 @@ def audit(snapshot_path: str, master: str | None, out_dir: str | None, quiet: bo
     "payload."))
 @server_options
 def check(store_path: str, repair: bool, token_file: str | None) -> None:
-    """Check the integrity of STORE or of a snapshot, in this process.
+    """Check the integrity of STORE or of a snapshot.
 
     Reads every message record and payload (references, frames, CRCs), every
     index key, the queue counters and the segment records, and the segment
     files; prints a summary line and a table of findings (docs/check.md).
-    Opens the store read-only, so it works while a writer runs; with
+    A store directory or snapshot is checked in this process, opened
+    read-only, so it works while a writer runs; a server address
+    (unix:///PATH, tcp://HOST:PORT) is checked by that server. With
     --repair, through the server that owns the store (STORE/qstore.sock, or
     STORE given as unix:// or tcp://), else read-write here, and the report
     is that of a check after the repair.

@@ -204,3 +204,25 @@ def test_python_dash_m_qstore_is_the_command_line(tmp_path: Any) -> None:
     assert r.returncode == 0, r.stderr
     with qstore.open(str(tmp_path / "s")) as s:
         assert [m.payload for m in s.queue("jobs").peek(5)] == [b"hello"]
+
+
+def test_serve_on_a_served_store_says_it_is_served(tmp_path: Any) -> None:
+    # It said "locked by another writer (a process that opened it with qstore.open)
+    # ... let a server own the store": a server owns it already (operations audit).
+    path = str(tmp_path / "s")
+    with running(path):
+        r = subprocess.run([sys.executable, "-m", "qstore.cli", "serve", path],
+                           capture_output=True, text=True, timeout=60, env=env())
+    assert r.returncode == 3, r.stderr
+    assert "is served already" in r.stderr and "qstore.open" not in r.stderr
+
+
+def test_queues_lists_through_a_server_address(tmp_path: Any) -> None:
+    # Every other reading command took a server address; queues said "no store".
+    with running(str(tmp_path / "s")) as srv:
+        with qstore.connect(srv.address) as client:
+            client.create_queue("b")
+            client.create_queue("a")
+        r = CliRunner().invoke(main, ["queues", srv.address])
+    assert r.exit_code == 0, r.output
+    assert r.output.split() == ["a", "b"]
