@@ -17,8 +17,10 @@ class Message:
     ``receipt`` identifies this delivery; it is None when the message was not
     leased to you. ``lease_deadline`` is set while the message is in flight;
     ``state`` is one of ``ready``, ``delayed``, ``in_flight``, ``dead``.
-    ``expires_at`` is when its TTL runs out (None: no TTL; set by ``peek`` and
-    ``get``); ``dead_reason`` is ``"expired"`` for a dead letter its TTL made.
+    ``expires_at`` is when its TTL runs out (None: no TTL); ``dead_reason`` is
+    ``"expired"`` for a dead letter its TTL made. Times are seconds of the
+    store's clock, ``lease_deadline`` and ``expires_at`` to the microsecond
+    the store keeps.
 
     Immutable, compared and hashed by its fields. It keeps them in one tuple
     (built with one store per pop instead of one per field: pops are the hot

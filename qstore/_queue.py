@@ -98,9 +98,11 @@ def _iterate(items: object, what: str) -> Iterator[Any]:
 def _popped(qid: int, mid: int, name: str, rec: records.MessageRecord, payload: bytes,
             deadline: float) -> Message:
     """The Message a pop returns, its receipt kept parsed (for ack) and written when read."""
-    return Message._leased(
-        (mid, name, rec.priority, payload, rec.attempts, rec.enqueued_at, deadline,
-         None, "in_flight"), (qid, mid, rec.deliveries))
+    fields = (mid, name, rec.priority, payload, rec.attempts, rec.enqueued_at, deadline,
+              None, "in_flight")
+    if rec.expires_us:  # a worker can see how long it has (None meant "no TTL" to it)
+        fields += (rec.expires_us / 1e6, None)
+    return Message._leased(fields, (qid, mid, rec.deliveries))
 
 
 class Queue:
@@ -412,8 +414,8 @@ class Queue:
                 ready_keys = plan.keys
                 if not ready_keys:
                     return []
-            deadline = now + lease
-            when = keys.to_us(deadline)
+            when = keys.to_us(now + lease)
+            deadline = when / 1e6  # the deadline the store keeps, to the microsecond
             name, qid = q.name, q.qid
             read = core.payload.read
             recs = core.records_of(q, ready_keys)
@@ -587,11 +589,13 @@ class Queue:
             mid, rec = self._leased(item, keys.to_us(now))
             q = self._q
             txn = Txn()
-            states.extend(txn, q, mid, rec, keys.to_us(now + lease))
+            when = keys.to_us(now + lease)
+            states.extend(txn, q, mid, rec, when)
             core.commit(txn)
             payload = core.payload.read(rec)
             return Message(mid, q.name, rec.priority, payload, rec.attempts, rec.enqueued_at,
-                           now + lease, make_receipt(q.qid, mid, rec.deliveries))
+                           when / 1e6, make_receipt(q.qid, mid, rec.deliveries),
+                           expires_at=rec.expires_us / 1e6 if rec.expires_us else None)
 
     # -- inspection -----------------------------------------------------------
 

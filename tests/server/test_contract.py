@@ -197,6 +197,14 @@ def test_ttl_and_queue_options(store: Any) -> None:
     assert q.get(ids[0]).expires_at == pytest.approx(enq + 1800.0, abs=1.0)
     assert q.get(ids[1]).expires_at == pytest.approx(enq + 7200.0, abs=1.0)
     assert q.get(own).dead_reason is None
+    # A pop and an extend say when the TTL runs out too (they said None: "no TTL").
+    popped = q.pop_many(4, lease=60.0)
+    assert {m.id: m.expires_at for m in popped} == {i: q.get(i).expires_at
+                                                    for i in [own, default, *ids]}
+    assert q.extend(popped[0], lease=90.0).expires_at == popped[0].expires_at
+    plain = store.create_queue("plain")
+    plain.push(b"x")
+    assert plain.pop().expires_at is None
 
 
 def test_configure_queue(store: Any) -> None:
