@@ -98,8 +98,8 @@ def _iterate(items: object, what: str) -> Iterator[Any]:
 def _popped(qid: int, mid: int, name: str, rec: records.MessageRecord, payload: bytes,
             deadline: float) -> Message:
     """The Message a pop returns, its receipt kept parsed (for ack) and written when read."""
-    fields = (mid, name, rec.priority, payload, rec.attempts, rec.enqueued_at, deadline,
-              None, "in_flight")
+    fields: tuple[Any, ...] = (mid, name, rec.priority, payload, rec.attempts,
+                               rec.enqueued_at, deadline, None, "in_flight")
     if rec.expires_us:  # a worker can see how long it has (None meant "no TTL" to it)
         fields += (rec.expires_us / 1e6, None)
     return Message._leased(fields, (qid, mid, rec.deliveries))
