@@ -715,7 +715,7 @@ class Server:
         if w is not None:
             found = withdrawn = True
             if w.busy:  # answered by the retry round in progress: empty, unless
-                w.expired = True  # that round got it a message (given back, then)
+                w.expired = w.final = True  # it got a message (given back, then)
             else:
                 self._answer_empty(w)
         if not found and conn.pending:  # maybe still in the store thread: not to park
@@ -741,7 +741,7 @@ class Server:
         until the sweeper's next pass, and a ``pop(wait=3)`` answered empty
         with the message ready (a time audit).
         """
-        w.busy = w.expired = True
+        w.busy = w.expired = w.final = True
         store = self.store
 
         def attempt() -> Any:
@@ -873,8 +873,10 @@ class Server:
                 self._waiting.remove(w)
                 w.done = True
                 self._answer(w.conn, w.rid, w.op, w.args, w.started, got)
-            elif w.expired:
+            elif w.final:
                 self._answer_empty(w)
+            elif w.expired:  # its time ran out while a round tried it, perhaps before
+                self._last_try(w)  # what fell due by then: one more try
         self._update_listening()
 
     def _arm_due(self, queues: Iterable[str] | None = None) -> None:
