@@ -487,7 +487,7 @@ class Client:
 
     def create_queue(self, name: str, *, order: str = "max", priority_type: str = "int",
                      max_attempts: int = 5, dedup: bool = False, exist_ok: bool = False,
-                     ttl: float | None = None, on_expire: str = "drop",
+                     ttl: float | None = None, on_expire: str | None = None,
                      aging: float | None = None, aging_cap: int | None = None,
                      rate: tuple[int, float] | None = None) -> RemoteQueue:
         info = self._link.call("create_queue", {

@@ -93,14 +93,25 @@ class Store:
         dedup: bool = False,
         exist_ok: bool = False,
         ttl: float | None = None,
-        on_expire: str = "drop",
+        on_expire: str | None = None,
         aging: float | None = None,
         aging_cap: int | None = None,
         rate: tuple[int, float] | None = None,
     ) -> Queue:
         """Create queue ``name``; the options after ``exist_ok`` are those of
-        :meth:`configure_queue` (an existing queue must have the same ones)."""
+        :meth:`configure_queue` (``on_expire`` None is "drop").
+
+        With ``exist_ok`` an existing queue is returned if it has the same
+        ``order``, ``priority_type``, ``max_attempts`` and ``dedup``, and the
+        same value of each of the other options given (not None): those are
+        the ones :meth:`configure_queue` changes, so a worker that starts
+        with ``create_queue(name, exist_ok=True)`` keeps working after an
+        operator changed, say, the TTL. A difference raises
+        ``InvalidArgument`` naming each option that differs.
+        """
         _check_queue_name(name)
+        if not isinstance(exist_ok, bool):
+            raise InvalidArgument(f"exist_ok must be a bool, not {exist_ok!r:.60}")
         if order not in ("max", "min", "fifo"):
             raise InvalidArgument(f"order must be 'max', 'min' or 'fifo', not {order!r}")
         if priority_type not in ("int", "str"):
@@ -111,9 +122,10 @@ class Store:
                                   f"not {max_attempts!r:.60}")
         if not isinstance(dedup, bool):
             raise InvalidArgument("dedup must be a bool")
-        options = check_options(order, priority_type, {
-            "ttl": ttl, "on_expire": on_expire, "aging": aging, "aging_cap": aging_cap,
-            "rate": rate})
+        given = {"ttl": ttl, "on_expire": on_expire, "aging": aging, "aging_cap": aging_cap,
+                 "rate": rate}
+        options = check_options(order, priority_type,
+                                {**given, "on_expire": "drop" if on_expire is None else on_expire})
         core = self._core
         with core.writing:
             existing = core.queues.get(name)
@@ -123,14 +135,15 @@ class Store:
             if not exist_ok:
                 raise QueueExists(name)
             r = existing.rec
-            want = (order, priority_type, max_attempts, dedup, *options.values())
-            have = (r.order, r.priority_type, r.max_attempts, r.dedup,
-                    *(getattr(r, f) for f in options))
-            if want != have:
+            want = {"order": order, "priority_type": priority_type,
+                    "max_attempts": max_attempts, "dedup": dedup,
+                    **{f: options[f] for f in OPTION_NAMES if given[f] is not None}}
+            differ = [f for f, v in want.items() if getattr(r, f) != v]
+            if differ:
                 raise InvalidArgument(
-                    f"queue {name!r} exists with order, priority_type, max_attempts, "
-                    f"dedup, {', '.join(options)} = {have}, not {want}"
-                )
+                    f"queue {name!r} exists with "
+                    + ", ".join(f"{f}={getattr(r, f)!r}" for f in differ)
+                    + ", not " + ", ".join(f"{f}={want[f]!r}" for f in differ))
             return Queue(core, existing)
 
     def configure_queue(self, name: str, **options: Any) -> Queue:

@@ -351,7 +351,7 @@ class AsyncClient:
 
     async def create_queue(self, name: str, *, order: str = "max", priority_type: str = "int",
                      max_attempts: int = 5, dedup: bool = False, exist_ok: bool = False,
-                     ttl: float | None = None, on_expire: str = "drop",
+                     ttl: float | None = None, on_expire: str | None = None,
                      aging: float | None = None, aging_cap: int | None = None,
                      rate: tuple[int, float] | None = None) -> AsyncQueue:
         info = await self._link.call("create_queue", {

@@ -290,8 +290,18 @@ def test_options_persist_and_can_be_changed(store_path: str, clock: FakeClock) -
             30.0, "dead", 60.0, 3, (10, 1.5))
         s.create_queue("q", ttl=30, on_expire="dead", aging=60, aging_cap=3, rate=(10, 1.5),
                        exist_ok=True)
-        with pytest.raises(qstore.InvalidArgument):
-            s.create_queue("q", exist_ok=True)  # other options than the queue has
+        # Options not given are the queue's own (configure_queue changes them): a
+        # worker's create_queue(name, exist_ok=True) failed once an operator had
+        # changed its TTL (an API audit). One given that differs is named.
+        assert s.create_queue("q", exist_ok=True).name == "q"
+        with pytest.raises(qstore.InvalidArgument,
+                           match=r"exists with ttl=30\.0, rate=\(10, 1\.5\), not ttl=31\.0, "
+                                 r"rate=\(10, 2\.0\)$"):
+            s.create_queue("q", ttl=31, rate=(10, 2), aging=60, exist_ok=True)
+        with pytest.raises(qstore.InvalidArgument, match="exists with max_attempts=5, not "):
+            s.create_queue("q", max_attempts=3, exist_ok=True)
+        with pytest.raises(qstore.InvalidArgument, match="exist_ok must be a bool"):
+            s.create_queue("q", exist_ok="yes")  # type: ignore[arg-type]
         s.configure_queue("q", ttl=None, rate=None)
         s.configure_queue("plain", ttl=5)
     with qstore.open(store_path, clock=clock, compactor=False) as s:
