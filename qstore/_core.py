@@ -1185,6 +1185,8 @@ class Core(HotPaths):
         self.commit(txn)
         q.deleted = True
         del self.queues[q.name]
+        if self.waiters:  # pops waiting on it raise QueueNotFound now, not at their deadline
+            self.ready.notify_all(q.name)
 
     def purge(self, q: QueueState) -> int:
         """Delete every message of ``q`` in one batch; returns how many (lock held)."""

@@ -111,3 +111,25 @@ def test_the_next_token_time_finds_a_token_despite_rounding(n: int, per: float, 
     assert t <= now + b.wait_time(now) + 1e-6 * max(1.0, per)
     if b.available(now) == 0:
         assert b.available(t) >= 1
+
+
+def test_deleting_the_queue_ends_a_wait_on_it_at_once(store_path: str) -> None:
+    # The waiter slept out the rest of its wait, then raised QueueNotFound (an API
+    # audit: 4.8 s after the delete); a server's parked pop the same.
+    clock = FakeClock()
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        q = s.create_queue("q")
+        result: dict[str, Any] = {}
+
+        def pop() -> None:
+            try:
+                result["got"] = q.pop(wait=30.0)
+            except qstore.QueueNotFound as exc:
+                result["error"] = exc
+
+        t = threading.Thread(target=pop, daemon=True)
+        t.start()
+        wait_blocks(clock, 1)
+        s.delete_queue("q")
+        t.join(30.0)  # the clock never moves: only the delete can end the wait
+        assert not t.is_alive() and isinstance(result.get("error"), qstore.QueueNotFound)

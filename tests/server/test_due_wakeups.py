@@ -173,6 +173,29 @@ def test_a_parked_pop_whose_deadline_passes_as_its_message_falls_due_gets_it(
         assert got[0] is not None and got[0].payload == b"tomorrow" and got[0].attempts == 1
 
 
+def test_a_parked_pop_raises_queue_not_found_when_its_queue_is_deleted(
+        tmp_path: Any) -> None:
+    clock = FakeClock()  # never moved: only the delete can end the wait
+    with serving(str(tmp_path / "s"), sweep_interval=SWEEP, clock=clock) as address, \
+            qstore.connect(address) as client:
+        client.create_queue("d")
+        got: list[Any] = []
+
+        def pop() -> None:
+            with qstore.connect(address) as other:
+                try:
+                    got.append(other.queue("d").pop(wait=10.0))
+                except qstore.QueueNotFound as exc:
+                    got.append(exc)
+
+        waiter = threading.Thread(target=pop, daemon=True)
+        waiter.start()
+        wait_blocks(clock, 1)  # parked
+        client.delete_queue("d")
+        waiter.join(30)
+        assert not waiter.is_alive() and isinstance(got[0], qstore.QueueNotFound)
+
+
 def test_a_push_tries_only_the_pops_waiting_on_its_queue(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # Every commit that added ready keys woke a retry round over every parked pop
