@@ -22,6 +22,20 @@ SOCKET_NAME = "qstore.sock"
 LOOPS = ("auto", "uvloop", "asyncio")
 
 
+def checked_path(value: object, what: str) -> str:
+    """``value`` as a text path, or ``InvalidArgument`` saying what it is instead
+    (``os.fspath`` raised a bare TypeError for None, and bytes paths met str
+    ones later in a TypeError of their own; an API audit)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise InvalidArgument(f"{what} must be a str or os.PathLike path, not {value!r:.60}")
+    path = os.fspath(value)
+    if not isinstance(path, str):
+        raise InvalidArgument(f"{what} must be a text path, not {path!r:.60}")
+    if not path or "\0" in path:
+        raise InvalidArgument(f"{what} {path!r:.60} is not a usable path")
+    return path
+
+
 def unix_socket_answers(path: str, timeout: float) -> bool:
     """True when a server accepts connections on the unix socket ``path`` (a connect
     succeeds; no handshake, so no token is needed to tell). False for no file or a
@@ -62,7 +76,7 @@ class Address:
 def parse_address(text: str | os.PathLike[str]) -> Address:
     """An Address from ``unix:///p``, ``tcp://h:p``, a store directory path (its
     ``qstore.sock``) or the path of a unix socket."""
-    text = os.fspath(text)
+    text = checked_path(text, "address")
     if text.startswith("unix://"):
         path = text[len("unix://"):]
         if not path:

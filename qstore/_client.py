@@ -566,8 +566,11 @@ def connect(address: str | os.PathLike[str], *, token: str | None = None,
             server_hostname: str | None = None) -> Client:
     """Connect to the server at ``address`` (``unix:///p``, ``tcp://h:p`` or a store path).
 
-    ``keep_leases=True`` keeps this client's leases until their deadline when
-    a connection of it closes (by default they go back to ready at once).
+    ``timeout``: seconds to wait for the server to connect and to answer a
+    request (a ``pop(wait=...)`` is given its wait on top); ``ConnectionLost``
+    after it. ``keep_leases=True`` keeps this client's leases until their
+    deadline when a connection of it closes (by default they go back to
+    ready at once).
     ``tls=True`` (trusting ``cafile`` or the system's CAs) or an
     ``ssl.SSLContext`` for TLS. Threads may share the client (it opens one
     connection per thread calling at the same moment), and a child process

@@ -20,6 +20,7 @@ from ._message import Message
 from ._net_errors import AuthenticationFailed, ProtocolError
 
 DEFAULT_TIMEOUT = 30.0
+MAX_TIMEOUT = 1e9  # seconds: what a socket timeout takes (about 31 years)
 
 
 class LinkSettings:
@@ -27,6 +28,7 @@ class LinkSettings:
 
     def __init__(self, address: Address, token: str | None, timeout: float, keep_leases: bool,
                  ssl_context: ssl.SSLContext | None, server_hostname: str | None) -> None:
+        check_settings(token, timeout, keep_leases)
         self.address = address
         self._token = token
         self.timeout = timeout
@@ -35,6 +37,20 @@ class LinkSettings:
         self._hostname = server_hostname
         self._ids = itertools.count(1)  # request ids
         self.welcome: dict[str, Any] = {}  # the server's handshake answer
+
+
+def check_settings(token: object, timeout: object, keep_leases: object) -> None:
+    """``connect``'s arguments, refused as ``InvalidArgument`` (``timeout=None`` was a
+    TypeError from deep in the link, ``-1`` a ValueError of the socket module,
+    ``keep_leases="no"`` the server's ProtocolError; an API audit)."""
+    if token is not None and not isinstance(token, str):
+        raise InvalidArgument(f"token must be a str or None, not {type(token).__name__}")
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not 0 < timeout <= MAX_TIMEOUT):
+        raise InvalidArgument(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}], "
+                              f"not {timeout!r:.60}")
+    if not isinstance(keep_leases, bool):
+        raise InvalidArgument(f"keep_leases must be a bool, not {keep_leases!r:.60}")
 
 
 def hello(token: str | None, keep_leases: bool) -> bytes:

@@ -18,6 +18,7 @@ import logging
 import os
 from typing import Any
 
+from ._address import checked_path
 from ._core import SNAPSHOT_MANIFEST, SNAPSHOT_UNFINISHED, Core
 from ._errors import Corruption, InvalidArgument, StorageError
 from ._fs import calls, fsync_dir, remove_paths, write_json_durably
@@ -46,9 +47,9 @@ def take_snapshot(core: Core, dest: str) -> str:
     destination on another filesystem) raises :class:`StorageError` (the
     ``errno`` kept) and removes what it wrote, so ``dest`` is as it was.
     """
-    dest = os.fspath(dest)
-    if not dest:  # os.path.exists("") is False: it would be written into the cwd
+    if isinstance(dest, str) and not dest:  # os.path.exists("") is False: the cwd
         raise InvalidArgument("snapshot destination is empty")
+    dest = checked_path(dest, "snapshot destination")
     inside = os.path.realpath(core.path) + os.sep
     if (os.path.realpath(dest) + os.sep).startswith(inside):
         raise InvalidArgument(f"snapshot destination {dest!r} is inside the store "

@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from . import _timers as timers
+from ._address import checked_path
 from ._check import run_check
 from ._check_report import CheckReport
 from ._compact import Compactor
@@ -360,5 +361,6 @@ def open_store(path: str | os.PathLike[str], **options: Any) -> Store:
 
     Options are those of :class:`qstore.Config`; an unknown one is an error.
     """
+    path = checked_path(path, "store path")
     config = Config.from_options(options)
-    return Store(os.fspath(path), config)
+    return Store(path, config)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import pickle
 
 import pytest
 
 import qstore
+import qstore.aio
 
 
 def test_all_is_exactly_the_public_surface() -> None:
@@ -135,3 +137,32 @@ def test_the_package_ships_its_type_annotations() -> None:
     project = tomllib.loads((root.parent / "pyproject.toml").read_text(encoding="utf-8"))
     assert (root / "py.typed").is_file()
     assert "py.typed" in project["tool"]["setuptools"]["package-data"]["qstore"]
+
+
+@pytest.mark.parametrize("path", [None, 5, b"/tmp/bytes-path", "", "nul\0byte"])
+def test_a_path_that_is_not_a_text_path_is_invalid_argument(tmp_path, path) -> None:  # type: ignore[no-untyped-def]
+    # None was a TypeError from os.fspath, bytes met str paths later in another
+    # TypeError (an API audit).
+    with pytest.raises(qstore.InvalidArgument, match="store path"):
+        qstore.open(path)
+    with pytest.raises(qstore.InvalidArgument, match="address"):
+        qstore.connect(path)
+    with qstore.open(str(tmp_path / "s"), compactor=False) as store, \
+            pytest.raises(qstore.InvalidArgument, match="snapshot destination"):
+        store.snapshot(path)
+    assert os.listdir(tmp_path) == ["s"]
+
+
+@pytest.mark.parametrize("settings, fragment", [
+    ({"timeout": None}, "timeout"), ({"timeout": -1}, "timeout"),
+    ({"timeout": float("inf")}, "timeout"), ({"timeout": "5"}, "timeout"),
+    ({"timeout": True}, "timeout"), ({"keep_leases": "no"}, "keep_leases"),
+    ({"token": 5}, "token"),
+])
+def test_bad_connect_settings_are_invalid_argument(tmp_path, settings, fragment) -> None:  # type: ignore[no-untyped-def]
+    # Refused before any connection is tried: timeout=None was a TypeError from deep
+    # in the link, -1 a ValueError of the socket module (an API audit).
+    with pytest.raises(qstore.InvalidArgument, match=fragment):
+        qstore.connect(str(tmp_path), **settings)
+    with pytest.raises(qstore.InvalidArgument, match=fragment):
+        qstore.aio.connect(str(tmp_path), **settings)
