@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from . import _timers as timers
@@ -215,11 +216,20 @@ class Store:
             except Exception:
                 log.exception("lease/delay sweep failed; it will be retried")
 
-    def compact(self, **options: Any) -> CompactionResult:
-        """Run one seal-then-compact pass now (see docs/compaction.md)."""
+    def compact(self, *, threshold: float | None = None, max_bytes: int | None = None,
+                progress: Callable[[int, int], None] | None = None) -> CompactionResult:
+        """Run one seal-then-compact pass now (see docs/compaction.md).
+
+        ``threshold``: the garbage ratio a sealed segment needs to be rewritten
+        (default: the store's ``compact_threshold``); ``max_bytes``: the most
+        live bytes copied (default ``compact_max_bytes``); ``progress(done,
+        total)`` is called with the bytes copied so far.
+        """
+        if progress is not None and not callable(progress):
+            raise InvalidArgument(f"progress must be a callable or None, not {progress!r:.60}")
         self._core.check_writable()
         assert self._compactor is not None
-        return self._compactor.run_pass(**options)
+        return self._compactor.run_pass(threshold, max_bytes, progress)
 
     def snapshot(self, dest: str) -> str:
         """A consistent, self-contained copy of the store at ``dest`` (see docs/spark.md)."""

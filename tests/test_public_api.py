@@ -166,3 +166,20 @@ def test_bad_connect_settings_are_invalid_argument(tmp_path, settings, fragment)
         qstore.connect(str(tmp_path), **settings)
     with pytest.raises(qstore.InvalidArgument, match=fragment):
         qstore.aio.connect(str(tmp_path), **settings)
+
+
+def test_compact_takes_its_options_by_name_and_checks_progress(store_path: str) -> None:
+    # compact(**options) ran part of a pass before progress=5 raised "'int' object is
+    # not callable", and compact(foo=1) named an internal class (an API audit).
+    with qstore.open(store_path, compactor=False, segment_max_bytes=4096) as store:
+        q = store.create_queue("q")
+        q.push_many([bytes(500)] * 40)
+        q.ack_many(q.pop_many(20))
+        with pytest.raises(qstore.InvalidArgument, match="progress must be a callable"):
+            store.compact(progress=5)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"Store\.compact\(\) got an unexpected"):
+            store.compact(foo=1)  # type: ignore[call-arg]
+        assert store.compactor is not None and store.compactor.passes == 0  # none ran
+        seen: list[tuple[int, int]] = []
+        result = store.compact(threshold=0.1, progress=lambda d, t: seen.append((d, t)))
+        assert result.messages_moved > 0 and seen and seen[-1][0] == seen[-1][1]
