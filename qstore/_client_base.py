@@ -15,6 +15,7 @@ from typing import Any
 
 from . import _wire as wire
 from ._address import Address
+from ._batch import no_receipt, refuse_single_item
 from ._errors import InvalidArgument, PayloadTooLarge
 from ._message import Message
 from ._net_errors import AuthenticationFailed, ProtocolError
@@ -130,10 +131,15 @@ def snapshot_args(address: Address, dest: str) -> dict[str, Any]:
 
 
 def receipt_of(item: object) -> object:
-    return item.receipt if isinstance(item, Message) else item
+    if isinstance(item, Message):
+        if item.receipt is None:
+            raise no_receipt(item.id)
+        return item.receipt
+    return item
 
 
 def receipts_of(items: Iterable[object]) -> list[object]:
+    refuse_single_item(items, "ack_many")
     try:
         return [receipt_of(i) for i in items]
     except TypeError:
@@ -142,6 +148,7 @@ def receipts_of(items: Iterable[object]) -> list[object]:
 
 
 def listed(items: object, what: str) -> list[Any]:
+    refuse_single_item(items, what)
     try:
         out: list[Any] = list(items)  # type: ignore[call-overload]
         return out

@@ -21,6 +21,7 @@ from typing import Any
 
 from . import _states as states
 from . import _timers as timers
+from ._batch import no_receipt, refuse_single_item
 from ._core import Core
 from ._errors import (
     Corruption,
@@ -78,6 +79,8 @@ def _receipt_parts(item: object) -> tuple[int, int, int]:
             return lease
     receipt = item.receipt if isinstance(item, Message) else item
     if not isinstance(receipt, str):
+        if isinstance(item, Message):  # from peek, get or dead_letters: not leased to you
+            raise no_receipt(item.id)
         raise InvalidArgument(f"expected a Message from pop() or its receipt, not {item!r:.60}")
     # Strict: int(x, 16) alone would take "0x1", " 1", "+1" or "1_0", and an id
     # over 64 bits would reach the key encoder and fail there.
@@ -89,6 +92,7 @@ def _receipt_parts(item: object) -> tuple[int, int, int]:
 
 
 def _iterate(items: object, what: str) -> Iterator[Any]:
+    refuse_single_item(items, what)
     try:
         return iter(items)  # type: ignore[call-overload, no-any-return]
     except TypeError:
@@ -251,6 +255,10 @@ class Queue:
                 rows.append((item, None, delay, None, ttl))
             elif isinstance(item, (tuple, list)) and 1 <= len(item) <= 5:
                 rows.append(tuple(item) + defaults[len(item):])
+            elif isinstance(item, (tuple, list)):
+                raise InvalidArgument(
+                    f"push_many item has {len(item)} fields, not 1 to 5 (payload, priority, "
+                    f"delay, dedup_key, ttl): {item!r:.60}")
             else:
                 raise InvalidArgument(f"push_many item must be bytes or a tuple, not {item!r:.60}")
         if plain:

@@ -309,3 +309,22 @@ def test_a_handle_of_a_deleted_queue_never_reaches_a_new_queue_of_its_name(store
     assert (stats.ready, stats.in_flight) == (1, 0)
     assert new.pop().payload == b"new"
     assert store.queue("r").max_attempts == 2  # a fresh handle is of the new queue
+
+
+def test_misused_batches_and_receipts_say_what_is_wrong(store: Any) -> None:
+    # A str or bytes where a batch goes was iterated: push_many(b"abc") said "not
+    # 97", ack_many(receipt) "malformed receipt '1'"; a tuple of 6 fields was "not a
+    # tuple"; a peeked Message "expected a Message from pop()" (an API audit).
+    q = store.create_queue("m")
+    mid = q.push(b"x")
+    for batch in (b"abc", "abc", bytearray(b"abc")):
+        with pytest.raises(qstore.InvalidArgument, match="takes an iterable of items, not one"):
+            q.push_many(batch)
+    popped = q.pop()
+    with pytest.raises(qstore.InvalidArgument, match="ack_many takes an iterable of items"):
+        q.ack_many(popped.receipt)
+    with pytest.raises(qstore.InvalidArgument, match="has 6 fields, not 1 to 5"):
+        q.push_many([(b"a", 1, 0.0, None, None, 9)])
+    with pytest.raises(qstore.InvalidArgument, match=f"message {mid} has no receipt"):
+        q.ack(q.get(mid))
+    assert q.stats().in_flight == 1 and q.ack_many([popped]) == 1  # nothing changed before
