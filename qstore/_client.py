@@ -369,7 +369,7 @@ class RemoteQueue(base.QueueInfo):
         return self._call("pop", base.maybe_message, lease=lease, wait=wait)
 
     def pop_many(self, n: int, lease: float = 30.0, wait: float = 0.0) -> list[Message]:
-        return self._call("pop_many", base.messages, n=n, lease=lease, wait=wait)
+        return self._call("pop_many", base.messages, n=base.count(n), lease=lease, wait=wait)
 
     def ack(self, item: Message | str) -> None:
         self._call("ack", _none, receipt=base.receipt_of(item))
@@ -385,16 +385,16 @@ class RemoteQueue(base.QueueInfo):
                           lease=lease)
 
     def peek(self, n: int = 1) -> list[Message]:
-        return self._call("peek", base.messages, n=n)
+        return self._call("peek", base.messages, n=base.count(n))
 
     def get(self, message_id: int) -> Message:
         return self._call("get", wire.decode_message, message_id=message_id)
 
     def dead_letters(self, n: int = 10) -> list[Message]:
-        return self._call("dead_letters", base.messages, n=n)
+        return self._call("dead_letters", base.messages, n=base.count(n))
 
     def redrive(self, n: int = 100) -> int:
-        return self._call("redrive", int, n=n)
+        return self._call("redrive", int, n=base.count(n))
 
     def purge(self) -> int:
         return self._call("purge", int)

@@ -130,6 +130,15 @@ def snapshot_args(address: Address, dest: str) -> dict[str, Any]:
                           f"server's machine, not {dest!r}")
 
 
+COUNT_MAX = 2**63 - 1  # more messages than any store holds; what msgpack's ints carry
+
+
+def count(n: object) -> object:
+    """A count ``n`` as sent: one beyond any store's size means every message, as in
+    process (``pop_many(10**30)``; an int of 2**64 or more cannot be sent)."""
+    return COUNT_MAX if type(n) is int and n > COUNT_MAX else n
+
+
 def receipt_of(item: object) -> object:
     if isinstance(item, Message):
         if item.receipt is None:

@@ -44,7 +44,7 @@ INT_MIN, INT_MAX = keys.INT_MIN, keys.INT_MAX
 def _payload(body: object) -> bytes:
     if type(body) is bytes:
         return body
-    if isinstance(body, (bytearray, memoryview)):
+    if isinstance(body, (bytes, bytearray, memoryview)):  # a subclass (np.bytes_), a view
         return bytes(body)
     raise InvalidArgument(f"payload must be bytes, not {type(body).__name__}")
 
@@ -184,6 +184,8 @@ class Queue:
                 dedup_key = dedup_key.encode("utf-8")
             except UnicodeEncodeError:  # a lone surrogate
                 raise InvalidArgument("dedup_key is not encodable as UTF-8") from None
+        if isinstance(dedup_key, (bytearray, memoryview)):  # as a client sends them
+            dedup_key = bytes(dedup_key)
         if not isinstance(dedup_key, bytes):
             raise InvalidArgument(f"dedup_key must be str or bytes, not {type(dedup_key).__name__}")
         if not self._q.rec.dedup:

@@ -171,6 +171,7 @@ class Store:
         with core.writing:
             state = core.queues.get(name)
             if state is None:
+                _check_name_type(name)  # None is no name at all, as for queue(None)
                 raise QueueNotFound(name)
             now_us = keys.to_us(core.clock())
             if state.next_event_us <= now_us:

@@ -308,7 +308,7 @@ class AsyncQueue(base.QueueInfo):
         return base.maybe_message(await self._call("pop", lease=lease, wait=wait))
 
     async def pop_many(self, n: int, lease: float = 30.0, wait: float = 0.0) -> list[Message]:
-        return base.messages(await self._call("pop_many", n=n, lease=lease, wait=wait))
+        return base.messages(await self._call("pop_many", n=base.count(n), lease=lease, wait=wait))
 
     async def ack(self, item: Message | str) -> None:
         await self._call("ack", receipt=base.receipt_of(item))
@@ -324,16 +324,16 @@ class AsyncQueue(base.QueueInfo):
                                                     lease=lease))
 
     async def peek(self, n: int = 1) -> list[Message]:
-        return base.messages(await self._call("peek", n=n))
+        return base.messages(await self._call("peek", n=base.count(n)))
 
     async def get(self, message_id: int) -> Message:
         return wire.decode_message(await self._call("get", message_id=message_id))
 
     async def dead_letters(self, n: int = 10) -> list[Message]:
-        return base.messages(await self._call("dead_letters", n=n))
+        return base.messages(await self._call("dead_letters", n=base.count(n)))
 
     async def redrive(self, n: int = 100) -> int:
-        return int(await self._call("redrive", n=n))
+        return int(await self._call("redrive", n=base.count(n)))
 
     async def purge(self) -> int:
         return int(await self._call("purge"))

@@ -328,3 +328,24 @@ def test_misused_batches_and_receipts_say_what_is_wrong(store: Any) -> None:
     with pytest.raises(qstore.InvalidArgument, match=f"message {mid} has no receipt"):
         q.ack(q.get(mid))
     assert q.stats().in_flight == 1 and q.ack_many([popped]) == 1  # nothing changed before
+
+
+def test_bytes_like_payloads_and_keys_and_counts_past_any_store_are_taken_alike(
+        store: Any) -> None:
+    # Embedded refused a bytes subclass payload and a bytearray dedup key that the
+    # clients sent as plain bytes, and took pop_many(10**30) that the clients could
+    # not send (an API audit).
+    class Body(bytes):
+        pass
+
+    q = store.create_queue("b", dedup=True)
+    first = q.push(Body(b"sub"), dedup_key=bytearray(b"k"))
+    assert q.push(b"other", dedup_key=b"k") == first  # the same key
+    assert q.get(first).payload == b"sub" and type(q.get(first).payload) is bytes
+    assert [m.id for m in q.peek(10**30)] == [first]
+    got = q.pop_many(10**30)
+    assert [m.payload for m in got] == [b"sub"]
+    q.nack(got[0])
+    assert q.dead_letters(10**30) == [] and q.redrive(10**30) == 0
+    with pytest.raises(qstore.InvalidArgument):
+        store.configure_queue(None, ttl=1.0)  # no name at all, as for queue(None)
