@@ -114,13 +114,16 @@ class Snapshot:
     def segment_path(self, file_id: int) -> str:
         return os.path.join(self.path, "payload", fmt.segment_name(file_id))
 
-    def qids_with_keys(self, kind: bytes) -> list[int]:
-        """Every queue id that has at least one key of per-queue ``kind`` (one seek each)."""
+    def qids_with_keys(self, kind: bytes, short: list[bytes] | None = None) -> list[int]:
+        """Every queue id that has at least one key of per-queue ``kind`` (one seek each);
+        keys of ``kind`` too short to hold a queue id go to ``short`` if given."""
         end = keys.prefix_end(kind)
         found: list[int] = []
         key = self.meta.first_key(kind, end)
         while key is not None:
             if len(key) < 5:  # not a per-queue key; step over it
+                if short is not None:
+                    short.append(key)
                 key = self.meta.first_key(key + b"\x00", end)
                 continue
             qid = keys.U32.unpack_from(key, 1)[0]

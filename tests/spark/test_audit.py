@@ -366,6 +366,7 @@ def test_malformed_keys_and_a_short_s_end_are_findings_as_in_the_check(
     batch.put(keys.prefix(keys.DELAYED, 1), b"")  # d qid: no time, no id
     batch.put(keys.message_key(1, 7) + b"\x01", some)  # one byte too many
     batch.put(keys.message_key(1, 2**63 + 5), some)
+    batch.put(keys.MESSAGE + b"\x00\x01", some)  # no queue id: no partition read it
     batch.put(keys.segment_key(first), records.encode_segment(seg[0], seg[1], seg[2] - 1))
     db.write(batch, sync=True)
     db.close()
@@ -379,9 +380,13 @@ def test_malformed_keys_and_a_short_s_end_are_findings_as_in_the_check(
         f"delayed index: index key {short}: malformed key"]
     long_key = (keys.message_key(1, 7) + b"\x01").hex()
     bad = sorted(f["detail"] for f in audited if f["kind"] == "bad_record")
-    assert bad == [f"message key {long_key} is not m qid:u32 id:u64",
-                   f"message key {keys.message_key(1, 2**63 + 5).hex()}: id {2**63 + 5} is "
-                   "2**63 or more, which no push hands out"]
+    no_qid = (keys.MESSAGE + b"\x00\x01").hex()
+    assert bad == sorted([f"message key {long_key} is not m qid:u32 id:u64",
+                          f"message key {no_qid} is not m qid:u32 id:u64",
+                          f"message key {keys.message_key(1, 2**63 + 5).hex()}: id "
+                          f"{2**63 + 5} is 2**63 or more, which no push hands out"])
+    assert ("bad_record", f"message key {no_qid} is not m qid") in {
+        (kind, detail.split(":u32")[0]) for kind, detail in checked}
     past = (f"messages refer to records up to offset {seg[2]}, past the S record's data end "
             f"{seg[2] - 1}")
     assert past in [f.detail for f in check_path(snap).findings]
