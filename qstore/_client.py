@@ -534,6 +534,7 @@ class Client:
         return wire.decode_check(self._link.call("check", {"repair": repair}, wait=3600.0))
 
     def ping(self) -> None:
+        """One round trip to the server (a client's own call: the embedded store has none)."""
         self._link.call("ping", {})
 
     def _backfill(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -548,6 +549,8 @@ class Client:
         return Pipeline(self._link)
 
     def close(self) -> None:
+        """Close this client's connections (the server and its store go on); later
+        calls raise StoreClosed, as a closed embedded store's do."""
         self._link.close()
 
     def __enter__(self) -> Client:
@@ -558,6 +561,10 @@ class Client:
 
     def __repr__(self) -> str:
         return f"<qstore.Client {self._link.address}>"
+
+
+base.point_docs(RemoteQueue, "qstore.Queue")
+base.point_docs(Client, "qstore.Store")
 
 
 def connect(address: str | os.PathLike[str], *, token: str | None = None,

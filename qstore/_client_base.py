@@ -245,3 +245,13 @@ def unix_connect_once(path: str, timeout: float | None) -> socket.socket | None:
 
 
 CONNECT_PAUSES = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032)  # then 0.05 s each
+
+
+def point_docs(cls: type, embedded: str) -> None:
+    """Give each public method of ``cls`` without a docstring one that names the
+    embedded method it mirrors (``help(client.queue("q").pop)`` showed nothing;
+    an API audit): same arguments, results and exceptions, by the contract."""
+    for name, member in vars(cls).items():
+        if not name.startswith("_") and callable(member) and not member.__doc__:
+            member.__doc__ = (f"As :meth:`{embedded}.{name}` of the embedded store, "
+                              "through the server (same arguments, result and errors).")

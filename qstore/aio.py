@@ -395,9 +395,12 @@ class AsyncClient:
             "snapshot", base.snapshot_args(self._link.address, dest), wait=3600.0))
 
     async def ping(self) -> None:
+        """One round trip to the server (a client's own call: the embedded store has none)."""
         await self._link.call("ping", {})
 
     async def close(self) -> None:
+        """Close this client's connection (the server and its store go on); later
+        calls raise StoreClosed, as a closed embedded store's do."""
         await self._link.close()
 
     async def __aenter__(self) -> AsyncClient:
@@ -406,6 +409,10 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+base.point_docs(AsyncQueue, "qstore.Queue")
+base.point_docs(AsyncClient, "qstore.Store")
 
 
 def connect(address: str | os.PathLike[str], *, token: str | None = None,

@@ -183,3 +183,18 @@ def test_compact_takes_its_options_by_name_and_checks_progress(store_path: str) 
         seen: list[tuple[int, int]] = []
         result = store.compact(threshold=0.1, progress=lambda d, t: seen.append((d, t)))
         assert result.messages_moved > 0 and seen and seen[-1][0] == seen[-1][1]
+
+
+def test_every_public_client_method_has_a_docstring() -> None:
+    # help(client.queue("q").pop) showed nothing (an API audit).
+    from qstore._client import Client, RemoteQueue
+    from qstore.aio import AsyncClient, AsyncQueue
+
+    for cls, embedded in ((RemoteQueue, qstore.Queue), (AsyncQueue, qstore.Queue),
+                          (Client, qstore.Store), (AsyncClient, qstore.Store)):
+        for name, member in vars(cls).items():
+            if name.startswith("_") or not callable(member):
+                continue
+            assert member.__doc__, f"{cls.__name__}.{name}"
+            if f":meth:`qstore.{embedded.__name__}.{name}`" in member.__doc__:
+                assert hasattr(embedded, name), f"{cls.__name__}.{name} names no embedded method"
