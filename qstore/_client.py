@@ -22,7 +22,7 @@ import ssl
 import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 from . import _client_base as base
 from . import _wire as wire
@@ -31,6 +31,7 @@ from ._check_report import CheckReport
 from ._errors import QStoreError, StoreClosed
 from ._message import CompactionResult, Message, QueueStats, StoreStats
 from ._net_errors import ConnectionLost, ProtocolError
+from ._options import QueueOptions
 
 _TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 _LENGTH = wire.LENGTH
@@ -496,7 +497,7 @@ class Client:
             "on_expire": on_expire, "aging": aging, "aging_cap": aging_cap, "rate": rate})
         return RemoteQueue(self._link, info)
 
-    def configure_queue(self, name: str, **options: Any) -> RemoteQueue:
+    def configure_queue(self, name: str, **options: Unpack[QueueOptions]) -> RemoteQueue:
         """Change options of queue ``name`` (those of :meth:`qstore.Store.configure_queue`)."""
         info = self._link.call("configure_queue", {**options, "name": name})
         return RemoteQueue(self._link, info)

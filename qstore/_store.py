@@ -13,7 +13,7 @@ import math
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 from . import _timers as timers
 from ._address import checked_path
@@ -24,6 +24,7 @@ from ._config import Config
 from ._core import Core
 from ._errors import InvalidArgument, QueueExists, QueueNotFound, StorageError
 from ._message import CompactionResult, SegmentStats, StoreStats
+from ._options import QueueOptions
 from ._queue import MAX_SECONDS, Queue
 from ._repair import repair as run_repair
 from ._retry_log import RetryLog
@@ -148,7 +149,7 @@ class Store:
                     + ", not " + ", ".join(f"{f}={want[f]!r}" for f in differ))
             return Queue(core, existing)
 
-    def configure_queue(self, name: str, **options: Any) -> Queue:
+    def configure_queue(self, name: str, **options: Unpack[QueueOptions]) -> Queue:
         """Change options of queue ``name``; the others keep their values.
 
         Options (contract section 10): ``ttl`` (seconds, or None: messages

@@ -18,7 +18,7 @@ import os
 import socket
 import ssl
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from . import _client_base as base
 from . import _wire as wire
@@ -27,6 +27,7 @@ from ._check_report import CheckReport
 from ._errors import StoreClosed
 from ._message import CompactionResult, Message, QueueStats, StoreStats
 from ._net_errors import ConnectionLost, ProtocolError
+from ._options import QueueOptions
 
 __all__ = ["AsyncClient", "AsyncQueue", "connect"]
 
@@ -360,7 +361,7 @@ class AsyncClient:
             "on_expire": on_expire, "aging": aging, "aging_cap": aging_cap, "rate": rate})
         return AsyncQueue(self._link, info)
 
-    async def configure_queue(self, name: str, **options: Any) -> AsyncQueue:
+    async def configure_queue(self, name: str, **options: Unpack[QueueOptions]) -> AsyncQueue:
         """Change options of queue ``name`` (those of :meth:`qstore.Store.configure_queue`)."""
         info = await self._link.call("configure_queue", {**options, "name": name})
         return AsyncQueue(self._link, info)
