@@ -727,3 +727,48 @@ def test_a_check_that_a_close_overtakes_raises_store_closed(
     monkeypatch.setattr(type(store.core), "check_open", overtaken)
     with pytest.raises(qstore.StoreClosed):
         store.check()
+
+
+def test_a_message_id_equal_to_the_id_hwm_is_above_it(damaged: tuple[str, dict[str, Any]]
+                                                      ) -> None:
+    # M id_hwm says every id below it was handed out: the largest id must be
+    # below it, so a mark equal to that id is already one too low (a mutation
+    # audit found the boundary unchecked: `>=` as `>` passed).
+    path, where = damaged
+    queue, top = max(((w[0], w[1]) for w in where.values()), key=lambda w: w[1])
+    write_meta(path, puts={keys.ID_HWM_KEY: records.pack([records.RECORD_VERSION, top])})
+    report = check_path(path)
+    assert kinds(report) == [("id_above_hwm", queue, top, None)]
+    assert f"ids below {top}" in report.findings[0].detail
+
+
+def test_an_s_record_data_end_below_the_last_record_is_a_mismatch(
+        damaged: tuple[str, dict[str, Any]]) -> None:
+    # The S record's live bytes and count are right, its data end one byte short
+    # of the last record a message refers to (a compaction trusts that end). A
+    # mutation audit found the check of the end alone unchecked.
+    path, where = damaged
+    fid = where["a0"][2]
+    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
+    try:
+        live_bytes, count, end = records.decode_segment(meta.get(keys.segment_key(fid)) or b"")
+    finally:
+        meta.close()
+    last = max(o + fmt.FRAME_SIZE + 1900 for _, _, f, o in where.values() if f == fid)
+    assert end == last  # the a* payloads are 1900 bytes; the end is the last one's
+    write_meta(path, puts={keys.segment_key(fid):
+                           records.encode_segment(live_bytes, count, end - 1)})
+    report = check_path(path)
+    assert kinds(report) == [("segment_record_mismatch", None, None, fid)]
+    assert f"past the S record's data end {end - 1}" in report.findings[0].detail
+
+
+def test_a_negative_expired_total_is_a_counter_mismatch(damaged: tuple[str, dict[str, Any]]
+                                                        ) -> None:
+    # An E record that decodes but counts -1 expired messages is damage, not a
+    # count (a mutation audit found a negative total went unreported).
+    path, _ = damaged
+    write_meta(path, puts={keys.totals_key(1): records.encode_totals(-1)})
+    report = check_path(path)
+    assert kinds(report) == [("counter_mismatch", "a", None, None)]
+    assert report.findings[0].detail == "E record: expired -1 < 0"
