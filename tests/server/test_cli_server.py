@@ -192,9 +192,9 @@ def test_serve_on_the_socket_of_a_running_server_is_refused(tmp_path: Any) -> No
         srv.proc.kill()
         srv.proc.wait(30)
     assert os.path.exists(os.path.join(first, "qstore.sock"))  # stale now
-    with running(second, "--listen", "unix://" + os.path.join(first, "qstore.sock")) as srv2:
-        with qstore.connect(srv2.address) as client:
-            assert client.queues() == []
+    stale = "unix://" + os.path.join(first, "qstore.sock")
+    with running(second, "--listen", stale) as srv2, qstore.connect(srv2.address) as client:
+        assert client.queues() == []
 
 
 def test_python_dash_m_qstore_is_the_command_line(tmp_path: Any) -> None:
