@@ -302,9 +302,10 @@ def group_key(op: str, args: dict[str, Any]) -> tuple[Any, ...] | None:
     if op == "pop":
         if args.keys() <= _POP_KEYS and type(args.get("queue")) is str:
             lease, wait = args.get("lease", 30.0), args.get("wait", 0.0)
-            if (type(lease) is float and 0 < lease <= MAX_SECONDS
+            # An int lease too (pop(lease=30) sends 30): it grouped only as a float.
+            if (type(lease) in (int, float) and 0 < lease <= MAX_SECONDS
                     and type(wait) in (int, float) and 0 <= wait <= MAX_SECONDS):
-                return ("pop", args["queue"], lease, args.get("qid"))
+                return ("pop", args["queue"], float(lease), args.get("qid"))
     elif (op == "ack" and args.keys() <= _ACK_KEYS and type(args.get("queue")) is str
           and type(args.get("receipt")) is str):
         return ("ack", args["queue"], args.get("qid"))

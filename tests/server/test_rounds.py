@@ -151,3 +151,15 @@ def test_a_lone_request_is_answered_within_its_read_and_a_busy_loop_gathers_a_ro
                 await srv.shutdown()
 
     asyncio.run(main())
+
+
+def test_pops_with_an_int_lease_group_with_float_ones() -> None:
+    # pop(lease=30) sends the int 30: such pops ran one by one, never as one
+    # pop_many (a protocol audit); 30 and 30.0 are one lease.
+    from qstore.server._ops import group_key
+
+    as_int = group_key("pop", {"queue": "q", "lease": 30, "qid": 1})
+    assert as_int is not None
+    assert as_int == group_key("pop", {"queue": "q", "lease": 30.0, "qid": 1})
+    assert group_key("pop", {"queue": "q", "lease": True}) is None  # a bool is no lease
+    assert group_key("pop", {"queue": "q", "lease": 0}) is None
