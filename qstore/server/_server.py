@@ -149,6 +149,7 @@ class Server:
         self._dirty: list[Connection] = []  # connections with answers gathered this round
         self._waiting = WaitingPops(limits.max_waiting)
         self._listening = False
+        self._stopping = False  # shutdown() began
         self._wake_pending = False
         self._round_running = False  # a retry round of parked pops is in the store thread
         self._again = False  # a wake came while it ran: run another round after it
@@ -237,6 +238,7 @@ class Server:
 
     async def shutdown(self) -> None:
         """Stop accepting, answer parked pops, finish in-flight requests, close the store."""
+        self._stopping = True  # a pop that parks from now on is answered empty (_park)
         if self._server is not None:
             self._server.close()
         for conn in self._conns:
@@ -676,7 +678,10 @@ class Server:
               started: float) -> None:
         if conn.closed:
             return
-        if conn.cancelled and rid in conn.cancelled:  # its client gave up on it already
+        if conn.cancelled and rid in conn.cancelled or self._stopping:
+            # Its client gave up on it already, or the server shuts down: a pop read
+            # before SIGTERM that parks after the waiters were answered (behind a
+            # check, in the store thread) was answered by no one (a review).
             conn.cancelled.discard(rid)
             self._send(conn, wire.pack([rid, wire.OK, [] if op == "pop_many" else None]))
             return
@@ -743,8 +748,17 @@ class Server:
         """
         w.busy = w.expired = w.final = True
         store = self.store
+        lock = store.core.lock
 
         def attempt() -> Any:
+            # Not behind a check (or anything else holding the writer lock): the
+            # wait is over and is answered now, empty, as before the last try. A
+            # try that queued behind a check answered only when the check ended,
+            # past the client's timeout, which then dropped its connection and
+            # with it every lease it held (a review of this change).
+            if not lock.acquire(blocking=False):
+                return None
+            lock.release()
             return queue_op(store, w.conn.leases, w.op, dict(w.args), parked=True)
 
         if self._inline_now():

@@ -111,9 +111,10 @@ class WaitingPops:
                 del self._rids[w.conn]
 
     def find(self, conn: object, rid: int) -> Waiter | None:
-        """The first waiter of request ``rid`` of ``conn`` still to be answered."""
+        """The first waiter of request ``rid`` of ``conn`` still to be answered (also one
+        whose time ran out while a try of it runs: it is answered after that try)."""
         for w in self._rids.get(conn, {}).get(rid, ()):
-            if not w.done and not w.expired:
+            if not w.done:
                 return w
         return None
 

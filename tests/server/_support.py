@@ -156,6 +156,14 @@ def send_junk(address: str, data: bytes) -> None:
 def serving(path: str, limits: Limits | None = None, *, sweep_interval: float = 60.0,
             **options: Any) -> Iterator[str]:
     """A server in this process (on a thread of its own) on the store at ``path``."""
+    with serving_in(path, limits, sweep_interval=sweep_interval, **options) as (server, _):
+        yield server.listening_on
+
+
+@contextmanager
+def serving_in(path: str, limits: Limits | None = None, *, sweep_interval: float = 60.0,
+               **options: Any) -> Iterator[tuple[Server, asyncio.AbstractEventLoop]]:
+    """:func:`serving`, giving the server and its loop (to call shutdown on it)."""
     store = qstore.open(path, sweep_interval=sweep_interval, **options)
     server = Server(store, parse_address(path), limits=limits)
     loop = asyncio.new_event_loop()
@@ -171,7 +179,7 @@ def serving(path: str, limits: Limits | None = None, *, sweep_interval: float = 
     thread.start()
     assert up.wait(30)
     try:
-        yield server.listening_on
+        yield server, loop
     finally:
         asyncio.run_coroutine_threadsafe(server.shutdown(), loop).result(60)
         loop.call_soon_threadsafe(loop.stop)

@@ -23,7 +23,7 @@ from qstore import _store
 from qstore.server import _server
 
 from ..conftest import FakeClock, wait_blocks
-from ._support import serving
+from ._support import frame, frames_until_closed, raw_socket, read_frames, serving, serving_in
 
 SWEEP = 60.0  # seconds: far beyond every wait below
 
@@ -327,3 +327,80 @@ def test_a_check_holding_the_writer_lock_leaves_the_event_loop_to_others(
         assert reports and reports[0].ok and ids == [1]
         with qstore.connect(address) as c:
             assert c.queue("q").stats().ready == 1
+
+
+@pytest.mark.parametrize("durability", ["interval", "always"])
+def test_a_parked_pop_ends_at_its_deadline_while_a_check_holds_the_store(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, durability: str) -> None:
+    # The last try of a pop whose wait ran out queued behind another client's
+    # check: the answer came when the check ended, past the client's timeout,
+    # which dropped its connection and every lease on it (a review). Behind a
+    # held writer lock it is answered empty at its deadline, as before.
+    in_check, release = threading.Event(), threading.Event()
+    real_check = _store.Store.check
+
+    def long_check(self: Any, *, repair: bool = False) -> Any:
+        with self.core.lock:
+            in_check.set()
+            assert release.wait(60)
+        return real_check(self, repair=repair)
+
+    monkeypatch.setattr(_store.Store, "check", long_check)
+
+    async def main(address: str) -> tuple[Any, bool]:
+        async with qstore.aio.connect(address) as b:
+            q = await b.create_queue("w")
+            waiter = asyncio.ensure_future(q.pop(wait=0.3))
+            await b.ping()  # answered once the pop before it parked
+            with qstore.connect(address) as a:
+                checker = threading.Thread(target=a.check)
+                checker.start()
+                assert in_check.wait(30)
+                got = await asyncio.wait_for(waiter, 10)  # before: only after release
+                still = checker.is_alive()  # the check holds the store all along
+                release.set()
+                checker.join(30)
+            return got, still
+
+    with serving(str(tmp_path / "s"), durability=durability) as address:
+        got, still = asyncio.run(main(address))
+    assert got is None and still
+
+
+@pytest.mark.parametrize("durability", ["interval", "always"])
+def test_shutdown_answers_a_pop_that_parks_after_it_began(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, durability: str) -> None:
+    # A pop(wait) read before SIGTERM but held behind its connection's check parked
+    # after shutdown had answered the parked pops: nobody answered it, and its
+    # client got ConnectionLost (a review; docs/server.md "Shutdown").
+    in_check, release = threading.Event(), threading.Event()
+    real_check = _store.Store.check
+
+    def long_check(self: Any, *, repair: bool = False) -> Any:
+        with self.core.lock:
+            in_check.set()
+            assert release.wait(60)
+        return real_check(self, repair=repair)
+
+    monkeypatch.setattr(_store.Store, "check", long_check)
+    with serving_in(str(tmp_path / "s"), durability=durability) as (server, loop):
+        with qstore.connect(server.listening_on) as c:
+            c.create_queue("e")
+        s = raw_socket(server.listening_on)
+        s.sendall(frame({"qstore": 1}))
+        read_frames(s, 1)
+        s.sendall(frame([2, "check", {}])
+                  + frame([3, "pop", {"queue": "e", "lease": 30.0, "wait": 30.0}]))
+        assert in_check.wait(30)
+
+        async def stop() -> None:
+            stopping = asyncio.ensure_future(server.shutdown())
+            await asyncio.sleep(0)  # shutdown runs up to its first wait
+            release.set()  # the check ends; the pop behind it runs, finds nothing, parks
+            await stopping
+
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(60)
+        answers = frames_until_closed(s)
+        s.close()
+    assert [(a[0], a[1]) for a in answers] == [(2, 0), (3, 0)]
+    assert answers[1][2] is None  # the pop: nothing, at once
