@@ -491,10 +491,10 @@ class Client:
                      ttl: float | None = None, on_expire: str | None = None,
                      aging: float | None = None, aging_cap: int | None = None,
                      rate: tuple[int, float] | None = None) -> RemoteQueue:
-        info = self._link.call("create_queue", {
-            "name": name, "order": order, "priority_type": priority_type,
-            "max_attempts": max_attempts, "dedup": dedup, "exist_ok": exist_ok, "ttl": ttl,
-            "on_expire": on_expire, "aging": aging, "aging_cap": aging_cap, "rate": rate})
+        info = self._link.call("create_queue", base.create_queue_args(
+            name, order, priority_type, max_attempts, dedup, exist_ok,
+            {"ttl": ttl, "on_expire": on_expire, "aging": aging, "aging_cap": aging_cap,
+             "rate": rate}))
         return RemoteQueue(self._link, info)
 
     def configure_queue(self, name: str, **options: Unpack[QueueOptions]) -> RemoteQueue:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import _wire as wire
-from ._address import Address
+from ._address import Address, checked_path
 from ._batch import no_receipt, refuse_single_item
 from ._errors import InvalidArgument, PayloadTooLarge
 from ._message import Message
@@ -121,7 +121,9 @@ def snapshot_args(address: Address, dest: str) -> dict[str, Any]:
     """The ``snapshot`` request's arguments: ``dest`` is a path on the server's
     machine. Through a unix socket that is this machine, so a relative one is
     this process's; over TCP the server may be elsewhere, so it must be absolute."""
-    dest = os.fspath(dest)
+    if isinstance(dest, str) and not dest:  # abspath("") is the cwd: as embedded, refused
+        raise InvalidArgument("snapshot destination is empty")
+    dest = checked_path(dest, "snapshot destination")
     if os.path.isabs(dest):
         return {"dest": dest}
     if address.kind == "unix":
@@ -205,6 +207,17 @@ def queue_args(queue: str, args: dict[str, Any],
     # The answer may take the wait longer than the timeout (a wait over 1e9 s, 31
     # years, is allowed 1e9: a socket timeout has its bounds).
     return args, (min(wait, 1e9) if isinstance(wait, (int, float)) and wait >= 0 else 0.0)
+
+
+def create_queue_args(name: str, order: str, priority_type: str, max_attempts: int,
+                      dedup: bool, exist_ok: bool, options: dict[str, Any]) -> dict[str, Any]:
+    """The ``create_queue`` request: the queue options given (not None) only, so that
+    a server from before ``on_expire`` could be left out still takes the request
+    (it refused an ``on_expire`` of nil) and a new one compares only those."""
+    args = {"name": name, "order": order, "priority_type": priority_type,
+            "max_attempts": max_attempts, "dedup": dedup, "exist_ok": exist_ok}
+    args.update((k, v) for k, v in options.items() if v is not None)
+    return args
 
 
 def push_args(payload: bytes, priority: int | str | None, delay: float,

@@ -355,10 +355,10 @@ class AsyncClient:
                      ttl: float | None = None, on_expire: str | None = None,
                      aging: float | None = None, aging_cap: int | None = None,
                      rate: tuple[int, float] | None = None) -> AsyncQueue:
-        info = await self._link.call("create_queue", {
-            "name": name, "order": order, "priority_type": priority_type,
-            "max_attempts": max_attempts, "dedup": dedup, "exist_ok": exist_ok, "ttl": ttl,
-            "on_expire": on_expire, "aging": aging, "aging_cap": aging_cap, "rate": rate})
+        info = await self._link.call("create_queue", base.create_queue_args(
+            name, order, priority_type, max_attempts, dedup, exist_ok,
+            {"ttl": ttl, "on_expire": on_expire, "aging": aging, "aging_cap": aging_cap,
+             "rate": rate}))
         return AsyncQueue(self._link, info)
 
     async def configure_queue(self, name: str, **options: Unpack[QueueOptions]) -> AsyncQueue:

@@ -349,3 +349,17 @@ def test_bytes_like_payloads_and_keys_and_counts_past_any_store_are_taken_alike(
     assert q.dead_letters(10**30) == [] and q.redrive(10**30) == 0
     with pytest.raises(qstore.InvalidArgument):
         store.configure_queue(None, ttl=1.0)  # no name at all, as for queue(None)
+
+
+def test_a_snapshot_destination_that_is_no_path_is_refused(store: Any, tmp_path: Any,
+                                                           monkeypatch: Any) -> None:
+    # The clients missed the path check: snapshot(None) was a bare TypeError, and
+    # snapshot("") through a unix socket wrote the snapshot into the client's
+    # working directory (a review).
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    for dest in (None, "", 5):
+        with pytest.raises(qstore.InvalidArgument, match="snapshot destination"):
+            store.snapshot(dest)
+    assert list(cwd.iterdir()) == []
