@@ -303,17 +303,20 @@ def commit_job(store: Store, staging: str, loaded_digests: list[bytes] | None = 
                  fingerprint])))
         except BaseException:
             landed = _landed(store, marker)
-            if landed:  # committed, and something after it raised: the rows are in,
-                raise   # and the next job settles the marker (settle_loaded)
-            for path in published:  # not loaded: withdraw the rejects
-                os.unlink(path)
             if landed is False:
-                # And the moved segments, which nothing refers to: an open store (a
-                # server's) would not know them until its next open, keeping their
-                # disk space (on a full disk, what the failed load needs) while its
-                # check reported them as orphans. Left where the outcome is unknown
-                # (the database cannot be read): the next read-write open decides.
+                # Not loaded: withdraw the rejects, and the moved segments, which
+                # nothing refers to: an open store (a server's) would not know them
+                # until its next open, keeping their disk space (on a full disk,
+                # what the failed load needs) while its check reported them as
+                # orphans.
+                for path in published:
+                    os.unlink(path)
                 _withdraw_segments(payload_dir, job)
+            # Loaded (committed, and something after it raised): the rows are in, and
+            # the next job settles the marker (settle_loaded). Unknown (the database
+            # cannot be read): nothing is withdrawn; the rejects stay without
+            # _SUCCESS (marked) and the next read-write open deletes the segments if
+            # nothing refers to them.
             raise
         step("ingested")
     dest_dir = rejects_dir(store, job)
