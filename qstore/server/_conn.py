@@ -133,8 +133,11 @@ class Connection(asyncio.Protocol):
                     return
         except Exception as exc:  # protocol, auth: the server says why and closes
             self.owner.failed(self, exc)
-            self.owner.read_done(self)  # requests read before the bad frame: answered,
-            return                      # or settled unstarted if it closed the connection
+            # failed() closed the connection: the round settles the requests read
+            # before the bad frame unstarted (never run, never answered; the
+            # protocol doc says so), so nothing waits for them.
+            self.owner.read_done(self)
+            return
         if view is buf:
             del buf[:pos]
         elif pos < size:
