@@ -562,6 +562,7 @@ class Core(HotPaths):
         """Bring ``self.queues`` in line with the database, keeping the states that
         exist (queue handles share them); a state the database lacks is dropped."""
         found: set[str] = set()
+        firsts = self._first_dues()
         for key, value in self.meta.scan(keys.QUEUE, keys.prefix_end(keys.QUEUE)):
             rec = records.QueueRecord.decode(value)
             raw = self.meta.get(keys.counts_key(rec.qid))
@@ -579,11 +580,30 @@ class Core(HotPaths):
                 state.next_event_us = 0
             totals = self.meta.get(keys.totals_key(rec.qid))
             state.expired = records.decode_totals(totals) if totals else 0
-            self.set_options(state, rec)
-            self.refresh_next_event(state)
+            self.set_options(state, rec)  # (the floor is 0: every key counts)
+            state.next_event_us = min(state.aging_next_us, firsts.get(rec.qid, NO_EVENT_US))
             found.add(name)
         for name in set(self.queues) - found:
             self.queues.pop(name).deleted = True
+
+    def _first_dues(self) -> dict[int, int]:
+        """The earliest time in the delayed, in-flight and expiry indexes of each queue
+        that has keys there: one seek for each (index, such queue), not three seeks
+        for every queue (an open of 160,000 queues took 3.1 s, a scale audit)."""
+        out: dict[int, int] = {}
+        for kind in (keys.DELAYED, keys.INFLIGHT, keys.EXPIRY):
+            end = keys.prefix_end(kind)
+            key = self.meta.first_key(kind, end)
+            while key is not None:
+                if len(key) != keys.TIMED_KEY_SIZE:  # damage (the check names it): past it
+                    key = self.meta.first_key(key + b"\x00", end)
+                    continue
+                qid = keys.U32.unpack_from(key, 1)[0]
+                when = keys.timed_parts(key)[0]
+                if when < out.get(qid, NO_EVENT_US):
+                    out[qid] = when
+                key = self.meta.first_key(keys.prefix_end(keys.prefix(kind, qid)), end)
+        return out
 
     def _load_segments(self) -> dict[int, list[int]]:
         """What the S records say, with the pushes they defer added (_seg_accounts.py)."""

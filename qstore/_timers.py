@@ -138,15 +138,22 @@ def _timed(core: Core, q: QueueState, kind: bytes, now_us: int, limit: int) -> i
             q.cursors[kind] = lo
             return used
         due = core.meta.scan_keys(lo, hi, want)
+        scanned = len(due)
+        if due:
+            lo = due[-1] + b"\x00"
+            if any(len(k) != keys.TIMED_KEY_SIZE for k in due):
+                # Damage (qstore check names it, --repair deletes it): a key too short
+                # or too long names no message; stepped over, not a struct.error
+                # that stopped every pass of the queue.
+                due = [k for k in due if len(k) == keys.TIMED_KEY_SIZE]
         if due:
             if kind == keys.EXPIRY:
                 expire_records(core, q, [keys.trailing_id(k) for k in due],
                                core.records_of(q, due))
             else:
                 _requeue(core, q, due, now_us)
-            used += len(due)
-            lo = due[-1] + b"\x00"
-        if len(due) < want:
+        used += scanned
+        if scanned < want:
             q.cursors.pop(kind, None)
             return used
 

@@ -59,6 +59,7 @@ TOTALS = b"E"  # E qid:u32                           -> [1, expired]
 U32 = struct.Struct(">I")
 U64 = struct.Struct(">Q")
 U64x2 = struct.Struct(">QQ")
+TIMED_KEY_SIZE = 1 + 4 + 8 + 8  # a delayed, in-flight or expiry key: kind qid when_us id
 QID_ID = struct.Struct(">IQ")
 
 INT_MIN = -(2**63)
