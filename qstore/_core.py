@@ -41,7 +41,7 @@ from ._errors import (
 )
 from ._heads import ReadyHeads
 from ._hot import HotPaths
-from ._migrate import migrate_dedup
+from ._migrate import mark_current_format, migrate_dedup
 from ._rate import TokenBucket
 from ._reserve import SpaceReserve, free_bytes
 from ._seg_accounts import load_segments
@@ -414,10 +414,12 @@ class Core(HotPaths):
                 self._load()
                 self._redo_journal()
                 self.payload = self._open_payload()
-                if self.format != records.STORE_FORMAT:
+                if self.format == 1:
                     migrate_dedup(self.meta, self.payload,
                                   [q.qid for q in self.queues.values() if q.rec.dedup])
-                    self.format = records.STORE_FORMAT
+                elif self.format != records.STORE_FORMAT:
+                    mark_current_format(self.meta)  # 2 -> 3: the meaning, not the data
+                self.format = records.STORE_FORMAT
             except BaseException:
                 if hasattr(self, "payload"):
                     self.payload.close()

@@ -1,4 +1,7 @@
-"""Store format 1 -> 2: the dedup keys (docs/meta-schema.md, "Store formats").
+"""Store format migrations, 1 -> 3 and 2 -> 3 (docs/meta-schema.md, "Store formats").
+
+Format 2 -> 3 writes the format key alone (:func:`mark_current_format`). 1 -> 3
+moves the dedup keys:
 
 Format 1 hashed a push's payload as it was (``blake2b(body)``) and an explicit
 dedup key as ``blake2b(b"k" + key)``: a payload ``b"kfoo"`` and the key
@@ -6,7 +9,7 @@ dedup key as ``blake2b(b"k" + key)``: a payload ``b"kfoo"`` and the key
 letter kept its dedup key, so no push with that key could enqueue until the
 letter was purged or redriven. Format 2 hashes payloads with a personalised
 BLAKE2b (:func:`keys.payload_digest`; explicit keys are hashed as before) and
-a dead letter holds no ``k`` key (one that dies under format 2 keeps its
+a dead letter holds no ``k`` key (one that dies under format 3 keeps its
 digest in its record, for a redrive; one migrated here loses it).
 
 A read-write open of a format 1 store migrates it here before anything else
@@ -42,8 +45,23 @@ log = logging.getLogger("qstore")
 CHUNK = 1000  # messages per synced batch
 
 
+def mark_current_format(meta: MetaDB) -> None:
+    """Write the current store format (synced): the last step of every migration.
+
+    Format 2 to 3 is this step alone. Format 3 only gave an existing field a
+    meaning: a dead letter's record may keep its digest while it owns no ``k``
+    key (a redrive takes the key back). A format 2 build reads such a record as
+    owning the key, and its ack of a redriven letter deleted the key of a live
+    copy (a cross-version audit), so the number had to change for it to refuse
+    the store; the data is already right for format 3.
+    """
+    batch = new_batch()
+    batch.put(keys.FORMAT_KEY, records.pack([records.RECORD_VERSION, records.STORE_FORMAT]))
+    meta.write(batch, sync=True)
+
+
 def migrate_dedup(meta: MetaDB, payload: SegmentSet, dedup_qids: list[int]) -> int:
-    """Move the dedup keys of a format 1 store to format 2; the format key last.
+    """Move the dedup keys of a format 1 store to the current format; the format key last.
 
     Returns how many message records were rewritten.
     """
@@ -58,9 +76,7 @@ def migrate_dedup(meta: MetaDB, payload: SegmentSet, dedup_qids: list[int]) -> i
                 changed += _rewrite(meta, payload, qid, pending)
                 pending = []
         changed += _rewrite(meta, payload, qid, pending)
-    batch = new_batch()
-    batch.put(keys.FORMAT_KEY, records.pack([records.RECORD_VERSION, records.STORE_FORMAT]))
-    meta.write(batch, sync=True)
+    mark_current_format(meta)
     if changed:
         log.info("store format 1 -> %d: %d dedup record(s) rewritten", records.STORE_FORMAT,
                  changed)

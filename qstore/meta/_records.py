@@ -44,8 +44,8 @@ def set_aside(state: object, reason: object) -> bool:
 # Value of the M"format" key. 2: the dedup namespaces and dead letters without a
 # dedup key (qstore/_migrate.py). A read-write open migrates 1 to 2; a read-only
 # open reads both; any other value is refused.
-STORE_FORMAT = 2
-READABLE_FORMATS = (1, 2)
+STORE_FORMAT = 3
+READABLE_FORMATS = (1, 2, 3)
 
 # Message states (never change).
 READY = 0
@@ -79,8 +79,8 @@ def store_format(raw: bytes | None) -> int:
 
 
 def dead_letters_own_dedup_keys(store_format: int) -> bool:
-    """Format 1: a dead letter kept its ``k`` key. From format 2 it holds none (its
-    record may keep the digest, which a redrive takes the key back with)."""
+    """Format 1: a dead letter kept its ``k`` key. From format 2 it holds none; from
+    format 3 its record may keep the digest, which a redrive takes the key back with."""
     return store_format == 1
 
 

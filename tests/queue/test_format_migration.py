@@ -63,10 +63,10 @@ def test_a_format_1_store_opens_read_only_as_it_is_and_checks_clean(old_store: s
         assert [m.id for m in q.dead_letters()] == [4, 5]
 
 
-def test_a_read_write_open_migrates_to_format_2_and_dedup_keeps_working(old_store: str) -> None:
+def test_a_read_write_open_migrates_to_format_3_and_dedup_keeps_working(old_store: str) -> None:
     clock = Clock()
     with qstore.open(old_store, clock=clock, compactor=False) as store:
-        assert _format(store) == records.STORE_FORMAT == 2
+        assert _format(store) == records.STORE_FORMAT == 3
         assert store.check().ok
         q = store.queue("jobs")
         before = q.stats()
@@ -94,7 +94,7 @@ def test_a_read_write_open_migrates_to_format_2_and_dedup_keeps_working(old_stor
         assert store.queue("plain").pop().payload == b"alpha"  # type: ignore[union-attr]
         assert store.check().ok
     with qstore.open(old_store, clock=clock, compactor=False) as again:
-        assert _format(again) == 2 and again.check().ok
+        assert _format(again) == 3 and again.check().ok
         assert again.queue("jobs").push(b"alpha") == 1
 
 
@@ -118,7 +118,7 @@ def test_an_interrupted_migration_runs_again_and_changes_nothing_twice(
         assert _format(view) == 1  # the format key is written last
     monkeypatch.setattr(_migrate, "_rewrite", real)
     with qstore.open(old_store, clock=Clock(), compactor=False) as store:
-        assert _format(store) == 2 and store.check().ok
+        assert _format(store) == 3 and store.check().ok
         q = store.queue("jobs")
         assert q.push(b"alpha") == 1 and q.push(b"eps") == 6 and q.push(b"later") == 7
         assert q.push(b"gamma") > 8
@@ -129,9 +129,51 @@ def test_a_store_of_an_unknown_format_is_refused(tmp_path: Any, old_store: str) 
     shutil.copytree(old_store, dest)
     db = MetaDB(os.path.join(dest, "meta"), readonly=False, store_path=dest)
     batch = new_batch()
-    batch.put(keys.FORMAT_KEY, records.pack([records.RECORD_VERSION, 3]))
+    batch.put(keys.FORMAT_KEY, records.pack([records.RECORD_VERSION, 9]))
     db.write(batch, sync=True)
     db.close()
     for readonly in (False, True):
-        with pytest.raises(qstore.StorageError, match="unsupported store format 3"):
+        with pytest.raises(qstore.StorageError, match="unsupported store format 9"):
             qstore.open(dest, readonly=readonly)
+
+
+def _set_format(path: str, fmt: int) -> None:
+    meta = MetaDB(os.path.join(path, "meta"), readonly=False, store_path=path)
+    try:
+        batch = new_batch()
+        batch.put(keys.FORMAT_KEY, records.pack([records.RECORD_VERSION, fmt]))
+        meta.write(batch, sync=True)
+    finally:
+        meta.close()
+
+
+def test_a_format_2_store_moves_to_3_by_its_format_key_and_a_format_2_build_refuses_it(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    # Format 3 gave a dead letter's kept digest its meaning; a format 2 build read
+    # it as owning the k key and its ack of a redriven letter deleted a live copy's
+    # key (a cross-version audit). A format 2 store needs no rewrite, only the
+    # number; a build that reads 1 and 2 refuses 3.
+    path = str(tmp_path / "s")
+    with qstore.open(path, compactor=False) as store:
+        q = store.create_queue("d", dedup=True, max_attempts=1)
+        first = q.push(b"P")
+        q.nack(q.pop())  # a dead letter keeping its digest
+        second = q.push(b"P")  # the letter holds no key: a new live copy
+        assert second != first
+    _set_format(path, 2)
+    with qstore.open(path, readonly=True) as view:
+        assert _format(view) == 2 and view.check().ok  # read as it is
+    with qstore.open(path, compactor=False) as store:
+        assert _format(store) == 3 and store.check().ok
+        q = store.queue("d")
+        assert q.push(b"P") == second
+        assert q.redrive() == 1  # the letter is ready again, without the key (held)
+        popped = q.pop()
+        assert popped is not None and popped.id == first  # the older pops first
+        q.ack(popped)  # a format 2 build deleted the live copy's key here
+        assert q.push(b"P") == second and store.check().ok
+    monkeypatch.setattr(records, "READABLE_FORMATS", (1, 2))  # a format 2 build
+    with pytest.raises(qstore.StorageError, match="unsupported store format 3"):
+        qstore.open(path, compactor=False)
+    with pytest.raises(qstore.StorageError, match="unsupported store format 3"):
+        qstore.open(path, readonly=True)
