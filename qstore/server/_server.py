@@ -62,6 +62,10 @@ log = logging.getLogger("qstore.server")
 
 RELEASE_SLICE = 500  # leases of a closed connection given back per store call
 SLOW_OPS = frozenset({"compact", "snapshot", "check", "backfill"})
+# Named in the handshake: protocol version 1 gained ops over time (cancel, check,
+# backfill), and a client could not tell which a server takes (a cross-version
+# audit: a cancel sent to an older server was refused, its pop left waiting).
+SERVED_OPS = sorted(wire.QUEUE_OPS | wire.STORE_OPS | {"cancel"})
 _POPS = frozenset({"pop", "pop_many"})
 # Descriptors a server keeps besides its connections and the store's segments:
 # RocksDB's table and log files, its listening socket, the process's own.
@@ -315,7 +319,8 @@ class Server:
         conn.keep_leases = hello.get("keep_leases", False)
         conn.write(wire.pack({"qstore": wire.PROTOCOL_VERSION, "server": __version__,
                               "max_frame": self.limits.max_frame,
-                              "max_payload": self.store.config.max_payload_bytes}))
+                              "max_payload": self.store.config.max_payload_bytes,
+                              "ops": SERVED_OPS}))
 
     def request(self, conn: Connection, body: bytes) -> None:
         req = wire.unpack(body)

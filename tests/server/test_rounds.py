@@ -10,7 +10,7 @@ import pytest
 import qstore
 import qstore.aio
 
-from ._support import ServerProcess
+from ._support import ServerProcess, frame, raw_socket, read_frames
 
 
 def test_pipelined_pops_share_the_messages_in_pop_order(server: ServerProcess) -> None:
@@ -191,3 +191,23 @@ def test_a_cancel_finds_a_pop_whose_last_try_is_running() -> None:
     assert waiting.find(conn, 7) is w
     w.done = True
     assert waiting.find(conn, 7) is None
+
+
+def test_the_handshake_names_every_operation_the_server_takes(server: ServerProcess) -> None:
+    # Protocol version 1 gained ops over time; a client could not tell which a
+    # server takes (a cross-version audit). Each op named is one it knows.
+    s = raw_socket(server.address)
+    try:
+        s.sendall(frame({"qstore": 1}))
+        (hello,) = read_frames(s, 1)
+        ops = hello["ops"]
+        assert ops == sorted(ops) and {"cancel", "check", "backfill", "pop", "ping"} <= set(ops)
+        tried = [op for op in ops if op != "backfill"]  # (no Spark run in this test)
+        s.sendall(b"".join(frame([i + 1, op, {}]) for i, op in enumerate(tried)))
+        answers = read_frames(s, len(tried))
+        s.sendall(frame([len(tried) + 1, "made-up", {}]))
+        (unknown,) = read_frames(s, 1)
+    finally:
+        s.close()
+    assert [a for a in answers if a[1] == 1 and "unknown operation" in a[2][1]] == []
+    assert unknown[1] == 1 and "unknown operation" in unknown[2][1]
