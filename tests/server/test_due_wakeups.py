@@ -284,13 +284,10 @@ def test_a_request_looks_only_at_the_due_times_of_the_queues_it_names(
         asyncio.run(main(address))
 
 
-def test_a_check_holding_the_writer_lock_leaves_the_event_loop_to_others(
-        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    # check() holds the writer lock throughout (about 15 s a million messages). A
-    # request run inline on the event loop (durability interval) then waited for
-    # the lock there, so no other client got even a ping answered until the check
-    # ended (a security audit: 2.2 s stalls in a 2.7 s check).
-    in_check, release, pushing = threading.Event(), threading.Event(), threading.Event()
+def held_check(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make ``Store.check`` hold the writer lock until the second event is set (the
+    first is set once it holds it): a check of a big store, on demand."""
+    in_check, release = threading.Event(), threading.Event()
     real_check = _store.Store.check
 
     def long_check(self: Any, *, repair: bool = False) -> Any:
@@ -299,6 +296,18 @@ def test_a_check_holding_the_writer_lock_leaves_the_event_loop_to_others(
             assert release.wait(60)
         return real_check(self, repair=repair)
 
+    monkeypatch.setattr(_store.Store, "check", long_check)
+    return in_check, release
+
+
+def test_a_check_holding_the_writer_lock_leaves_the_event_loop_to_others(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # check() holds the writer lock throughout (about 15 s a million messages). A
+    # request run inline on the event loop (durability interval) then waited for
+    # the lock there, so no other client got even a ping answered until the check
+    # ended (a security audit: 2.2 s stalls in a 2.7 s check).
+    in_check, release = held_check(monkeypatch)
+    pushing = threading.Event()
     real_op = _server.queue_op
 
     def noticed(store: Any, leases: Any, op: str, args: dict[str, Any], **kw: Any) -> Any:
@@ -306,7 +315,6 @@ def test_a_check_holding_the_writer_lock_leaves_the_event_loop_to_others(
             pushing.set()  # then it waits for the writer lock
         return real_op(store, leases, op, args, **kw)
 
-    monkeypatch.setattr(_store.Store, "check", long_check)
     monkeypatch.setattr(_server, "queue_op", noticed)
     with serving(str(tmp_path / "s")) as address, qstore.connect(address) as a, \
             qstore.connect(address) as b:
@@ -336,16 +344,7 @@ def test_a_parked_pop_ends_at_its_deadline_while_a_check_holds_the_store(
     # check: the answer came when the check ended, past the client's timeout,
     # which dropped its connection and every lease on it (a review). Behind a
     # held writer lock it is answered empty at its deadline, as before.
-    in_check, release = threading.Event(), threading.Event()
-    real_check = _store.Store.check
-
-    def long_check(self: Any, *, repair: bool = False) -> Any:
-        with self.core.lock:
-            in_check.set()
-            assert release.wait(60)
-        return real_check(self, repair=repair)
-
-    monkeypatch.setattr(_store.Store, "check", long_check)
+    in_check, release = held_check(monkeypatch)
 
     async def main(address: str) -> tuple[Any, bool]:
         async with qstore.aio.connect(address) as b:
@@ -373,16 +372,7 @@ def test_shutdown_answers_a_pop_that_parks_after_it_began(
     # A pop(wait) read before SIGTERM but held behind its connection's check parked
     # after shutdown had answered the parked pops: nobody answered it, and its
     # client got ConnectionLost (a review; docs/server.md "Shutdown").
-    in_check, release = threading.Event(), threading.Event()
-    real_check = _store.Store.check
-
-    def long_check(self: Any, *, repair: bool = False) -> Any:
-        with self.core.lock:
-            in_check.set()
-            assert release.wait(60)
-        return real_check(self, repair=repair)
-
-    monkeypatch.setattr(_store.Store, "check", long_check)
+    in_check, release = held_check(monkeypatch)
     with serving_in(str(tmp_path / "s"), durability=durability) as (server, loop):
         with qstore.connect(server.listening_on) as c:
             c.create_queue("e")
