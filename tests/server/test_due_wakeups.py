@@ -122,20 +122,30 @@ def test_an_autojump_clock_jumps_to_the_next_rate_token(tmp_path: Any) -> None:
         assert 1 / 3 <= clock.now - start < 1 / 3 + 1e-3  # the token's time, not the deadline
 
 
+def _waiting_pop(address: str, queue: str, wait: float) -> tuple[threading.Thread, list[Any]]:
+    """A ``pop(wait=...)`` on a connection of its own, in a thread; the list gets
+    what it returned, or the qstore error it raised."""
+    got: list[Any] = []
+
+    def pop() -> None:
+        with qstore.connect(address) as other:
+            try:
+                got.append(other.queue(queue).pop(wait=wait))
+            except qstore.QStoreError as exc:
+                got.append(exc)
+
+    waiter = threading.Thread(target=pop, daemon=True)
+    waiter.start()
+    return waiter, got
+
+
 def test_a_parked_pop_ends_when_a_hand_moved_clock_passes_its_deadline(
         tmp_path: Any) -> None:
     clock = FakeClock()
     with serving(str(tmp_path / "s"), sweep_interval=SWEEP, clock=clock) as address, \
             qstore.connect(address) as client:
         client.create_queue("empty")
-        got: list[Any] = []
-
-        def pop() -> None:
-            with qstore.connect(address) as other:
-                got.append(other.queue("empty").pop(wait=10.0))
-
-        waiter = threading.Thread(target=pop)
-        waiter.start()
+        waiter, got = _waiting_pop(address, "empty", 10.0)
         wait_blocks(clock, 1)  # parked: the server asked the clock how long to wait
         clock.advance(9.0)
         # A request after the move is answered only once the move was handled
@@ -158,14 +168,7 @@ def test_a_parked_pop_whose_deadline_passes_as_its_message_falls_due_gets_it(
     with serving(str(tmp_path / "s"), sweep_interval=SWEEP, clock=clock,
                  durability=durability) as address, qstore.connect(address) as client:
         client.create_queue("d").push(b"tomorrow", delay=86_400.0)
-        got: list[Any] = []
-
-        def pop() -> None:
-            with qstore.connect(address) as other:
-                got.append(other.queue("d").pop(wait=10.0))
-
-        waiter = threading.Thread(target=pop)
-        waiter.start()
+        waiter, got = _waiting_pop(address, "d", 10.0)
         wait_blocks(clock, 1)  # parked
         clock.advance(86_400.0)
         waiter.join(30)
@@ -179,17 +182,7 @@ def test_a_parked_pop_raises_queue_not_found_when_its_queue_is_deleted(
     with serving(str(tmp_path / "s"), sweep_interval=SWEEP, clock=clock) as address, \
             qstore.connect(address) as client:
         client.create_queue("d")
-        got: list[Any] = []
-
-        def pop() -> None:
-            with qstore.connect(address) as other:
-                try:
-                    got.append(other.queue("d").pop(wait=10.0))
-                except qstore.QueueNotFound as exc:
-                    got.append(exc)
-
-        waiter = threading.Thread(target=pop, daemon=True)
-        waiter.start()
+        waiter, got = _waiting_pop(address, "d", 10.0)
         wait_blocks(clock, 1)  # parked
         client.delete_queue("d")
         waiter.join(30)
