@@ -154,6 +154,7 @@ class Server:
         self._waiting = WaitingPops(limits.max_waiting)
         self._listening = False
         self._stopping = False  # shutdown() began
+        self._checking = 0  # checks running (each holds the writer lock throughout)
         self._wake_pending = False
         self._round_running = False  # a retry round of parked pops is in the store thread
         self._again = False  # a wake came while it ran: run another round after it
@@ -610,6 +611,15 @@ class Server:
         self._answer(conn, rid, op, args, started, fut.result())
 
     async def _run_slow(self, op: str, args: dict[str, Any]) -> Any:
+        if op != "check":
+            return await self._run_slow_now(op, args)
+        self._checking += 1
+        try:
+            return await self._run_slow_now(op, args)
+        finally:
+            self._checking -= 1
+
+    async def _run_slow_now(self, op: str, args: dict[str, Any]) -> Any:
         if not self._inline:  # after every call the store thread was given before it
             await self._submit(_nothing)
         elif op == "check" and isinstance(self._thread, InlineStore):
@@ -751,6 +761,12 @@ class Server:
         until the sweeper's next pass, and a ``pop(wait=3)`` answered empty
         with the message ready (a time audit).
         """
+        if self._checking:
+            # A check holds the writer lock throughout: a try would wait behind it,
+            # as would every store call queued meanwhile (a review), and answer
+            # past its client's timeout. The wait is over: empty, now.
+            self._answer_empty(w)
+            return
         w.busy = w.expired = w.final = True
         store = self.store
         lock = store.core.lock

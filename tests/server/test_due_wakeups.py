@@ -336,22 +336,38 @@ def test_a_parked_pop_ends_at_its_deadline_while_a_check_holds_the_store(
     # The last try of a pop whose wait ran out queued behind another client's
     # check: the answer came when the check ended, past the client's timeout,
     # which dropped its connection and every lease on it (a review). Behind a
-    # held writer lock it is answered empty at its deadline, as before.
+    # held writer lock it is answered empty at its deadline, as before; also
+    # with another client's push waiting for the lock meanwhile (the try queued
+    # behind it: a second review).
     in_check, release = held_check(monkeypatch)
+    pushing = threading.Event()
+    real_op = _server.queue_op
+
+    def noticed(store: Any, leases: Any, op: str, args: dict[str, Any], **kw: Any) -> Any:
+        if op == "push":
+            pushing.set()  # then it waits for the writer lock
+        return real_op(store, leases, op, args, **kw)
+
+    monkeypatch.setattr(_server, "queue_op", noticed)
 
     async def main(address: str) -> tuple[Any, bool]:
         async with qstore.aio.connect(address) as b:
             q = await b.create_queue("w")
-            waiter = asyncio.ensure_future(q.pop(wait=0.3))
+            await b.create_queue("other")
+            waiter = asyncio.ensure_future(q.pop(wait=1.0))
             await b.ping()  # answered once the pop before it parked
-            with qstore.connect(address) as a:
+            with qstore.connect(address) as a, qstore.connect(address) as c:
                 checker = threading.Thread(target=a.check)
                 checker.start()
                 assert in_check.wait(30)
+                pusher = threading.Thread(target=lambda: c.queue("other").push(b"x"))
+                pusher.start()
+                assert pushing.wait(30)
                 got = await asyncio.wait_for(waiter, 10)  # before: only after release
                 still = checker.is_alive()  # the check holds the store all along
                 release.set()
                 checker.join(30)
+                pusher.join(30)
             return got, still
 
     with serving(str(tmp_path / "s"), durability=durability) as address:
