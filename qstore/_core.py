@@ -1282,7 +1282,10 @@ class Core(HotPaths):
         floor = keys.U64.pack(q.time_floor_us)
         for kind in (keys.DELAYED, keys.INFLIGHT, keys.EXPIRY):
             base = keys.prefix(kind, q.qid)
-            first = self.meta.first_key(base + floor, keys.prefix_end(base))
+            end = keys.prefix_end(base)
+            first = self.meta.first_key(base + floor, end)
+            while first is not None and len(first) != keys.TIMED_KEY_SIZE:  # damage: past it
+                first = self.meta.first_key(first + b"\x00", end)
             if first is not None:
                 earliest = min(earliest, keys.timed_parts(first)[0])
         q.next_event_us = earliest

@@ -215,3 +215,30 @@ def test_an_open_learns_each_queues_first_due_time_and_steps_over_a_short_key(
         clock.advance(21)
         got = store.queue("delayed").pop()
         assert got is not None and got.payload == b"d2"
+
+
+def test_a_truncated_timed_key_above_the_time_floor_is_stepped_over(
+        store_path: str, clock: FakeClock) -> None:
+    # After a pass, the next due time is looked up from the time floor on: a key
+    # of the delayed index cut short but still holding a future time sat there
+    # and made the pop that ran the pass raise a bare struct.error (a review).
+    with qstore.open(store_path, clock=clock, compactor=False) as store:
+        q = store.create_queue("q")
+        q.push_many([b"a", b"b"])
+        qid = store.core.queues["q"].qid
+    meta = MetaDB(os.path.join(store_path, "meta"), readonly=False, store_path=store_path)
+    try:
+        batch = qstore.meta.new_batch()
+        batch.put(keys.prefix(keys.DELAYED, qid) + keys.U64.pack(keys.to_us(clock.now + 86400))
+                  + b"\x00\x00\x00\x01", b"")  # an id of 4 bytes, not 8
+        meta.write(batch, sync=True)
+    finally:
+        meta.close()
+    with qstore.open(store_path, clock=clock, compactor=False) as store:
+        q = store.queue("q")
+        first = q.pop(lease=5)
+        assert first is not None
+        clock.advance(6)  # its lease ran out: the pop's pass requeues it
+        again = q.pop(lease=5)
+        assert again is not None and again.id == first.id and again.attempts == 2
+        assert [f.kind for f in store.check().findings] == ["stray_index_key"]
