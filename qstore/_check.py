@@ -183,7 +183,7 @@ class Check:
         self._pending: list[tuple[bytes, bytes | None, str, int, str]] = []
         # Format 1 dead letters keep their dedup key; from format 2 they hold none.
         self.dead_keep_dedup = records.dead_letters_own_dedup_keys(
-            records.store_format(meta.get(keys.FORMAT_KEY)))
+            records.readable_store_format(meta.get(keys.FORMAT_KEY), meta.path))
         # What a repair (_repair.py) needs, beyond the findings:
         # messages with damaged payloads not yet set aside: (qid, id, reason)
         self.damaged: list[tuple[int, int, str]] = []

@@ -772,3 +772,13 @@ def test_a_negative_expired_total_is_a_counter_mismatch(damaged: tuple[str, dict
     report = check_path(path)
     assert kinds(report) == [("counter_mismatch", "a", None, None)]
     assert report.findings[0].detail == "E record: expired -1 < 0"
+
+
+def test_a_store_format_this_version_does_not_read_is_refused_not_checked(
+        damaged: tuple[str, dict[str, Any]]) -> None:
+    # The check read a format 9 store as its own and called it clean, exit 0,
+    # where an open refuses it (a review).
+    path, _ = damaged
+    write_meta(path, puts={keys.FORMAT_KEY: records.pack([records.RECORD_VERSION, 9])})
+    with pytest.raises(qstore.StorageError, match="unsupported store format 9"):
+        check_path(path)

@@ -42,8 +42,9 @@ def set_aside(state: object, reason: object) -> bool:
     letters because its payload is damaged (its damage is then a note, not a finding)."""
     return state == DEAD and isinstance(reason, str) and reason.startswith(DAMAGED_REASON)
 # Value of the M"format" key. 2: the dedup namespaces and dead letters without a
-# dedup key (qstore/_migrate.py). A read-write open migrates 1 to 2; a read-only
-# open reads both; any other value is refused.
+# dedup key; 3: a dead letter's record may keep its digest (qstore/_migrate.py). A
+# read-write open migrates 1 and 2 to 3; a read-only open reads all three; any
+# other value is refused (also by the check and the Spark audit).
 STORE_FORMAT = 3
 READABLE_FORMATS = (1, 2, 3)
 
@@ -76,6 +77,17 @@ def store_format(raw: bytes | None) -> int:
         return int(unpack(raw, "format")[1]) if raw else STORE_FORMAT
     except (StorageError, ValueError, TypeError, IndexError):
         return STORE_FORMAT
+
+
+def readable_store_format(raw: bytes | None, where: str) -> int:
+    """:func:`store_format`, refusing one this version does not read, as an open
+    does: the check and the audit read a format 9 snapshot as if it were theirs
+    and called it clean (a review)."""
+    fmt = store_format(raw)
+    if fmt not in READABLE_FORMATS:
+        raise StorageError(f"unsupported store format {fmt!r} in {where} "
+                           f"(this version reads {READABLE_FORMATS})")
+    return fmt
 
 
 def dead_letters_own_dedup_keys(store_format: int) -> bool:

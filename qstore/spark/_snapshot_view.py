@@ -100,7 +100,7 @@ class Snapshot:
             self.covered = covered_ids(self.meta)
             # Format 1 dead letters own their k keys; later ones hold none.
             self.dead_keep_dedup = records.dead_letters_own_dedup_keys(
-                records.store_format(self.meta.get(keys.FORMAT_KEY)))
+                records.readable_store_format(self.meta.get(keys.FORMAT_KEY), self.path))
             for key, value in self.meta.scan(keys.QUEUE, keys.prefix_end(keys.QUEUE)):
                 info = queue_info(key, value)
                 if isinstance(info, str):
