@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -41,6 +42,15 @@ def _options(q: Any) -> str:
 RICH_ROWS_MAX = 500
 
 
+def _printable(text: str) -> str:
+    """``text`` with control characters escaped: a newline in a queue name split
+    its row in two, and the second half read as a row of its own (a review)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
 def print_table(console: Console, title: str, columns: Sequence[tuple[str, bool]],
                 rows: Sequence[Sequence[str]]) -> None:
     """``rows`` under ``columns`` ((name, left-justified), ...): a rich table, or
@@ -53,15 +63,19 @@ def print_table(console: Console, title: str, columns: Sequence[tuple[str, bool]
             add_plain_row(table, *row)
         console.print(table)
         return
-    widths = [max(len(name), *(len(row[i]) for row in rows))
+    cells = [[_printable(c) for c in row] for row in rows]
+    widths = [max(cell_len(name), *(cell_len(row[i]) for row in cells))
               for i, (name, _) in enumerate(columns)]
 
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if left else c.rjust(w) for c, w, (_, left)
-                         in zip(cells, widths, columns, strict=True)).rstrip()
+    def line(row: Sequence[str]) -> str:
+        out = []
+        for c, w, (_, left) in zip(row, widths, columns, strict=True):
+            pad = " " * (w - cell_len(c))  # terminal cells: wide characters take two
+            out.append(c + pad if left else pad + c)
+        return "  ".join(out).rstrip()
 
     text = "\n".join([f"{title} ({len(rows):,})", line([n for n, _ in columns]),
-                      *(line(row) for row in rows)])
+                      *(line(row) for row in cells)])
     console.print(Text(text), soft_wrap=True)
 
 

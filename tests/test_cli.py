@@ -314,3 +314,25 @@ def test_stats_of_many_queues_prints_plain_aligned_columns(runner: CliRunner, st
     assert lines[at + 4].split()[0] == "zeta"
     # Aligned: the numbers end where their headers do (options, last, is not padded).
     assert len({len(lines[i].rsplit(None, 1)[0]) for i in range(at + 1, at + 5)}) == 1
+
+
+def test_plain_columns_escape_control_characters_and_count_wide_ones_as_two(
+        runner: CliRunner, store_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A newline in a queue name split its row, the rest reading as a row of its
+    # own; alignment counted characters, not terminal cells (a review).
+    from rich.cells import cell_len
+
+    from qstore import _tables
+
+    monkeypatch.setattr(_tables, "RICH_ROWS_MAX", 1)
+    with qstore.open(store_path, compactor=False) as store:
+        store.create_queue("a\nfake 9 9 9")
+        store.create_queue("队列队列").push(b"x")
+    r = runner.invoke(main, ["stats", store_path], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    at = lines.index("queues (2)")
+    rows = lines[at + 1:at + 4]
+    assert rows[1].startswith("a\\nfake 9 9 9 ") and rows[2].startswith("队列队列 ")
+    assert "fake" not in "".join(lines[at + 4:])  # no row of its own
+    assert len({cell_len(row.rsplit(None, 1)[0]) for row in rows}) == 1
