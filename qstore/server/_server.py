@@ -732,7 +732,8 @@ class Server:
             return
         withdrawn = found = False
         w = self._waiting.find(conn, target)  # one still to be answered
-        if w is not None:
+        if w is not None and not w.cancelled:
+            w.cancelled = True
             found = withdrawn = True
             if w.busy:  # answered by the retry round in progress: empty, unless
                 w.expired = w.final = True  # it got a message (given back, then)

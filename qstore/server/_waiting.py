@@ -42,6 +42,7 @@ class Waiter:
     busy: bool = False  # in a retry round now
     expired: bool = False  # its time ran out while busy
     final: bool = False  # the try under way is its last: empty if it gets nothing
+    cancelled: bool = False  # a cancel found it (a second one answers false)
     done: bool = False
     started: float = field(default=0.0)
     deadline: float = 0.0  # an injected store clock's time at which it gives up
