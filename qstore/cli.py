@@ -371,7 +371,9 @@ def audit(snapshot_path: str, master: str | None, out_dir: str | None, quiet: bo
 
     Exit 0 clean, 1 findings, 2 bad usage (including a path that is not a
     snapshot), 3 the audit could not complete (the Spark run failed: an
-    unreachable master, a failed job); the message says why. Under
+    unreachable master, a failed job), 5 the snapshot cannot be read (a
+    store format this version does not read, damaged metadata), as for
+    check; the message says why. Under
     spark-submit (spark/audit.py), the session and master are spark-submit's.
     """
     from .spark.audit import EXIT_INCOMPLETE, run_audit
@@ -381,6 +383,9 @@ def audit(snapshot_path: str, master: str | None, out_dir: str | None, quiet: bo
     except errors.InvalidArgument as exc:
         _error(str(exc))
         sys.exit(errors.EXIT_USAGE)
+    except errors.QStoreError as exc:  # the snapshot, read before Spark starts: as check
+        _error(str(exc))
+        sys.exit(exit_code(exc))
     except Exception as exc:  # reported, not swallowed: the code says the audit failed
         _error(f"the audit could not complete: {exc}")
         sys.exit(EXIT_INCOMPLETE)

@@ -225,6 +225,23 @@ def test_audit_command_exit_codes_for_bad_usage(tmp_path: Any) -> None:
     assert bad.exit_code == 2 and "no MANIFEST.json" in bad.output
 
 
+def test_audit_of_a_snapshot_in_a_store_format_it_does_not_read_exits_5(tmp_path: Any) -> None:
+    # It read a format 9 snapshot as its own (a review); refused before Spark, it
+    # exits 5 as check does, not 3 ("the audit could not complete").
+    with qstore.open(str(tmp_path / "store"), compactor=False) as store:
+        store.create_queue("q").push(b"x")
+        snap = store.snapshot(str(tmp_path / "snap"))
+    db = MetaDB(os.path.join(snap, "meta"), readonly=False, store_path=snap)
+    batch = new_batch()
+    batch.put(keys.FORMAT_KEY, records.pack([records.RECORD_VERSION, 9]))
+    db.write(batch, sync=True)
+    db.close()
+    r = CliRunner().invoke(qstore_cli, ["audit", snap])
+    assert r.exit_code == 5 and "unsupported store format 9" in r.output
+    r = CliRunner().invoke(qstore_cli, ["check", snap])
+    assert r.exit_code == 5 and "unsupported store format 9" in r.output
+
+
 def test_the_spark_submit_entry_point_runs_the_qstore_audit_command(tmp_path: Any) -> None:
     entry = [sys.executable, str(ROOT / "spark" / "audit.py")]
     run = subprocess.run([*entry, "--help"], capture_output=True, text=True, timeout=60)
