@@ -513,6 +513,7 @@ class Core(HotPaths):
         # Only the segment that was active may have lost unsynced bytes; any other
         # one was fsynced when sealed, and bytes missing from it are damage.
         self._active_at_crash = None if synced is None else sfid
+        self.synced_segment = self._active_at_crash  # what a view reports as active
         self._durable_at_crash = 0 if synced is None else soff  # in that segment
         self._synced_mark: tuple[int, int] | None = None
         self._hints = hints

@@ -249,7 +249,10 @@ class Store:
             queues = tuple(Queue(core, q).stats() for q in
                            sorted(core.queues.values(), key=lambda s: s.name))
             payload = core.payload
-            active = payload.active_id
+            # A view appends nowhere: the writer's active segment is the one its
+            # last sync named (M synced; a clean close writes it too). Views said
+            # no segment was active where the server said one was (an audit).
+            active = payload.active_id if not core.readonly else core.synced_segment
             segs = []
             for fid in payload.file_ids():
                 live = core.segments.get(fid, [0, 0, 0])

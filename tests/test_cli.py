@@ -336,3 +336,16 @@ def test_plain_columns_escape_control_characters_and_count_wide_ones_as_two(
     assert rows[1].startswith("a\\nfake 9 9 9 ") and rows[2].startswith("队列队列 ")
     assert "fake" not in "".join(lines[at + 4:])  # no row of its own
     assert len({cell_len(row.rsplit(None, 1)[0]) for row in rows}) == 1
+
+
+def test_stats_through_a_read_only_view_names_the_active_segment(runner: CliRunner,
+                                                                 store_path: str) -> None:
+    # A view appends nowhere, and said no segment was active, where the writer (and
+    # a server) name one (an operations audit): it names the one M synced names.
+    with qstore.open(store_path, compactor=False, segment_max_bytes=4096) as store:
+        store.create_queue("q").push_many([bytes(1500)] * 5)  # three segments
+        writer = [(s.file_id, s.active) for s in store.stats().segments]
+    r = runner.invoke(main, ["stats", store_path, "--json"])
+    assert r.exit_code == 0, r.output
+    viewed = [(s["file_id"], s["active"]) for s in json.loads(r.output)["segments"]]
+    assert viewed == writer and [a for _, a in viewed].count(True) == 1
