@@ -293,6 +293,21 @@ def held_check(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, thread
     return in_check, release
 
 
+def push_started(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """An event the server sets when it starts a push (which then waits for the
+    writer lock, while a check holds it)."""
+    pushing = threading.Event()
+    real_op = _server.queue_op
+
+    def noticed(store: Any, leases: Any, op: str, args: dict[str, Any], **kw: Any) -> Any:
+        if op == "push":
+            pushing.set()
+        return real_op(store, leases, op, args, **kw)
+
+    monkeypatch.setattr(_server, "queue_op", noticed)
+    return pushing
+
+
 def test_a_check_holding_the_writer_lock_leaves_the_event_loop_to_others(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # check() holds the writer lock throughout (about 15 s a million messages). A
@@ -300,15 +315,7 @@ def test_a_check_holding_the_writer_lock_leaves_the_event_loop_to_others(
     # the lock there, so no other client got even a ping answered until the check
     # ended (a security audit: 2.2 s stalls in a 2.7 s check).
     in_check, release = held_check(monkeypatch)
-    pushing = threading.Event()
-    real_op = _server.queue_op
-
-    def noticed(store: Any, leases: Any, op: str, args: dict[str, Any], **kw: Any) -> Any:
-        if op == "push":
-            pushing.set()  # then it waits for the writer lock
-        return real_op(store, leases, op, args, **kw)
-
-    monkeypatch.setattr(_server, "queue_op", noticed)
+    pushing = push_started(monkeypatch)
     with serving(str(tmp_path / "s")) as address, qstore.connect(address) as a, \
             qstore.connect(address) as b:
         q = b.create_queue("q")
@@ -340,15 +347,7 @@ def test_a_parked_pop_ends_at_its_deadline_while_a_check_holds_the_store(
     # with another client's push waiting for the lock meanwhile (the try queued
     # behind it: a second review).
     in_check, release = held_check(monkeypatch)
-    pushing = threading.Event()
-    real_op = _server.queue_op
-
-    def noticed(store: Any, leases: Any, op: str, args: dict[str, Any], **kw: Any) -> Any:
-        if op == "push":
-            pushing.set()  # then it waits for the writer lock
-        return real_op(store, leases, op, args, **kw)
-
-    monkeypatch.setattr(_server, "queue_op", noticed)
+    pushing = push_started(monkeypatch)
 
     async def main(address: str) -> tuple[Any, bool]:
         async with qstore.aio.connect(address) as b:
