@@ -749,6 +749,13 @@ class Server:
         if w.done:
             return
         if w.busy:
+            if self._checking:
+                # The round trying it may wait for the check's writer lock: the wait
+                # is over, so empty now (what that round gets for it goes back);
+                # answered after the check it was past its client's timeout (a
+                # stress test).
+                self._answer_empty(w)
+                return
             w.expired = True  # the round in progress answers it
             return
         self._last_try(w)
@@ -900,6 +907,11 @@ class Server:
         for w, ok, got in results:
             w.busy = False
             if w.done:
+                # Answered already (its connection closed, shutdown) while this try
+                # ran: what it leased goes back, or it stayed in flight for its whole
+                # lease in a table nobody gives back (a stress test, always mode).
+                if ok and got is not None and got != []:
+                    self._give_back(w.conn, got if w.op == "pop_many" else [got])
                 continue
             if not ok:
                 self._waiting.remove(w)

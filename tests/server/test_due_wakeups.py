@@ -20,7 +20,7 @@ import pytest
 import qstore
 import qstore.aio
 from qstore import _store
-from qstore.server import _server
+from qstore.server import _ops, _server
 
 from ..conftest import FakeClock, wait_blocks
 from ._support import frame, frames_until_closed, raw_socket, read_frames, serving, serving_in
@@ -402,3 +402,87 @@ def test_shutdown_answers_a_pop_that_parks_after_it_began(
         s.close()
     assert [(a[0], a[1]) for a in answers] == [(2, 0), (3, 0)]
     assert answers[1][2] is None  # the pop: nothing, at once
+
+
+def test_a_message_a_try_leases_for_a_closed_connection_goes_back(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A retry round (or a last try) still running in the store thread when its
+    # waiter's connection closed leased the message into that connection's lease
+    # table after the connection had given back its leases: it stayed in flight
+    # for its whole lease with no client holding it (a stress test). Only in
+    # "always" mode: otherwise a try runs on the event loop, which closes nothing
+    # meanwhile.
+    in_try, go, released = threading.Event(), threading.Event(), threading.Event()
+    real_op = _server.queue_op
+
+    def held_try(store: Any, leases: Any, op: str, args: dict[str, Any], **kw: Any) -> Any:
+        if kw.get("parked") and store.core.queues["q"].counts[0]:  # a ready message
+            in_try.set()
+            assert go.wait(30)  # until the waiting connection has ended
+        return real_op(store, leases, op, args, **kw)
+
+    real_forget = _ops.Leases.forget
+
+    def forget(self: Any) -> None:
+        real_forget(self)
+        released.set()  # the closed connection's leases are given back: none held
+
+    monkeypatch.setattr(_server, "queue_op", held_try)
+    monkeypatch.setattr(_ops.Leases, "forget", forget)
+    with serving(str(tmp_path / "s"), durability="always") as address, \
+            qstore.connect(address) as client:
+        q = client.create_queue("q")
+        s = raw_socket(address)
+        s.sendall(frame({"qstore": 1}))
+        read_frames(s, 1)
+        s.sendall(frame([1, "pop", {"queue": "q", "lease": 600.0, "wait": 30.0}]))
+        client.ping()  # (its request came after the pop's, on another connection)
+        pusher = threading.Thread(target=lambda: q.push(b"x"))
+        pusher.start()  # its ready signal starts a round for the parked pop
+        assert in_try.wait(30)
+        s.close()
+        assert released.wait(30)
+        go.set()
+        pusher.join(30)
+        for _ in range(200):  # the give-back is a store call after the round's answer
+            st = q.stats()
+            if st.in_flight == 0:
+                break
+        assert (st.ready, st.in_flight) == (1, 0)
+
+
+@pytest.mark.parametrize("durability", ["interval", "always"])
+def test_a_pop_whose_round_waits_behind_a_check_is_answered_at_its_deadline(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, durability: str) -> None:
+    # A message fell due while a check held the store: the retry round for the
+    # parked pop waited for the check's lock, and the pop, busy in that round,
+    # was answered only when the check ended, past its client's timeout (a stress
+    # test). It is answered empty at its deadline; the message the round then
+    # gets goes back.
+    in_check, release = held_check(monkeypatch)
+
+    async def main(address: str) -> tuple[Any, bool]:
+        async with qstore.aio.connect(address) as b:
+            q = await b.create_queue("w")
+            waiter = asyncio.ensure_future(q.pop(wait=1.0))
+            await b.ping()  # parked
+            await q.push(b"soon", delay=0.3)  # due while the check holds the store
+            with qstore.connect(address) as a:
+                checker = threading.Thread(target=a.check)
+                checker.start()
+                assert in_check.wait(30)
+                got = await asyncio.wait_for(waiter, 10)
+                still = checker.is_alive()
+                release.set()
+                checker.join(30)
+            return got, still
+
+    with serving(str(tmp_path / "s"), durability=durability) as address:
+        got, still = asyncio.run(main(address))
+        with qstore.connect(address) as c:
+            for _ in range(200):  # the give-back is a store call after the round
+                st = c.queue("w").stats()
+                if st.in_flight == 0:
+                    break
+    assert got is None and still
+    assert (st.ready, st.in_flight) == (1, 0)
