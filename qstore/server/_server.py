@@ -748,14 +748,14 @@ class Server:
     def _expire(self, w: Waiter) -> None:
         if w.done:
             return
+        if self._checking:
+            # A try (the last, or a round's already under way) would wait for the
+            # check's writer lock and answer past the client's timeout: the wait is
+            # over, so empty now; what a round gets for it meanwhile goes back (a
+            # review and a stress test).
+            self._answer_empty(w)
+            return
         if w.busy:
-            if self._checking:
-                # The round trying it may wait for the check's writer lock: the wait
-                # is over, so empty now (what that round gets for it goes back);
-                # answered after the check it was past its client's timeout (a
-                # stress test).
-                self._answer_empty(w)
-                return
             w.expired = True  # the round in progress answers it
             return
         self._last_try(w)
@@ -769,10 +769,7 @@ class Server:
         until the sweeper's next pass, and a ``pop(wait=3)`` answered empty
         with the message ready (a time audit).
         """
-        if self._checking:
-            # A check holds the writer lock throughout: a try would wait behind it,
-            # as would every store call queued meanwhile (a review), and answer
-            # past its client's timeout. The wait is over: empty, now.
+        if self._checking:  # (a round that ended empty hands its expired waiter here)
             self._answer_empty(w)
             return
         w.busy = w.expired = w.final = True
