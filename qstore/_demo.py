@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TimeE
 
 from ._demo_server import run_server_part
 from ._message import Message
+from ._options import StoreOptions
 from ._queue import Queue
 from ._store import Store, open_store
 from ._tables import print_stats
@@ -166,7 +167,8 @@ def run_demo(directory: str, *, fresh: bool = False, messages: int = 20_000,
     console.print(f"store: {store_dir}; {messages:,} messages, {PRODUCERS} producers, "
                   f"{CONSUMERS} consumers")
     ledger = Ledger()
-    opts = dict(segment_max_bytes=16 * 1024 * 1024, compactor=True, compact_interval=5.0)
+    opts: StoreOptions = {"segment_max_bytes": 16 * 1024 * 1024, "compactor": True,
+                          "compact_interval": 5.0}
     started = time.perf_counter()
     half = messages // 2
     results: list[bool] = []

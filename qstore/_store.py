@@ -24,7 +24,7 @@ from ._config import Config
 from ._core import Core
 from ._errors import InvalidArgument, QueueExists, QueueNotFound, StorageError
 from ._message import CompactionResult, SegmentStats, StoreStats
-from ._options import QueueOptions
+from ._options import QueueOptions, StoreOptions
 from ._queue import MAX_SECONDS, Queue
 from ._repair import repair as run_repair
 from ._retry_log import RetryLog
@@ -371,11 +371,11 @@ def _check_queue_name(name: object) -> None:
         raise InvalidArgument(f"queue name is over {MAX_QUEUE_NAME_BYTES} UTF-8 bytes")
 
 
-def open_store(path: str | os.PathLike[str], **options: Any) -> Store:
+def open_store(path: str | os.PathLike[str], **options: Unpack[StoreOptions]) -> Store:
     """Open (creating if needed) the store in directory ``path``.
 
     Options are those of :class:`qstore.Config`; an unknown one is an error.
     """
     path = checked_path(path, "store path")
-    config = Config.from_options(options)
+    config = Config.from_options(dict(options))
     return Store(path, config)

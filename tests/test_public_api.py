@@ -139,6 +139,51 @@ def test_the_package_ships_its_type_annotations() -> None:
     assert "py.typed" in project["tool"]["setuptools"]["package-data"]["qstore"]
 
 
+def test_open_options_type_is_config(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # StoreOptions (what a type checker sees of qstore.open's options) and Config
+    # (what the store checks at run time) must name the same options.
+    from qstore._options import StoreOptions
+
+    assert set(StoreOptions.__annotations__) == {f.name for f in dataclasses.fields(qstore.Config)}
+
+
+USER_PROGRAM = """
+import qstore
+
+with qstore.open("s", durability="always", sync_interval=0.1, clock=None) as store:
+    q = store.configure_queue("q", ttl=5.0)
+    reveal_type(q.pop())
+qstore.open("s", durabilty="always")
+qstore.open("s", durability="sometimes")
+qstore.open("s", compactor=1.5)
+store.configure_queue("q", tll=5)
+"""
+
+
+def test_a_type_checker_sees_the_options_of_open_and_configure_queue(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # qstore.open(**options) was Any to mypy, so a misspelled option or a wrong
+    # durability reached run time (an API audit). Run from the repository root so
+    # that mypy reads this source tree (an editable install is invisible to it).
+    import pathlib
+    import subprocess
+    import sys
+
+    program = tmp_path / "user.py"
+    program.write_text(USER_PROGRAM, encoding="utf-8")
+    root = pathlib.Path(qstore.__file__).parent.parent
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-error-summary", "--cache-dir",
+         str(tmp_path / "cache"), str(program)],
+        cwd=root, capture_output=True, text=True, timeout=240)
+    lines = [line.split(": ", 1)[1] for line in done.stdout.splitlines() if ": " in line]
+    assert 'note: Revealed type is "qstore._message.Message | None"' in lines, done.stdout
+    errors = [line for line in done.stdout.splitlines() if ": error: " in line]
+    flagged = sorted(int(line.split(":")[1]) for line in errors)
+    assert flagged == [7, 8, 9, 10], done.stdout  # the four wrong calls, nothing else
+    assert 'did you mean "durability"' in done.stdout
+    assert '"tll"' in done.stdout
+
+
 @pytest.mark.parametrize("path", [None, 5, b"/tmp/bytes-path", "", "nul\0byte"])
 def test_a_path_that_is_not_a_text_path_is_invalid_argument(tmp_path, path) -> None:  # type: ignore[no-untyped-def]
     # None was a TypeError from os.fspath, bytes met str paths later in another

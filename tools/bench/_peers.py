@@ -24,7 +24,10 @@ import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from qstore._config import Durability
 
 Handle = Any  # whatever pop returns and ack takes: opaque to the workloads
 Item = tuple[bytes, int]  # (payload, priority 0..9; higher pops first where supported)
@@ -77,7 +80,7 @@ class Peer(abc.ABC):
 class QstorePeer(Peer):
     native_batches = True
 
-    def __init__(self, path: str, durability: str) -> None:
+    def __init__(self, path: str, durability: Durability) -> None:
         import qstore
 
         self.store = qstore.open(path, durability=durability, compactor=False)
@@ -377,7 +380,7 @@ class PeerSpec:
             return None
 
 
-def _qstore(durability: str) -> Callable[[str, bool], Peer]:
+def _qstore(durability: Durability) -> Callable[[str, bool], Peer]:
     return lambda path, threaded: QstorePeer(path, durability)
 
 

@@ -20,7 +20,10 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from qstore._config import Durability
 
 from ._peers import Item
 from ._plan import KiB, MiB, Params
@@ -30,7 +33,7 @@ from ._workloads import make_items
 LEASE = 3600.0
 
 
-def _open(path: str, durability: str = "interval") -> Any:
+def _open(path: str, durability: Durability = "interval") -> Any:
     import qstore
 
     return qstore.open(path, durability=durability, compactor=False)
