@@ -42,8 +42,11 @@ STORE_OPS = frozenset({
 
 _packer = msgpack.Packer(use_bin_type=True)
 
-
 MAX_BODY = 2**32 - 1  # what the frame's uint32 length can say
+# A Packer keeps its buffer at the size of the largest value it packed: after a
+# body past this size, the next frames get a fresh one, so a process that sent
+# one 64 MiB payload does not hold 64 MiB more for the rest of its life.
+BIG_BODY = 1024 * 1024  # below MAX_BODY: past it only is MAX_BODY checked
 
 
 class FrameTooLarge(ValueError):
@@ -58,9 +61,28 @@ class FrameTooLarge(ValueError):
 def pack(value: Any) -> bytes:
     """One frame: length prefix and msgpack body (FrameTooLarge past MAX_BODY)."""
     body: bytes = _packer.pack(value)
+    if len(body) > BIG_BODY:
+        _big(body)
+    return LENGTH.pack(len(body)) + body
+
+
+def pack_parts(value: Any) -> list[bytes]:
+    """:func:`pack` for a writer that takes several buffers (``writelines``): a big
+    frame as its prefix and its body, so the body is not copied once more to
+    join them (a 64 MiB pop answer peaked at five times its size in the server)."""
+    body: bytes = _packer.pack(value)
+    if len(body) > BIG_BODY:
+        _big(body)
+        return [LENGTH.pack(len(body)), body]
+    return [LENGTH.pack(len(body)) + body]
+
+
+def _big(body: bytes) -> None:
+    """After a big body: a fresh packer (see BIG_BODY); FrameTooLarge past MAX_BODY."""
+    global _packer
+    _packer = msgpack.Packer(use_bin_type=True)
     if len(body) > MAX_BODY:
         raise FrameTooLarge(len(body))
-    return LENGTH.pack(len(body)) + body
 
 
 def unpack(body: bytes | memoryview) -> Any:

@@ -27,6 +27,7 @@ import struct
 from typing import Any, Protocol, cast
 
 from .._net_errors import ProtocolError
+from .._wire import BIG_BODY
 from ._ops import LeaseBook, Leases
 
 HELLO_MAX_FRAME = 64 * 1024  # the handshake is a small map: an unauthenticated peer buffers no more
@@ -41,8 +42,8 @@ STALL_MIN_BYTES = 64 * 1024
 class Owner(Protocol):
     """What a connection calls on its server."""
 
-    def hello(self, conn: Connection, body: bytes) -> None: ...
-    def request(self, conn: Connection, body: bytes) -> None: ...
+    def hello(self, conn: Connection, body: bytes | memoryview) -> None: ...
+    def request(self, conn: Connection, body: bytes | memoryview) -> None: ...
     def read_done(self, conn: Connection) -> None: ...
     def lost(self, conn: Connection) -> None: ...
     def writable(self, conn: Connection) -> None: ...
@@ -122,12 +123,14 @@ class Connection(asyncio.Protocol):
                 end = pos + 4 + n
                 if end > size:
                     break
-                body = bytes(view[pos + 4:end])
-                pos = end
-                if self.greeted:
-                    self.owner.request(self, body)
+                if view is buf:  # a frame that came in parts: read in place, not copied
+                    with memoryview(buf) as whole, whole[pos + 4:end] as part:
+                        self._frame(part)
+                elif self.greeted:  # the usual case: a whole frame in one read
+                    self.owner.request(self, data[pos + 4:end])
                 else:
-                    self.owner.hello(self, body)
+                    self.owner.hello(self, data[pos + 4:end])
+                pos = end
                 if self.closed:
                     self.owner.read_done(self)
                     return
@@ -150,6 +153,12 @@ class Connection(asyncio.Protocol):
             self._stall_timer = None
         if pos:
             self.owner.read_done(self)
+
+    def _frame(self, body: bytes | memoryview) -> None:
+        if self.greeted:
+            self.owner.request(self, body)
+        else:
+            self.owner.hello(self, body)
 
     def _timing(self) -> None:
         """A big frame is coming in: note when its last bytes came, and close the
@@ -238,6 +247,11 @@ class Connection(asyncio.Protocol):
         if not self.closed and self.transport is not None:
             self.transport.write(frame)
 
+    def write_parts(self, parts: list[bytes]) -> None:
+        """Send one frame in parts now (outside a round), not joined."""
+        if not self.closed and self.transport is not None:
+            self.transport.writelines(parts)
+
     @property
     def held(self) -> bool:
         """Its requests wait in the backlog (behind a slow op, or its answers)."""
@@ -253,11 +267,18 @@ class Connection(asyncio.Protocol):
         return waiting > ANSWERS_MAX
 
     def flush(self) -> None:
-        """Write the responses gathered during a round, in one write."""
-        self.out_bytes = 0
+        """Write the responses gathered during a round, in one write: joined, unless
+        they hold a big answer (``wire.pack_parts``), which the transport takes
+        as it is (uvloop writes the buffers without joining them)."""
+        size, self.out_bytes = self.out_bytes, 0
         out, self.out = self.out, []
         if out and not self.closed and self.transport is not None:
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            if len(out) == 1:
+                self.transport.write(out[0])
+            elif size > BIG_BODY:
+                self.transport.writelines(out)
+            else:
+                self.transport.write(b"".join(out))
 
     def close(self, last: bytes | None = None) -> None:
         """Send ``last`` (an error frame) after everything gathered, then close."""

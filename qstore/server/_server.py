@@ -310,7 +310,7 @@ class Server:
         if not conn.greeted and not conn.closed:
             conn.close()
 
-    def hello(self, conn: Connection, body: bytes) -> None:
+    def hello(self, conn: Connection, body: bytes | memoryview) -> None:
         hello = wire.unpack(body)
         self._check_hello(hello)
         if conn.hello_timer is not None:
@@ -323,7 +323,7 @@ class Server:
                               "max_payload": self.store.config.max_payload_bytes,
                               "ops": SERVED_OPS}))
 
-    def request(self, conn: Connection, body: bytes) -> None:
+    def request(self, conn: Connection, body: bytes | memoryview) -> None:
         req = wire.unpack(body)
         if not (type(req) is list and len(req) == 3 and type(req[0]) is int
                 and req[0] > 0 and type(req[1]) is str and type(req[2]) is dict):
@@ -458,6 +458,16 @@ class Server:
             conn.out_bytes += len(frame)
         else:
             conn.write(frame)
+
+    def _send_parts(self, conn: Connection, parts: list[bytes]) -> None:
+        """:meth:`_send` of one frame in parts (``wire.pack_parts``)."""
+        if self._in_round:
+            if not conn.out:
+                self._dirty.append(conn)
+            conn.out.extend(parts)
+            conn.out_bytes += sum(map(len, parts))
+        else:
+            conn.write_parts(parts)
 
     def writable(self, conn: Connection) -> None:
         """The transport wrote out what held ``conn``'s requests back: run them."""
@@ -649,7 +659,7 @@ class Server:
             self._park(conn, rid, op, args, started)
             return
         try:
-            frame = wire.pack([rid, wire.OK, result])
+            parts = wire.pack_parts([rid, wire.OK, result])
         except wire.FrameTooLarge as exc:
             # More than a frame can carry (a pop_many of many large messages past
             # 4 GiB): an error, and what it leased goes back now, attempts
@@ -663,7 +673,10 @@ class Server:
             return
         if self.metrics:  # counted before the answer: a client that reads it sees the count
             self.metrics.request(op, time.perf_counter() - started, True)
-        self._send(conn, frame)
+        if len(parts) == 1:
+            self._send(conn, parts[0])
+        else:  # a big answer: its body is not copied again to join the prefix
+            self._send_parts(conn, parts)
 
     def _give_back(self, conn: Connection, fields: list[Any]) -> None:
         """Nack the popped messages (wire fields) of an answer that cannot be sent."""

@@ -174,6 +174,7 @@ def test_an_answer_over_the_frame_format_is_an_error_and_its_messages_go_back(
     # error, the client waited out its timeout, and the messages stayed leased to
     # the connection (a limits audit). The bound is lowered here to test it.
     monkeypatch.setattr(_wire, "MAX_BODY", 64 * 1024)
+    monkeypatch.setattr(_wire, "BIG_BODY", 16 * 1024)  # checked past BIG_BODY only
     with serving(str(tmp_path / "s")) as address, qstore.connect(address, timeout=30) as c:
         q = c.create_queue("q")
         for _ in range(5):

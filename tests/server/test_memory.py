@@ -194,3 +194,70 @@ def test_answers_a_client_does_not_read_stay_bounded_and_come_in_order(tmp_path:
             s.close()
         assert [a[0] for a in got] == list(range(1, n + 1))  # every one, in order
         assert all(a[1] == 0 and len(a[2]) == peek for a in got)
+
+
+def _reset_peak(pid: int) -> int:
+    """Reset the process's peak RSS (VmHWM) to its RSS now; that RSS."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+    return _rss(pid)
+
+
+def _peak(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+# Past glibc's largest dynamic mmap threshold (32 MiB), so every buffer this big
+# is its own mapping, gone from the RSS as soon as it is freed.
+BIG = 48 * MiB
+
+
+def test_a_big_payload_costs_the_server_few_copies_of_it(tmp_path: Any) -> None:
+    # A 64 MiB push peaked at 3x its size in the server and a pop at 5x (a limits
+    # audit): the frame copied out of the read buffer, its length prefix joined to
+    # the answer's body. Now a push holds the frame and the payload (2x); a pop
+    # the payload, the packer's buffer and the answer, plus the segment's pages
+    # mapped in to read it (4x).
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs /proc/PID/clear_refs")
+    body = os.urandom(BIG)
+    with running(str(tmp_path / "s")) as srv, qstore.connect(srv.address) as client:
+        pid = srv.proc.pid
+        q = client.create_queue("big")
+        _works(srv.address)
+        base = _reset_peak(pid)
+        q.push(body)
+        push_peak = _peak(pid) - base
+        base = _reset_peak(pid)
+        m = q.pop()
+        pop_peak = _peak(pid) - base
+        assert m is not None and m.payload == body
+        q.ack(m)
+        assert push_peak < 2.5 * BIG, push_peak / BIG
+        assert pop_peak < 4.5 * BIG, pop_peak / BIG
+
+
+def test_packing_a_big_value_does_not_keep_its_size_for_good() -> None:
+    # msgpack's Packer keeps its buffer at the largest value it packed: a process
+    # that sent one 64 MiB payload held 64 MiB more for the rest of its life, the
+    # server after each big answer as much as a client after a big push.
+    from qstore import _wire as wire
+
+    before = _rss(os.getpid())
+    frame = wire.pack([1, "push", {"payload": b"\x01" * BIG}])
+    assert len(frame) > BIG
+    del frame
+    after_pack = _rss(os.getpid())
+    parts = wire.pack_parts([1, wire.OK, [b"\x02" * BIG]])
+    assert len(parts) == 2 and len(parts[0]) == 4 and len(parts[1]) > BIG  # not joined
+    assert struct.unpack(">I", parts[0])[0] == len(parts[1])
+    del parts
+    after_parts = _rss(os.getpid())
+    assert after_pack - before < 8 * MiB, (before, after_pack)
+    assert after_parts - before < 8 * MiB, (before, after_parts)
+    small = wire.pack_parts([1, wire.OK, None])
+    assert len(small) == 1 and small[0] == wire.pack([1, wire.OK, None])

@@ -45,12 +45,12 @@ class FloorOwner:
         self.inbox: list[tuple[Connection, Any]] = []
         self.due = False
 
-    def hello(self, conn: Connection, body: bytes) -> None:
+    def hello(self, conn: Connection, body: bytes | memoryview) -> None:
         conn.greeted = True
         conn.write(wire.pack({"qstore": wire.PROTOCOL_VERSION, "server": "floor",
                               "max_frame": conn.max_frame, "max_payload": conn.max_frame}))
 
-    def request(self, conn: Connection, body: bytes) -> None:
+    def request(self, conn: Connection, body: bytes | memoryview) -> None:
         self.inbox.append((conn, wire.unpack(body)))
         conn.started()
 
