@@ -95,10 +95,11 @@ def levels_gained(rec_q: records.QueueRecord, enqueued_at: float, now_us: int) -
     a = rec_q.aging
     assert a is not None
     waited = now_us / 1e6 - enqueued_at
-    gained = int(waited / a) if waited > 0 else 0
+    levels = waited / a if waited > 0 else 0.0  # inf for a tiny aging (5e-324 s)
     # More levels than the whole priority range cannot move a message further,
     # and must still encode (as u64) in its record: a tiny aging (1e-300 s)
-    # would otherwise gain numbers msgpack cannot hold.
+    # would otherwise gain numbers msgpack cannot hold, or int() could not make.
+    gained = MAX_LEVELS if levels >= MAX_LEVELS else int(levels)
     if gained < MAX_LEVELS:
         # The estimate may be one off either way (two roundings to microseconds).
         if level_due_us(enqueued_at, a, gained + 1) <= now_us:
@@ -136,6 +137,6 @@ def plan(rec_q: records.QueueRecord, recs: Sequence[records.MessageRecord],
             new = aged_priority(rec_q, rec.priority, rec.aged, gain)
             if new != rec.priority:
                 out.moves.append((i, new, gain))
-        if cap is None or gain < cap:
+        if (cap is None or gain < cap) and gain < MAX_LEVELS:  # else it gains no more
             out.next_us = min(out.next_us, level_due_us(rec.enqueued_at, a, gain + 1))
     return out

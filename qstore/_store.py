@@ -179,6 +179,8 @@ class Store:
                 timers.promote_all(core, state, now_us)  # what fell due since
             r = state.rec
             merged = {f: options.get(f, getattr(r, f)) for f in OPTION_NAMES}
+            if "aging_cap" not in options and not can_age(r.order, r.priority_type):
+                merged["aging_cap"] = None  # set before it was refused here; it never applied
             core.configure_queue(state, check_options(r.order, r.priority_type, merged))
             return Queue(core, state)
 
@@ -329,6 +331,10 @@ def _positive_seconds(value: object, what: str) -> float:
     return float(value)
 
 
+def can_age(order: str, priority_type: str) -> bool:
+    return priority_type == "int" and order != "fifo"
+
+
 def check_options(order: str, priority_type: str, options: dict[str, Any]) -> dict[str, Any]:
     """The queue options of contract section 10, validated and normalised."""
     ttl, on_expire, aging, cap, rate = (options[f] for f in OPTION_NAMES)
@@ -338,12 +344,15 @@ def check_options(order: str, priority_type: str, options: dict[str, Any]) -> di
         raise InvalidArgument(f"on_expire must be 'drop' or 'dead', not {on_expire!r}")
     if aging is not None:
         aging = _positive_seconds(aging, "aging")
-        if priority_type != "int" or order == "fifo":
+        if not can_age(order, priority_type):
             raise InvalidArgument("aging needs an int-priority queue of order 'max' or 'min'")
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int)
-                            or not 1 <= cap <= MAX_COUNT):
-        raise InvalidArgument(f"aging_cap must be an int in [1, {MAX_COUNT}] or None, "
-                              f"not {cap!r:.60}")
+    if cap is not None:
+        if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= MAX_COUNT:
+            raise InvalidArgument(f"aging_cap must be an int in [1, {MAX_COUNT}] or None, "
+                                  f"not {cap!r:.60}")
+        if not can_age(order, priority_type):  # it would be kept, and never apply
+            raise InvalidArgument("aging_cap needs an int-priority queue of order 'max' or "
+                                  "'min', as aging does")
     if rate is not None:
         if not isinstance(rate, (tuple, list)) or len(rate) != 2:
             raise InvalidArgument(f"rate must be a pair (n, per_seconds), not {rate!r}")

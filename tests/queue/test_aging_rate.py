@@ -56,18 +56,27 @@ def _starve(store: qstore.Store, clock: FakeClock, aging: float | None) -> int |
 
 
 @pytest.mark.parametrize("order", ["max", "min"])
-def test_a_tiny_aging_period_clamps_at_the_priority_range(store_path: str, order: str) -> None:
+@pytest.mark.parametrize("aging", [1e-300, 5e-324])
+def test_a_tiny_aging_period_clamps_at_the_priority_range(store_path: str, order: str,
+                                                          aging: float) -> None:
     # 1e-300 s a level: billions of billions of levels in a second. The levels a
     # message can gain stop at the span of int priorities, so its record still
     # encodes (an OverflowError on every pop, peek and stats before, also after
-    # a reopen), and the priority stops at the end of the range.
+    # a reopen), and the priority stops at the end of the range. 5e-324 s (the
+    # smallest float) made the levels an infinite float, which int() refused:
+    # every pop, peek, stats and configure_queue of the queue raised
+    # OverflowError for good (a configuration audit).
     clock = FakeClock()
     end = 2**63 - 1 if order == "max" else -(2**63)
     with qstore.open(store_path, clock=clock, compactor=False) as s:
-        q = s.create_queue("q", aging=1e-300, order=order)
+        q = s.create_queue("q", aging=aging, order=order)
         first, second = q.push(b"a", priority=0), q.push(b"b", priority=5)
         clock.advance(10)
         assert [(m.id, m.priority) for m in q.peek(2)] == [(first, end), (second, end)]
+        assert len(q) == 2 and s.stats().queues[0].ready == 2
+        # Nothing more to gain: no aging step is due any more, so the pass does
+        # not run again on every call.
+        assert s.core.queues["q"].next_event_us == 2**64
         assert_consistent(s, q)
     with qstore.open(store_path, clock=clock, compactor=False) as s:
         m = s.queue("q").pop()

@@ -280,6 +280,28 @@ def test_bad_ttls_are_rejected(store: qstore.Store) -> None:
         store.configure_queue("q", colour="red")
 
 
+@pytest.mark.parametrize("kind", [{"order": "fifo"}, {"priority_type": "str"}])
+def test_aging_cap_is_refused_where_aging_is(store: qstore.Store, kind: dict[str, Any]) -> None:
+    # It was accepted and kept on queues that can never age (a configuration audit).
+    with pytest.raises(qstore.InvalidArgument, match="aging_cap needs"):
+        store.create_queue("q", aging_cap=3, **kind)
+    assert store.queues() == []
+    q = store.create_queue("q", **kind)
+    with pytest.raises(qstore.InvalidArgument, match="aging_cap needs"):
+        store.configure_queue("q", aging_cap=3)
+    # A cap such a queue was given before this check does not block other options:
+    # it never applied, and goes.
+    core = store.core
+    with core.writing:
+        state = core.queues["q"]
+        old = {f: getattr(state.rec, f) for f in ("ttl", "on_expire", "aging", "aging_cap",
+                                                   "rate")}
+        core.configure_queue(state, {**old, "aging_cap": 3})
+    assert q.stats().aging_cap == 3
+    store.configure_queue("q", ttl=60)
+    assert (q.stats().ttl, q.stats().aging_cap) == (60, None)
+
+
 def test_options_persist_and_can_be_changed(store_path: str, clock: FakeClock) -> None:
     with qstore.open(store_path, clock=clock, compactor=False) as s:
         s.create_queue("q", ttl=30, on_expire="dead", aging=60, aging_cap=3, rate=(10, 1.5))
