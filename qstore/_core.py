@@ -1194,6 +1194,8 @@ class Core(HotPaths):
         txn.put(keys.queue_key(q.name), rec.encode())
         self.commit(txn)
         self.set_options(q, rec)
+        if self.waiters:  # a rate lifted or raised: pops waiting for a token may go now
+            self.ready.notify_all(q.name)
 
     def drop_queue(self, q: QueueState) -> None:
         """Delete a queue with every message in it, in one batch (writer lock held)."""

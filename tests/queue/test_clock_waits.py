@@ -59,6 +59,24 @@ def test_a_rate_limited_waiter_gets_its_message_when_the_clock_reaches_the_token
         assert not t.is_alive() and result["got"].payload == b"b"
 
 
+@pytest.mark.parametrize("new_rate", [None, (1000, 1.0)])
+def test_lifting_a_rate_limit_wakes_a_pop_waiting_for_a_token(store_path: str,
+                                                              new_rate: Any) -> None:
+    # The waiter slept until the old bucket's next token or its own deadline, with
+    # the message ready and no longer limited (a configuration audit): here an
+    # hour, with the clock never moved.
+    clock = FakeClock()
+    with qstore.open(store_path, clock=clock, compactor=False) as s:
+        q = s.create_queue("q", rate=(1, 3600.0))
+        q.push_many([b"a", b"b"])
+        assert q.pop() is not None  # the only token for an hour
+        t, result = _waiter(lambda: q.pop(wait=7200.0))
+        wait_blocks(clock, 1)
+        s.configure_queue("q", rate=new_rate)
+        t.join(30.0)
+        assert not t.is_alive() and result["got"].payload == b"b"
+
+
 def test_an_autojump_clock_decides_waits_at_once(store_path: str) -> None:
     clock = FakeClock(autojump=True)
     with qstore.open(store_path, clock=clock, compactor=False) as s:

@@ -486,3 +486,24 @@ def test_a_pop_whose_round_waits_behind_a_check_is_answered_at_its_deadline(
                     break
     assert got is None and still
     assert (st.ready, st.in_flight) == (1, 0)
+
+
+@pytest.mark.parametrize("new_rate", [None, (1000, 1.0)])
+def test_lifting_a_rate_limit_wakes_a_parked_pop_waiting_for_a_token(
+        tmp_path: Any, new_rate: Any) -> None:
+    # With rate=None the parked pop slept out its wait with the message ready and
+    # no longer limited (a configuration audit): its timer was set for the old
+    # bucket's next token, an hour away.
+    async def main(address: str) -> qstore.Message | None:
+        async with qstore.aio.connect(address) as a, qstore.aio.connect(address) as b:
+            qa = await a.create_queue("r", rate=(1, 3600.0))
+            await qa.push_many([b"a", b"b"])
+            assert await qa.pop() is not None  # the only token for an hour
+            waiter = asyncio.ensure_future(qa.pop(wait=SWEEP / 2))
+            await a.ping()  # answered after the pop before it on this connection parked
+            await b.configure_queue("r", rate=new_rate)
+            return await asyncio.wait_for(waiter, SWEEP)
+
+    with serving(str(tmp_path / "s"), sweep_interval=SWEEP) as address:
+        got = asyncio.run(main(address))
+    assert got is not None and got.payload == b"b"
