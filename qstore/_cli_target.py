@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ._address import SOCKET_NAME, unix_socket_answers
+from ._auth import read_token_file
 from ._client import Client, connect
 from ._lazy import lazy
 from ._net_errors import ConnectionLost
@@ -37,8 +38,7 @@ def read_token(token_file: str | None) -> str | None:
     """The token in ``token_file``, surrounding whitespace stripped (as ``qstore serve``)."""
     if token_file is None:
         return None
-    with open(token_file, encoding="utf-8") as f:
-        return f.read().strip()
+    return read_token_file(token_file)
 
 
 def server_answers(store_path: str) -> bool:

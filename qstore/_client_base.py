@@ -15,6 +15,7 @@ from typing import Any
 
 from . import _wire as wire
 from ._address import Address, checked_path
+from ._auth import check_tls, check_token
 from ._batch import no_receipt, refuse_single_item
 from ._errors import InvalidArgument, PayloadTooLarge
 from ._message import Message
@@ -30,6 +31,7 @@ class LinkSettings:
     def __init__(self, address: Address, token: str | None, timeout: float, keep_leases: bool,
                  ssl_context: ssl.SSLContext | None, server_hostname: str | None) -> None:
         check_settings(token, timeout, keep_leases)
+        check_tls(address, ssl_context)
         self.address = address
         self._token = token
         self.timeout = timeout
@@ -44,8 +46,8 @@ def check_settings(token: object, timeout: object, keep_leases: object) -> None:
     """``connect``'s arguments, refused as ``InvalidArgument`` (``timeout=None`` was a
     TypeError from deep in the link, ``-1`` a ValueError of the socket module,
     ``keep_leases="no"`` the server's ProtocolError; an API audit)."""
-    if token is not None and not isinstance(token, str):
-        raise InvalidArgument(f"token must be a str or None, not {type(token).__name__}")
+    if token is not None:
+        check_token(token, empty_ok=True)  # "" is sent as it is, as before
     if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
             or not 0 < timeout <= MAX_TIMEOUT):
         raise InvalidArgument(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}], "
@@ -141,6 +143,18 @@ def count(n: object) -> object:
     return COUNT_MAX if type(n) is int and n > COUNT_MAX else n
 
 
+def compact_args(threshold: object, max_bytes: object) -> dict[str, Any]:
+    """The ``compact`` request's arguments: those given; a ``max_bytes`` past what the
+    wire carries (2**64 and up, which the embedded store takes) sent as the most it
+    does, which no store reaches either."""
+    args: dict[str, Any] = {}
+    if threshold is not None:
+        args["threshold"] = threshold
+    if max_bytes is not None:
+        args["max_bytes"] = count(max_bytes)
+    return args
+
+
 def receipt_of(item: object) -> object:
     if isinstance(item, Message):
         if item.receipt is None:
@@ -176,8 +190,14 @@ def maybe_message(value: Any) -> Message | None:
 
 
 def client_tls(cafile: str | None) -> ssl.SSLContext:
-    """A client TLS context trusting ``cafile`` (or the system's CAs)."""
-    return ssl.create_default_context(cafile=cafile)
+    """A client TLS context trusting ``cafile`` (or the system's CAs); InvalidArgument
+    if ``cafile`` cannot be read as PEM certificates."""
+    if cafile is not None and not isinstance(cafile, (str, os.PathLike)):
+        raise InvalidArgument(f"cafile must be a path or None, not {cafile!r:.60}")
+    try:
+        return ssl.create_default_context(cafile=cafile)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        raise InvalidArgument(f"cafile {cafile}: cannot load CA certificates: {exc}") from None
 
 
 __all__ = ["AuthenticationFailed", "DEFAULT_TIMEOUT"]

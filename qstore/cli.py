@@ -608,7 +608,7 @@ def demo(directory: str, fresh: bool, messages: int, no_spark: bool) -> None:
               help="Serve Prometheus metrics on 127.0.0.1:PORT.")
 @click.option("--max-payload-bytes", type=click.IntRange(1), default=None,
               help="Largest message payload, bytes (default: the store's, 64 MiB).")
-@click.option("--max-frame", type=click.IntRange(1), default=None,
+@click.option("--max-frame", type=click.IntRange(1, 2**32 - 1), default=None,
               help="Largest frame accepted, bytes (default: the payload limit plus a "
                    "quarter, at least 1 MiB more: 80 MiB for 64 MiB payloads).")
 @click.option("--max-connections", type=click.IntRange(1), default=1024, show_default=True)
@@ -632,13 +632,11 @@ def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert:
     """
     if (tls_cert is None) != (tls_key is None):
         raise click.UsageError("give both --tls-cert and --tls-key, or neither")
-    token = None
-    if token_file is not None:
-        with open(token_file, encoding="utf-8") as f:
-            token = f.read().strip()
-        if not token:
-            raise click.UsageError(f"token file {token_file} is empty")
-    ctx = server.tls_context(tls_cert, tls_key) if tls_cert and tls_key else None
+    try:
+        token = read_token(token_file)
+        ctx = server.tls_context(tls_cert, tls_key) if tls_cert and tls_key else None
+    except errors.InvalidArgument as exc:
+        raise click.UsageError(str(exc)) from None
     try:
         loop_name = "asyncio" if server.loop_factory(loop) is None else "uvloop"
     except ValueError as exc:

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 
 from .._address import LOOPS, Address, parse_address
-from .._errors import QStoreError
+from .._errors import InvalidArgument, QStoreError
 from .._store import Store
 from ._metrics import Metrics
 from ._server import Limits, Server, default_max_frame
@@ -50,10 +50,15 @@ def loop_factory(loop: str = "auto") -> Callable[[], asyncio.AbstractEventLoop] 
 
 
 def tls_context(cert: str, key: str) -> ssl.SSLContext:
-    """A server TLS context from a PEM certificate (chain) and key."""
+    """A server TLS context from a PEM certificate (chain) and key; InvalidArgument,
+    naming them, if they cannot be loaded (a raw ssl.SSLError before)."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(cert, key)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        raise InvalidArgument(f"TLS certificate {cert} and key {key}: cannot load them as "
+                              f"PEM: {exc}") from None
     return ctx
 
 

@@ -39,6 +39,7 @@ from typing import Any
 from .. import __version__
 from .. import _wire as wire
 from .._address import Address, unix_socket_answers
+from .._auth import check_tls, check_token
 from .._errors import InvalidArgument, QStoreError
 from .._fs import FDS_PER_SEGMENT, make_room_for_files
 from .._net_errors import AuthenticationFailed, ProtocolError, ServerBusy
@@ -89,6 +90,9 @@ def _check_frame_room(max_frame: int, max_payload: int) -> None:
     """A push of a payload at the limit must fit in a frame: refused at start, not per
     push (a frame limit a few bytes above the payload limit made such a push fail
     with a message about batches; a limits audit)."""
+    if max_frame > wire.MAX_BODY:  # the frame's length is a u32
+        raise InvalidArgument(f"max_frame={max_frame} is over what a frame's length can "
+                              f"say, {wire.MAX_BODY}")
     if max_payload + REQUEST_ROOM > 2**32 - 1:
         raise InvalidArgument(
             f"max_payload_bytes={max_payload} is too large to serve: a request carrying such "
@@ -133,6 +137,9 @@ class Server:
         if address.kind == "tcp" and not address.is_loopback and not token:
             raise InvalidArgument(f"refusing to listen on {address} without a token: "
                                   "give --token-file (any non-loopback TCP address needs one)")
+        if token:
+            check_token(token)  # one a client could not send in its handshake is refused
+        check_tls(address, ssl_context)
         _check_frame_room((limits or Limits()).max_frame, store.config.max_payload_bytes)
         self.store = store
         self.address = address

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qstore
+import qstore.aio
 from qstore.cli import main
 
 from ._support import (
@@ -109,6 +110,57 @@ def test_commands_reach_a_tls_server_with_tls_and_cafile(tmp_path: Any) -> None:
 
 def _cli(*args: str) -> Any:
     return CliRunner().invoke(main, list(args))
+
+
+@pytest.mark.parametrize("case", ["token-not-utf8", "token-too-long", "cert-not-pem",
+                                  "tls-on-unix", "frame-over-u32"])
+def test_serve_refuses_settings_it_could_not_serve_with(tmp_path: Any, case: str) -> None:
+    # Each was a traceback (exit 1) or a server that started and then failed every
+    # client: a token longer than the 64 KiB handshake, a --max-frame msgpack could
+    # not put in the handshake answer, TLS on the default unix socket that no
+    # command could reach (a configuration audit). Now a usage error, and the store
+    # the command would have made is not left behind.
+    cert, key = _make_cert(tmp_path)
+    bad = tmp_path / "bad"
+    args: list[str] = []
+    if case == "token-not-utf8":
+        bad.write_bytes(b"\xff\xfe\x00abc")
+        args = ["--token-file", str(bad)]
+    elif case == "token-too-long":
+        bad.write_text("t" * 5000)
+        args = ["--token-file", str(bad)]
+    elif case == "cert-not-pem":
+        bad.write_text("not a pem\n")
+        args = ["--listen", "tcp://127.0.0.1:0", "--tls-cert", str(bad), "--tls-key", str(bad)]
+    elif case == "tls-on-unix":
+        args = ["--tls-cert", cert, "--tls-key", key]
+    else:
+        args = ["--max-frame", str(2**32)]
+    r = _cli("serve", str(tmp_path / "s"), *args)
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "s").exists()
+
+
+def test_clients_refuse_tls_and_token_settings_they_could_not_use(tmp_path: Any) -> None:
+    cert, _ = _make_cert(tmp_path)
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a pem\n")
+    for connect in (qstore.connect, qstore.aio.connect):
+        with pytest.raises(qstore.InvalidArgument, match="cannot load CA certificates"):
+            connect("tcp://127.0.0.1:1", cafile=str(bad))
+        with pytest.raises(qstore.InvalidArgument, match="cannot load CA certificates"):
+            connect("tcp://127.0.0.1:1", cafile=str(tmp_path / "missing.pem"))
+        with pytest.raises(qstore.InvalidArgument, match="TLS is for tcp://"):
+            connect(str(tmp_path / "s"), cafile=cert)  # a store path: its unix socket
+        with pytest.raises(qstore.InvalidArgument, match="4096"):
+            connect("tcp://127.0.0.1:1", token="t" * 4097)
+    token = tmp_path / "token"
+    token.write_bytes(b"\xff\xfe")
+    r = _cli("stats", "tcp://127.0.0.1:1", "--token-file", str(token))
+    assert r.exit_code == 2 and "UTF-8" in r.output, r.output
+    r = _cli("stats", "tcp://127.0.0.1:1", "--cafile", str(bad))
+    assert r.exit_code == 2 and "CA certificates" in r.output, r.output
 
 
 def _closed_with_error(s: socket.socket) -> Any:
