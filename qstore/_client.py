@@ -517,12 +517,8 @@ class Client:
     def compact(self, *, threshold: float | None = None,
                 max_bytes: int | None = None) -> CompactionResult:
         """One compaction pass in the server (no progress callback over the wire)."""
-        args: dict[str, Any] = {}
-        if threshold is not None:
-            args["threshold"] = threshold
-        if max_bytes is not None:
-            args["max_bytes"] = max_bytes
-        return wire.decode_compaction(self._link.call("compact", args, wait=3600.0))
+        return wire.decode_compaction(self._link.call(
+            "compact", base.compact_args(threshold, max_bytes), wait=3600.0))
 
     def snapshot(self, dest: str) -> str:
         """A snapshot taken by the server at ``dest`` (a path on the server's machine)."""

@@ -380,12 +380,8 @@ class AsyncClient:
 
     async def compact(self, *, threshold: float | None = None,
                       max_bytes: int | None = None) -> CompactionResult:
-        args: dict[str, Any] = {}
-        if threshold is not None:
-            args["threshold"] = threshold
-        if max_bytes is not None:
-            args["max_bytes"] = max_bytes
-        return wire.decode_compaction(await self._link.call("compact", args, wait=3600.0))
+        return wire.decode_compaction(await self._link.call(
+            "compact", base.compact_args(threshold, max_bytes), wait=3600.0))
 
     async def check(self, *, repair: bool = False) -> CheckReport:
         return wire.decode_check(await self._link.call("check", {"repair": repair},

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -232,8 +232,9 @@ def push(store_path: str, queue: str, payload: str | None, file_: Any, priority:
         raise click.UsageError("give exactly one of PAYLOAD or --file")
     body = payload.encode("utf-8") if payload is not None else file_.read()
     with _target(store_path, token_file, create=create) as store:
-        if create:
-            store.create_queue(queue, exist_ok=True)
+        if create:  # if missing: an existing queue is used as it is, whatever its options
+            with suppress(errors.QueueExists):
+                store.create_queue(queue)
         mid = store.queue(queue).push(body, priority=_parse_priority(store, queue, priority),
                                       delay=delay, ttl=ttl)
     click.echo(mid)

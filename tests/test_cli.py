@@ -29,6 +29,24 @@ def test_push_creates_queue_and_prints_the_id(runner: CliRunner, store_path: str
         assert store.queue("jobs").get(mid).priority == 7
 
 
+@pytest.mark.parametrize("options", [{"order": "fifo"}, {"priority_type": "str"},
+                                     {"max_attempts": 3}, {"dedup": True}])
+def test_push_create_uses_an_existing_queue_whatever_its_options(
+        runner: CliRunner, store_path: str, options: dict[str, object]) -> None:
+    # --create ("if missing") created with the default options and exit_ok=True, so
+    # a queue made otherwise was refused, exit 2 (a configuration audit).
+    with qstore.open(store_path, compactor=False) as store:
+        store.create_queue("q", **options)  # type: ignore[arg-type]
+    r = runner.invoke(main, ["push", store_path, "q", "hello", "--create"])
+    assert r.exit_code == 0, r.output
+    with qstore.open(store_path, compactor=False) as store:
+        q = store.queue("q")
+        assert q.get(int(r.output)).payload == b"hello"
+        assert (q.order, q.priority_type, q.max_attempts, q.dedup) == (
+            options.get("order", "max"), options.get("priority_type", "int"),
+            options.get("max_attempts", 5), options.get("dedup", False))
+
+
 def test_pop_takes_in_priority_order_and_exits_1_when_empty(runner: CliRunner,
                                                              store_path: str) -> None:
     for prio, body in ((1, "low"), (9, "high")):

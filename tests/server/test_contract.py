@@ -120,6 +120,10 @@ def test_store_methods(store: Any) -> None:
     assert (done.messages_moved, done.bytes_copied) == (1, 8 + 1)
     assert done.segments_read == done.segments_deleted == (done.sealed,)
     assert q.get(keep).payload == b"k"
+    # A bound past what the wire's ints carry means "no bound", as it does
+    # embedded (a client failed with "an argument cannot be sent").
+    again = store.compact(threshold=0.01, max_bytes=2**64)
+    assert again.messages_moved == 0 and q.get(keep).payload == b"k"
 
 
 @pytest.mark.parametrize("call", [
