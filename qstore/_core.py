@@ -40,7 +40,7 @@ from ._errors import (
     StoreLocked,
 )
 from ._heads import ReadyHeads
-from ._hot import HotPaths
+from ._hot import JOURNAL_FLUSH_BYTES, HotPaths
 from ._migrate import mark_current_format, migrate_dedup
 from ._rate import TokenBucket
 from ._reserve import SpaceReserve, free_bytes
@@ -153,10 +153,9 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
 POINT_DELETES = 4096
 
 # The payload journal (durability="always", _durability.py) is used only with
-# this much free space, and the memtable is flushed after this many journaled
-# bytes (see Core._journal_policy).
+# this much free space, and the memtable is flushed after JOURNAL_FLUSH_BYTES
+# journaled (see Core._journal_policy).
 JOURNAL_MIN_FREE = 128 * 1024 * 1024
-JOURNAL_FLUSH_BYTES = 32 * 1024 * 1024
 
 LOST_METADATA = "metadata is missing or empty next to existing payload segments"
 

@@ -73,6 +73,7 @@ class Syncer:
         self._cv = threading.Condition(self._cv_lock)
         self._dirty = False
         self._stop = threading.Event()
+        self._kick = threading.Event()  # wakes the thread before its interval ends
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.syncs = 0
@@ -168,8 +169,17 @@ class Syncer:
             self._thread = threading.Thread(target=self._loop, name="qstore-sync", daemon=True)
             self._thread.start()
 
+    def kick(self) -> None:
+        """Run the background step (always mode: the checkpoint) now, not at the end
+        of the interval: the journal grew large (see ``_hot.JOURNAL_FLUSH_BYTES``)."""
+        self._kick.set()
+
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
+        while True:
+            self._kick.wait(self._interval)
+            self._kick.clear()
+            if self._stop.is_set():
+                return
             if self.journal:
                 self.checkpoint()
             else:
@@ -213,6 +223,7 @@ class Syncer:
 
     def stop(self) -> None:
         self._stop.set()
+        self._kick.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None

@@ -19,12 +19,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from typing import Any
 
 import pytest
 
 import qstore
-from qstore import _core
+from qstore import _core, _hot
 from qstore._check import check_path
 from qstore._fs import calls
 from qstore._hot import JOURNAL_MAX_BYTES
@@ -81,6 +82,36 @@ def test_an_always_push_syncs_the_log_and_not_the_segment(
         assert _journal_keys(view) == []
         stats = view.queue("q").stats()
         assert (stats.ready, stats.delayed) == (7, 1)
+
+
+def test_a_large_journal_is_checkpointed_at_once_not_at_the_interval(
+        store_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The checkpoint ran only every sync_interval: with 600 s, 150 MB of bodies sat
+    # in the journal, a second copy in the metadata, for ten minutes (a
+    # configuration audit). Past JOURNAL_FLUSH_BYTES journaled the sync thread is
+    # woken at once; here the interval is an hour.
+    monkeypatch.setattr(_hot, "JOURNAL_FLUSH_BYTES", 10_000)  # the kick
+    monkeypatch.setattr(_core, "JOURNAL_FLUSH_BYTES", 10_000)  # the policy's flush
+    with qstore.open(store_path, durability="always", sync_interval=3600,
+                     compactor=False) as store:
+        core = store.core
+        ran = threading.Event()
+        policy = core.syncer.on_checkpoint
+        assert policy is not None
+
+        def checkpointed() -> None:
+            policy()
+            ran.set()
+
+        core.syncer.on_checkpoint = checkpointed
+        q = store.create_queue("q")
+        q.push(b"a" * 4000)
+        q.push(b"b" * 4000)
+        assert len(_journal_keys(store)) == 2 and not ran.is_set()  # under the bound
+        q.push(b"c" * 4000)  # 12,000 bytes journaled: past it
+        assert ran.wait(30)
+        assert _journal_keys(store) == [] and core._journal_bytes == 0
+        assert [m.payload[:1] for m in q.pop_many(3)] == [b"a", b"b", b"c"]
 
 
 def test_a_failed_operation_makes_the_next_sync_cover_the_segment(
