@@ -315,21 +315,22 @@ class Compactor:
         # only pushes (to the active segment) and passes (to new ones) add refs.
         for start in range(0, len(dead), DELETE_CHUNK):
             chunk = dead[start:start + DELETE_CHUNK]
-            with core.settling:
+            # Outside the writer lock: this waits (a bounded time) for read-only
+            # views that are opening, and holds new ones back meanwhile.
+            with core.payload.no_view_opening() as free, core.settling:
+                if not free:
+                    # Views kept opening past the wait: their metadata may still refer
+                    # to these. They stay (S records with nothing live) for the next pass.
+                    break
                 if core.closed:
                     break
-                with core.payload.no_view_opening() as free:
-                    if not free:
-                        # A read-only view is opening: its metadata may still refer to
-                        # these. They stay (S records with nothing live) for the next pass.
-                        break
-                    core.write_synced(deletes=[keys.segment_key(fid) for fid, _ in chunk])
-                    accounts = {fid: core.segments.pop(fid, None) for fid, _ in chunk}
-                    try:
-                        core.payload.delete(fid for fid, _ in chunk)
-                    except StorageError:
-                        self._account_undeleted(accounts)
-                        raise
+                core.write_synced(deletes=[keys.segment_key(fid) for fid, _ in chunk])
+                accounts = {fid: core.segments.pop(fid, None) for fid, _ in chunk}
+                try:
+                    core.payload.delete(fid for fid, _ in chunk)
+                except StorageError:
+                    self._account_undeleted(accounts)
+                    raise
             done += chunk
         return done
 
