@@ -227,6 +227,14 @@ def _age(core: Core, q: QueueState, now_us: int, limit: int) -> bool:
     rnd = q.aging_round
     if not isinstance(rnd, aging.Round) or rnd.rec is not rec_q:
         rnd = q.aging_round = aging.Round(rec_q, q.heads.discover_all(core.meta))
+        skips = q.heads.aging_skip
+        if len(skips) > len(rnd.levels):
+            # Skips of levels that emptied since (a skip only spares a read): with
+            # distinct priorities they piled up, two entries a message drained,
+            # 162,000 on an empty queue (a resource audit).
+            active = set(rnd.levels)
+            for start in [s for s in skips if s not in active]:
+                del skips[start]
     else:
         rnd.spanned = True
     used = 0
