@@ -106,3 +106,25 @@ def test_a_writer_is_seen_in_this_process_and_in_another_without_taking_its_lock
         child.communicate("", timeout=60)
     assert child.returncode == 0  # its close found its lock as it left it
     assert not writer_running(path)
+
+
+def test_the_info_log_rolls_while_the_database_stays_open(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # It grew without bound until the next open (8 KB a snapshot, 3 KB every ten
+    # idle minutes; a resource audit). The bound is lowered here to reach it.
+    from qstore.meta import _db
+
+    monkeypatch.setattr(_db, "INFO_LOG_MAX_BYTES", 32 * 1024)
+    db = MetaDB(str(tmp_path / "m"), readonly=False, store_path=str(tmp_path))
+    try:
+        for i in range(150):  # each flush logs a few KB
+            batch = new_batch()
+            batch.put(b"k%d" % i, b"v" * 100)
+            db.write(batch)
+            db.flush()
+        logs = {p.name: p.stat().st_size for p in (tmp_path / "m").iterdir()
+                if p.name.startswith("LOG")}
+    finally:
+        db.close()
+    assert 1 < len(logs) <= 5, logs  # rolled, and the old ones kept to four
+    assert sum(logs.values()) < 6 * 32 * 1024, logs
