@@ -74,6 +74,16 @@ class LeaseBook:
         if held is not None:
             owner.held[receipt] = (held[0], held[1], deadline)  # type: ignore[union-attr]
 
+    def forget_queue(self, queue: str) -> None:
+        """Drop the receipts of ``queue``, just purged or deleted: none can be settled
+        any more, and with long leases they stayed until their deadlines (about
+        1 KB each; a resource audit). One pass over the book: purges and deletes
+        are rare, and a per-queue index would cost every pop."""
+        # A copy first, as in sweep: the store thread may run this while the loop
+        # changes the book.
+        for receipt in [r for (name, _), r in list(self.latest.items()) if name == queue]:
+            self.settle(receipt)
+
     def sweep(self) -> int:
         """Drop every receipt whose lease deadline has passed; returns how many."""
         now = self.clock()
@@ -189,6 +199,12 @@ def _pop_many(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> A
     return [leases.hold(name, wire.encode_message(m)) for m in got]
 
 
+def _purge(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
+    n = q.purge(**args)
+    leases.book.forget_queue(q.name)
+    return n
+
+
 def _ack(q: Queue, leases: Leases, args: dict[str, Any], parked: bool) -> Any:
     receipt = _receipt(args)
     q.ack(receipt, **args)
@@ -279,7 +295,7 @@ _QUEUE_OPS: dict[str, Callable[[Queue, Leases, dict[str, Any], bool], Any]] = {
     "get": _get,
     "dead_letters": _listing("dead_letters"),
     "redrive": _plain("redrive"),
-    "purge": _plain("purge"),
+    "purge": _purge,
     "stats": _stats,
     "queue": _info,
 }
@@ -335,8 +351,9 @@ def ack_group(store: Store, name: str, qid: object, receipts: list[str],
         settle(r)
 
 
-def store_op(store: Store, op: str, args: dict[str, Any]) -> Any:
-    """Run store operation ``op`` (``compact`` and ``snapshot`` may take long)."""
+def store_op(store: Store, op: str, args: dict[str, Any], book: LeaseBook | None = None) -> Any:
+    """Run store operation ``op`` (``compact`` and ``snapshot`` may take long);
+    ``book``: the server's, which forgets the receipts of a deleted queue."""
     try:
         if op == "create_queue":
             return queue_info(store.create_queue(**args))
@@ -346,7 +363,11 @@ def store_op(store: Store, op: str, args: dict[str, Any]) -> Any:
         if op == "queues":
             return store.queues(**args)
         if op == "delete_queue":
-            return store.delete_queue(**args)
+            name = args.get("name")
+            store.delete_queue(**args)
+            if book is not None and isinstance(name, str):
+                book.forget_queue(name)
+            return None
         if op == "store_stats":
             return wire.encode_store_stats(store.stats(**args))
         if op == "compact":

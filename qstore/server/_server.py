@@ -585,7 +585,7 @@ class Server:
             return
         elif op in wire.STORE_OPS:
             def run() -> Any:
-                return store_op(store, op, args)
+                return store_op(store, op, args, self._leases)
         elif op == "cancel":
             conn.settled()
             self._cancel(conn, rid, op, args, started)

@@ -32,6 +32,25 @@ def test_a_message_delivered_again_voids_its_earlier_receipt(tmp_path: Any) -> N
         assert second.held == {} and book.owner == {} and book.latest == {}
 
 
+def test_a_purge_or_delete_drops_the_receipts_of_its_queue(tmp_path: Any) -> None:
+    # They could never be settled, and stayed until their leases ran out: an hour's
+    # worth of pops from short-lived queues on one connection (a resource audit).
+    with qstore.open(str(tmp_path / "s")) as store:
+        book = LeaseBook()
+        conn = Leases(book)
+        for name in ("gone", "purged", "kept"):
+            store.create_queue(name).push_many([b"a", b"b", b"c"])
+            queue_op(store, conn, "pop_many", {"queue": name, "n": 3, "lease": 3600.0})
+        assert len(conn.held) == len(book.owner) == len(book.latest) == 9
+        _ops.store_op(store, "delete_queue", {"name": "gone"}, book)
+        queue_op(store, conn, "purge", {"queue": "purged"})
+        assert {q for q, _, _ in conn.held.values()} == {"kept"} and len(book.owner) == 3
+        assert {q for q, _ in book.latest} == {"kept"}
+        store.create_queue("gone").push(b"new")  # the name again: a queue of its own
+        new = queue_op(store, conn, "pop", {"queue": "gone"})
+        assert book.latest[("gone", new[0])] == new[7]
+
+
 def test_release_gives_back_in_slices_and_forget_nacks_nothing(tmp_path: Any) -> None:
     with qstore.open(str(tmp_path / "s")) as store:
         store.create_queue("q").push_many([b"%d" % i for i in range(7)])
