@@ -90,9 +90,9 @@ def _check_frame_room(max_frame: int, max_payload: int) -> None:
     """A push of a payload at the limit must fit in a frame: refused at start, not per
     push (a frame limit a few bytes above the payload limit made such a push fail
     with a message about batches; a limits audit)."""
-    if max_frame > wire.MAX_BODY:  # the frame's length is a u32
+    if max_frame > 2**32 - 1:  # the frame's length is a u32
         raise InvalidArgument(f"max_frame={max_frame} is over what a frame's length can "
-                              f"say, {wire.MAX_BODY}")
+                              f"say, {2**32 - 1}")
     if max_payload + REQUEST_ROOM > 2**32 - 1:
         raise InvalidArgument(
             f"max_payload_bytes={max_payload} is too large to serve: a request carrying such "

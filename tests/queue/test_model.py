@@ -751,7 +751,8 @@ class QueueMachine(RuleBasedStateMachine):
     def configure_aging(self, name: str, aging: float | None, cap: int | None,
                         keep_cap: bool, go: int) -> None:
         """Change or remove the aging period (and maybe the cap) of a live queue; on a
-        queue that cannot age (str priorities, fifo) setting a period is refused."""
+        queue that cannot age (str priorities, fifo) setting a period or a cap is
+        refused."""
         if go:
             return
         assert self.store is not None
@@ -761,7 +762,7 @@ class QueueMachine(RuleBasedStateMachine):
         can_age = mq.ptype == "int" and mq.order != "fifo"
         store = self.store
         got, err = outcome(lambda: store.configure_queue(name, **args))
-        if aging is not None and not can_age:
+        if not can_age and (aging is not None or (not keep_cap and cap is not None)):
             assert err is qstore.InvalidArgument
             return
         assert err is None
