@@ -292,10 +292,22 @@ class _Links:
         self.closed = False
         self._forks = _forks
 
-    def call(self, op: str, args: dict[str, Any], wait: float = 0.0) -> Any:
+    def call(self, op: str, args: dict[str, Any], wait: float = 0.0,
+             convert: Callable[[Any], Any] | None = None) -> Any:
+        """``op``'s result on a link of its own (``convert``ed, if given)."""
         link = self._take()
         try:
-            return link.call(op, args, wait)
+            value = link.call(op, args, wait)
+            return value if convert is None else convert(value)
+        except QStoreError:
+            raise  # the server's answer, an error: the link is as good as before
+        except BaseException:
+            # Cut short with the answer read (an interrupt while it was checked or
+            # decoded): close the link, so that the server gives back at once what a
+            # pop leased, which nobody holds (it stayed leased to the deadline;
+            # an interrupt audit).
+            link.close()
+            raise
         finally:
             self._give_back(link)
 
@@ -355,7 +367,8 @@ class RemoteQueue(base.QueueInfo):
 
     def _call(self, op: str, convert: Callable[[Any], _T], /, **args: Any) -> _T:
         """Run ``op`` and return ``convert`` of its result (a pipeline records it instead)."""
-        return convert(self._link.call(op, *base.queue_args(self.name, args, self._qid)))
+        result: _T = self._link.call(op, *base.queue_args(self.name, args, self._qid), convert)
+        return result
 
     def push(self, payload: bytes, priority: int | str | None = None, delay: float = 0.0,
              dedup_key: str | bytes | None = None, ttl: float | None = None) -> int:

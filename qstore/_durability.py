@@ -101,8 +101,11 @@ class Syncer:
         if ticket is None:
             return
         cv, lock, me = self._cv, self._cv_lock, threading.get_ident()
-        lock.acquire()
         try:
+            # Inside the try: an interrupt as the acquire returned left the lock held
+            # for good, and every other thread's write waited forever (an
+            # interrupt audit).
+            lock.acquire()
             while self._synced < ticket:
                 if self._syncing:
                     cv.wait()
@@ -122,12 +125,15 @@ class Syncer:
             # between two lines): the lock held once more, a sync this thread led
             # marked over so that the other waiters take their turn instead of
             # waiting for it for good, then the lock released.
-            if not lock._is_owned():  # type: ignore[attr-defined]
-                lock.acquire()
-            if self._syncing and self._leader == me:
-                self._syncing = False
-                cv.notify_all()
-            lock.release()
+            try:
+                if not lock._is_owned():  # type: ignore[attr-defined]
+                    lock.acquire()
+                if self._syncing and self._leader == me:
+                    self._syncing = False
+                    cv.notify_all()
+            finally:  # and if this is cut short too, the lock still goes
+                if lock._is_owned():  # type: ignore[attr-defined]
+                    lock.release()
 
     def sync_now(self) -> None:
         """Make everything written so far durable: payload first, then the WAL."""

@@ -208,7 +208,8 @@ class HotPaths:
         except BaseException:
             active = self.payload.active_id
             dead = [fid for fid in (*ours, *started)
-                    if fid != active and fid not in self.segments]
+                    if fid != active and fid not in self.segments
+                    and not self._recorded(fid)]
             if dead:
                 try:
                     self.payload.delete(dead)
@@ -220,6 +221,18 @@ class HotPaths:
                     log.warning("removed segments %s: they held only the records of a "
                                 "failed batch", dead)
             raise
+
+    def _recorded(self, fid: int) -> bool:
+        """Whether the database holds segment ``fid``'s S record (or cannot tell):
+        then a commit refers to it, and it is no failed batch's to remove. The
+        batch may have committed before the exception: an interrupt (Ctrl-C) as
+        its write returned reached the cleanup before memory knew of the segments,
+        which then deleted the payloads of messages it had just added (an
+        interrupt audit)."""
+        try:
+            return self.meta.get(keys.segment_key(fid)) is not None
+        except StorageError:
+            return True
 
     def journal_into(self, batch: Batch, refs: Sequence[PayloadRef], bodies: Sequence[bytes]
                      ) -> list[tuple[int, int, bytes]] | None:

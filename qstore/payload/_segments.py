@@ -387,22 +387,30 @@ class SegmentSet:
                 if sealing is not None:
                     sealing.finish()
             except BaseException:
+                if sealing is not None and sealing.closed:
+                    # Finished but cut short after (an interrupt): the old segment is
+                    # closed, so the new one must be the active one now.
+                    self._install(fid, reader, writer)
+                    raise
                 writer.abandon()
                 raise
         except BaseException:
-            if reader is not None:
+            if reader is not None and self._readers.get(fid) is not reader:
                 reader.close()
-            with contextlib.suppress(OSError):
-                fcalls.unlink(path)
+                with contextlib.suppress(OSError):
+                    fcalls.unlink(path)
             raise
-        self._readers[fid] = reader
-        self._writer = writer
-        self._synced = (fid, fmt.HEADER_SIZE)
+        self._install(fid, reader, writer)
         if sealing is not None:
             # The sealed file was cut back to its data; a failed remap here is
             # harmless (a read past the map remaps on demand).
             with contextlib.suppress(OSError):
                 self._readers[sealing.file_id].remap()
+
+    def _install(self, fid: int, reader: SegmentReader, writer: SegmentWriter) -> None:
+        self._readers[fid] = reader
+        self._writer = writer
+        self._synced = (fid, fmt.HEADER_SIZE)
 
     # -- writing --------------------------------------------------------------
 

@@ -211,15 +211,22 @@ class SegmentWriter:
             fcalls.ftruncate(self._fd, self.end)
             self.allocated = self.end
         fcalls.fsync(self._fd)
-        fcalls.close_fd(self._fd)
-        self._fd = -1
+        # Forget the descriptor before closing it: an interrupt (Ctrl-C) right after
+        # the close left it set, and the next append wrote into whatever file got
+        # that number next, a later close cutting that file (an interrupt audit).
+        fd, self._fd = self._fd, -1
+        fcalls.close_fd(fd)
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
 
     def abandon(self) -> None:
         """Close without cutting or syncing (the caller removes the unfinished file)."""
         if self._fd >= 0:
             self._unmap()
-            fcalls.close_fd(self._fd)
-            self._fd = -1
+            fd, self._fd = self._fd, -1  # forgotten first, as in finish
+            fcalls.close_fd(fd)
 
 
 def restore_records(directory: str, records: Sequence[tuple[int, int, bytes]]

@@ -1,0 +1,132 @@
+"""Ctrl-C at single points found by an interrupt audit: rotation, batches, the group
+commit, the sync client (test_interrupts.py sweeps the points after a write).
+
+Each test raises KeyboardInterrupt from a profile hook where CPython delivers a
+signal (right after a C call returns, or as a function is called) and checks
+that the store, or the client, carries on: the interrupted call took effect
+or not, and nothing else is lost, leaked or left locked.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+import qstore
+
+from ..server._support import serving
+
+
+@contextmanager
+def interrupted_at(when: Callable[[Any, str, Any], bool]) -> Iterator[list[str]]:
+    """Raise KeyboardInterrupt at the first profile event ``when`` accepts; yields a
+    list that holds "hit" once it was raised."""
+    hit: list[str] = []
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if when(frame, event, arg):
+            sys.setprofile(None)
+            hit.append("hit")
+            raise KeyboardInterrupt("simulated Ctrl-C")
+
+    sys.setprofile(hook)
+    try:
+        yield hit
+    finally:
+        sys.setprofile(None)
+
+
+def _in(frame: Any, function: str, file_end: str) -> bool:
+    code = frame.f_code
+    return bool(code.co_name == function and code.co_filename.endswith(file_end))
+
+
+def test_an_interrupt_as_a_rotation_closes_the_old_segment_loses_nothing(
+        store_path: str) -> None:
+    # The sealed writer kept its closed descriptor: every later push failed with
+    # EBADF, or, once another file took that number, wrote its payload there and
+    # "succeeded", the store's close then cutting that file.
+    with qstore.open(store_path, segment_max_bytes=4096, compactor=False) as store:
+        q = store.create_queue("q")
+        ids = [q.push(b"%d" % i + b"." * 1000) for i in range(3)]
+        with interrupted_at(lambda f, e, a: e == "c_return" and a is os.close
+                            and _in(f, "finish", "payload/_writer.py")) as hit, \
+                pytest.raises(KeyboardInterrupt):
+            q.push(b"big" + b"." * 1500)  # does not fit: rotates
+        assert hit
+        victim = os.open(os.devnull, os.O_RDONLY)  # takes the number just closed
+        try:
+            ids += [q.push(b"after %d" % i) for i in range(3)]
+        finally:
+            os.close(victim)
+        assert not store.check().findings
+        got = {m.id: m.payload for m in q.peek(10)}
+        assert set(ids) <= set(got) and got[ids[-1]] == b"after 2"
+    with qstore.open(store_path, compactor=False) as store:
+        assert not store.check().findings
+        assert {m.id for m in store.queue("q").peek(10)} >= set(ids)
+
+
+def test_an_interrupt_after_a_batch_committed_keeps_its_segments(store_path: str) -> None:
+    # The cleanup of a failed batch ran before memory knew of the segments the
+    # committed batch rotated into, and deleted them: its messages read as
+    # missing segments and went to the dead letters as damaged.
+    with qstore.open(store_path, segment_max_bytes=4096, compactor=False) as store:
+        q = store.create_queue("q")
+        bodies = [(b"B%d" % i + b"." * 1500, i) for i in range(6)]  # spans 3 segments
+        with interrupted_at(lambda f, e, a: e == "c_return"
+                            and _in(f, "write", "meta/_db.py")) as hit, \
+                pytest.raises(KeyboardInterrupt):
+            q.push_many(bodies)
+        assert hit
+        assert not store.check().findings
+        assert sorted(m.payload for m in q.pop_many(10)) == sorted(b for b, _ in bodies)
+        assert q.dead_letters(10) == []
+
+
+@pytest.mark.parametrize("point", ["acquire", "_is_owned"])
+def test_an_interrupt_in_the_group_commit_leaves_no_lock_held(store_path: str,
+                                                              point: str) -> None:
+    # An interrupt right after Syncer.wait took its lock (before its try), or in
+    # its finally, kept it: every other thread's write in always mode waited
+    # forever.
+    with qstore.open(store_path, durability="always", compactor=False) as store:
+        q = store.create_queue("q")
+        q.push(b"warm-up")
+        with interrupted_at(lambda f, e, a: e == "c_return"
+                            and getattr(a, "__name__", "") == point
+                            and _in(f, "wait", "_durability.py")) as hit, \
+                pytest.raises(KeyboardInterrupt):
+            q.push(b"interrupted")
+        assert hit
+        done: list[int] = []
+        t = threading.Thread(target=lambda: done.append(q.push(b"another thread")),
+                             daemon=True)
+        t.start()
+        t.join(30)
+        assert done and not store.core.syncer._cv_lock._is_owned()
+
+
+def test_a_client_interrupted_while_decoding_a_pop_gives_its_leases_back(
+        tmp_path: Any) -> None:
+    # The answer was read, so the link stayed open: the server kept the leases to
+    # their deadline, with nobody holding the messages.
+    with serving(str(tmp_path / "s")) as address, qstore.connect(address) as a, \
+            qstore.connect(address) as b:
+        q = a.create_queue("q")
+        q.push_many([b"a", b"b", b"c"])
+        with interrupted_at(lambda f, e, a_: e == "call"
+                            and f.f_code.co_name == "decode_message") as hit, \
+                pytest.raises(KeyboardInterrupt):
+            q.pop_many(3, lease=3600.0)
+        assert hit
+        # Given back when the server saw the link close: a parked pop gets one.
+        got = b.queue("q").pop(wait=30.0)
+        assert got is not None and got.attempts == 2  # the first delivery counts
+        assert q.stats().ready == 2  # and the same client still works
