@@ -377,6 +377,11 @@ class Core(HotPaths):
         self._deferred_n = 0
         self._found_covered: dict[int, int] = {}
         self._writer_key: tuple[int, int] | None = None
+        # close() in steps, so that one cut short (Ctrl-C) is finished by the next:
+        # the files closed (and what the active segment was), everything released.
+        self._files_closed = False
+        self._close_active: tuple[int | None, int] | None = None
+        self._close_done = False
         _refuse_lost_metadata(path)
         manifest = os.path.exists(os.path.join(path, SNAPSHOT_MANIFEST))
         if not manifest and os.path.exists(os.path.join(path, SNAPSHOT_UNFINISHED)):
@@ -1301,26 +1306,33 @@ class Core(HotPaths):
         fails; then a :class:`StorageError` is raised if something that returned
         could not be made durable (the payload fsync, the WAL sync).
         """
+        if self._close_done:
+            return
         self._unwatch_clock()
         self.syncer.stop()
         with self.lock:
             error: StorageError | None = None
             try:
-                if self.readonly:
-                    self.payload.close()
-                else:
-                    error = self._close_writer()
+                if not self._files_closed:
+                    if self.readonly:
+                        self.payload.close()
+                    else:
+                        error = self._close_writer()
+                    self._files_closed = True
             finally:
                 try:
-                    self.meta.close()
+                    self.meta.close()  # closing it again does nothing
                 except StorageError as exc:
                     log.warning("%s", exc)
                 _release_writer(self._writer_key)
+            self._close_done = True
         if error is not None:
             raise error
 
     def _close_writer(self) -> StorageError | None:
-        active = (self.payload.active_id, self.payload.active_end)
+        if self._close_active is None:  # else a close cut short took it, then closed the files
+            self._close_active = (self.payload.active_id, self.payload.active_end)
+        active = self._close_active
         try:
             self.payload.close()  # cuts the preallocated tail and fsyncs the segment
         except OSError as exc:

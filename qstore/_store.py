@@ -58,6 +58,8 @@ class Store:
             raise err from exc
         self._compactor: Compactor | None = None
         self._stop = threading.Event()
+        self._closing = threading.Lock()
+        self._closed = False  # every step of close() done
         self._sweeper: threading.Thread | None = None
         if self.readonly:
             return
@@ -265,19 +267,30 @@ class Store:
         return StoreStats(queues, tuple(segs))
 
     def close(self) -> None:
-        """Stop background work, make everything durable, and release the lock."""
+        """Stop background work, make everything durable, and release the lock.
+
+        A close cut short (Ctrl-C) is finished by the next ``close()``: it
+        marked the store closed first, and a second call returned at once,
+        leaving the threads running, the database open and the store locked
+        in this process (an interrupt audit). Every step is safe to repeat."""
         core = self._core
-        with core.lock:
-            if core.closed:
+        with self._closing:  # a concurrent close waits for this one, then returns
+            if self._closed:
                 return
-            core.closed = True
-            core.ready.notify_all()
-        self._stop.set()
-        if self._compactor is not None:
-            self._compactor.stop()
-        if self._sweeper is not None:
-            self._sweeper.join()
-        core.close()
+            with core.lock:
+                core.closed = True
+                core.ready.notify_all()
+            self._stop.set()
+            if self._compactor is not None:
+                self._compactor.stop()
+            if self._sweeper is not None:
+                self._sweeper.join()
+            try:
+                core.close()
+            except StorageError:
+                self._closed = True  # a failure to sync is reported once, not retried
+                raise
+            self._closed = True
 
     def __enter__(self) -> Store:
         return self

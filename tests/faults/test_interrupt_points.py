@@ -130,3 +130,22 @@ def test_a_client_interrupted_while_decoding_a_pop_gives_its_leases_back(
         got = b.queue("q").pop(wait=30.0)
         assert got is not None and got.attempts == 2  # the first delivery counts
         assert q.stats().ready == 2  # and the same client still works
+
+
+@pytest.mark.parametrize("point", ["stop", "_release_writer"])
+def test_a_close_cut_short_is_finished_by_the_next_close(store_path: str, point: str) -> None:
+    # close() marked the store closed first: a second close() returned at once,
+    # leaving the compactor, sweeper and sync threads running, the database open
+    # and the store locked in this process.
+    store = qstore.open(store_path)
+    store.create_queue("q").push(b"kept")
+    with interrupted_at(lambda f, e, a: e == "call" and f.f_code.co_name == point
+                        and (point != "stop" or f.f_code.co_filename.endswith("_compact.py"))
+                        ) as hit, pytest.raises(KeyboardInterrupt):
+        store.close()
+    assert hit
+    store.close()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("qstore")] == []
+    with qstore.open(store_path) as again:  # not StoreLocked
+        assert [m.payload for m in again.queue("q").peek()] == [b"kept"]
+        assert not again.check().findings
