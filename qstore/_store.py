@@ -274,6 +274,8 @@ class Store:
         leaving the threads running, the database open and the store locked
         in this process (an interrupt audit). Every step is safe to repeat."""
         core = self._core
+        if core.forked_from is not None:
+            return  # a forked child's copy: closing it closes nothing of the parent's
         with self._closing:  # a concurrent close waits for this one, then returns
             if self._closed:
                 return

@@ -395,8 +395,9 @@ class SegmentSet:
                 writer.abandon()
                 raise
         except BaseException:
-            if reader is not None and self._readers.get(fid) is not reader:
-                reader.close()
+            if self._readers.get(fid) is None:  # not installed: the new file goes
+                if reader is not None:
+                    reader.close()
                 with contextlib.suppress(OSError):
                     fcalls.unlink(path)
             raise
