@@ -25,12 +25,13 @@ MiB = 1024 * 1024
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
 
 
-def _rss(pid: int) -> int:
+def _rss(pid: int, field: str = "VmRSS") -> int:
+    """The process's resident memory now, in bytes (``VmHWM``: its peak)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 HELLO = frame({"qstore": 1})
@@ -204,11 +205,7 @@ def _reset_peak(pid: int) -> int:
 
 
 def _peak(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
+    return _rss(pid, "VmHWM")
 
 
 # Past glibc's largest dynamic mmap threshold (32 MiB), so every buffer this big
