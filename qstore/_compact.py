@@ -412,7 +412,10 @@ class Compactor:
             news = self._copy(output, live.refs, total, progress)
             _step("copied")
         except BaseException as exc:
-            if isinstance(exc, Exception):  # not a (simulated) crash: roll back now
+            # Not a (simulated) crash: roll back now. A Ctrl-C too: it left the
+            # output unknown to the running store (an orphan to the check) and the
+            # pass's record in place until the next open (an interrupt audit).
+            if isinstance(exc, (Exception, KeyboardInterrupt)):
                 self._roll_back(output)
             if isinstance(exc, _Cancelled):
                 raise StoreClosed(f"store {core.path!r} is closing; "
@@ -427,7 +430,7 @@ class Compactor:
             self._write_record(DELETING, output, sources)
             _step("deleting")
             deleted = self._delete_dead_segments()
-        except Exception:
+        except (Exception, KeyboardInterrupt):
             # Messages may refer to the output now: keep it, stop here, and let
             # the next pass finish moving what is left in the sources and delete
             # them (a source is deleted only once nothing refers to it, and an
