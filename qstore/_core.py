@@ -381,6 +381,7 @@ class Core(HotPaths):
         # the files closed (and what the active segment was), everything released.
         self._files_closed = False
         self._close_active: tuple[int | None, int] | None = None
+        self._released = False  # the database closed and the writer claim given up
         self._close_done = False
         _refuse_lost_metadata(path)
         manifest = os.path.exists(os.path.join(path, SNAPSHOT_MANIFEST))
@@ -1314,7 +1315,13 @@ class Core(HotPaths):
             error: StorageError | None = None
             try:
                 if not self._files_closed:
-                    if self.readonly:
+                    if self._released:
+                        # An earlier close was cut short with the store released:
+                        # another may write to these files now. Close the descriptors
+                        # as they are: no cut, no sync, no mark (the next open scans
+                        # the tail, as after a crash).
+                        self.payload.drop()
+                    elif self.readonly:
                         self.payload.close()
                     else:
                         error = self._close_writer()
@@ -1325,6 +1332,7 @@ class Core(HotPaths):
                 except StorageError as exc:
                     log.warning("%s", exc)
                 _release_writer(self._writer_key)
+                self._released = True
             self._close_done = True
         if error is not None:
             raise error

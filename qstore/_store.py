@@ -58,7 +58,8 @@ class Store:
             raise err from exc
         self._compactor: Compactor | None = None
         self._stop = threading.Event()
-        self._closing = threading.Lock()
+        self._closing = threading.RLock()
+        self._in_close = False  # a close() runs in the thread holding _closing
         self._closed = False  # every step of close() done
         self._sweeper: threading.Thread | None = None
         if self.readonly:
@@ -277,22 +278,29 @@ class Store:
         if core.forked_from is not None:
             return  # a forked child's copy: closing it closes nothing of the parent's
         with self._closing:  # a concurrent close waits for this one, then returns
-            if self._closed:
-                return
-            with core.lock:
-                core.closed = True
-                core.ready.notify_all()
-            self._stop.set()
-            if self._compactor is not None:
-                self._compactor.stop()
-            if self._sweeper is not None:
-                self._sweeper.join()
+            if self._closed or self._in_close:
+                return  # or a close called again inside this one (a signal handler)
+            self._in_close = True
             try:
-                core.close()
-            except StorageError:
-                self._closed = True  # a failure to sync is reported once, not retried
-                raise
-            self._closed = True
+                self._close_steps(core)
+            finally:
+                self._in_close = False
+
+    def _close_steps(self, core: Core) -> None:
+        with core.lock:
+            core.closed = True
+            core.ready.notify_all()
+        self._stop.set()
+        if self._compactor is not None:
+            self._compactor.stop()
+        if self._sweeper is not None:
+            self._sweeper.join()
+        try:
+            core.close()
+        except StorageError:
+            self._closed = True  # a failure to sync is reported once, not retried
+            raise
+        self._closed = True
 
     def __enter__(self) -> Store:
         return self

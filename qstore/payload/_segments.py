@@ -779,6 +779,18 @@ class SegmentSet:
     def path_of(self, file_id: int) -> str:
         return self._path(file_id)
 
+    def drop(self) -> None:
+        """Close every file as it is: no cut, no sync (the store was released already)."""
+        with self._lock:
+            writer, self._writer = self._writer, None
+            try:
+                if writer is not None:
+                    writer.abandon()
+            finally:
+                for reader in self._readers.values():
+                    reader.close()
+                self._readers.clear()
+
     def close(self) -> None:
         """Seal nothing: cut the active segment's preallocated tail, fsync it, close every file.
 

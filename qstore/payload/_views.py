@@ -40,6 +40,23 @@ VIEWS_GATE = "views.gate"  # likewise
 VIEW_WAIT = 2.0
 _PAUSE = 0.002  # seconds between the writer's tries of the lock
 
+# Descriptors of the two files this process has open (and maybe locked) now. A
+# child forked meanwhile shares their open files, and with them the locks: it
+# would hold them for its whole life, every view of the store waiting at the
+# gate and no dead segment deleted (a review). The child closes its copies.
+_held: set[int] = set()
+
+
+def _close_inherited() -> None:
+    for fd in list(_held):
+        with contextlib.suppress(OSError):
+            os.close(fd)  # only the copy: the parent's lock stays the parent's
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited)
+
 
 def create_views_lock(directory: str) -> None:
     """Make sure the lock and gate files exist (the writer, at open)."""
@@ -48,11 +65,19 @@ def create_views_lock(directory: str) -> None:
 
 
 def _open(directory: str, name: str, flags: int = 0) -> int:
-    """A descriptor of ``name``, or -1 if it cannot be opened."""
+    """A descriptor of ``name`` (in ``_held`` until :func:`_close`), or -1 if it
+    cannot be opened."""
     try:
-        return os.open(os.path.join(directory, name), os.O_RDONLY | flags, 0o644)
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | flags, 0o644)
     except OSError:
         return -1
+    _held.add(fd)
+    return fd
+
+
+def _close(fd: int) -> None:
+    _held.discard(fd)
+    os.close(fd)
 
 
 @contextlib.contextmanager
@@ -70,10 +95,10 @@ def viewing(directory: str) -> Iterator[bool]:
             fcntl.flock(fd, fcntl.LOCK_SH)
         finally:
             if gate >= 0:
-                os.close(gate)  # passed: the gate holds no view up once it is in
+                _close(gate)  # passed: the gate holds no view up once it is in
         yield True
     finally:
-        os.close(fd)  # releases the lock
+        _close(fd)  # releases the lock
 
 
 def _take(fd: int, deadline: float) -> bool:
@@ -107,6 +132,6 @@ def no_view_opening(directory: str, wait: float = VIEW_WAIT) -> Iterator[bool]:
         deadline = time.monotonic() + wait
         yield (gate < 0 or _take(gate, deadline)) and _take(fd, deadline)
     finally:
-        os.close(fd)
+        _close(fd)
         if gate >= 0:
-            os.close(gate)
+            _close(gate)

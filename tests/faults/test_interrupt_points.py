@@ -181,3 +181,84 @@ def test_a_compaction_pass_cut_short_is_rolled_back_or_carried_over(
         store.compact(threshold=0.0)  # the next pass finishes the work
         assert not store.check().findings
         assert {m.id for m in q.peek(20)} == set(kept[6:])
+
+
+def test_a_close_cut_short_after_releasing_the_store_touches_its_files_no_more(
+        store_path: str) -> None:
+    # Cut as the files were being closed, the close still released the database and
+    # the writer claim: the store could be opened again, and the next close() of
+    # the old object then cut the active segment under the new writer's pushes,
+    # which all went to the dead letters (a review of this change).
+    old = qstore.open(store_path, compactor=False)
+    old.create_queue("q").push(b"kept")
+    with interrupted_at(lambda f, e, a: e == "call" and f.f_code.co_name == "_close_writer"
+                        ) as hit, pytest.raises(KeyboardInterrupt):
+        old.close()
+    assert hit
+    with qstore.open(store_path, compactor=False) as new:  # released: not StoreLocked
+        q = new.queue("q")
+        for i in range(5):
+            q.push(b"new %d" % i + b"." * 100)
+        old.close()  # closes its descriptors, and nothing else
+        assert not new.check().findings
+        assert len(q.peek(10)) == 6
+    with qstore.open(store_path) as again:
+        assert not again.check().findings and len(again.queue("q").peek(10)) == 6
+
+
+def test_a_close_called_again_inside_a_close_returns(store_path: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # A signal handler calling close() while the same thread was in close()
+    # waited forever on close's own lock (a review of this change).
+    from qstore import _compact
+
+    store = qstore.open(store_path)
+    real_stop = _compact.Compactor.stop
+    inner: list[str] = []
+
+    def stop(self: Any) -> None:
+        store.close()  # as a SIGTERM handler would, in the middle of the close
+        inner.append("returned")
+        real_stop(self)
+
+    monkeypatch.setattr(_compact.Compactor, "stop", stop)
+    store.close()
+    assert inner == ["returned"]
+    qstore.open(store_path).close()  # and the first close finished
+
+
+def test_a_child_forked_while_the_writer_holds_the_views_gate_does_not_keep_it(
+        store_path: str) -> None:
+    # The child shared the gate's open file, and with it the lock, for its whole
+    # life: every view waited at the gate and no deletion could run (a review).
+    from qstore.payload import _views
+
+    payload = os.path.join(store_path, "payload")
+    with qstore.open(store_path, compactor=False):
+        pass
+    r, w = os.pipe()
+    with _views.no_view_opening(payload) as free:
+        assert free
+        pid = os.fork()
+        if pid == 0:  # the child: waits until the parent has checked
+            os.close(w)
+            os.read(r, 1)
+            os._exit(0)
+    os.close(r)
+    try:
+        done = threading.Event()
+
+        def open_view() -> None:
+            with _views.viewing(payload) as locked:
+                assert locked
+                done.set()
+
+        t = threading.Thread(target=open_view, daemon=True)
+        t.start()
+        assert done.wait(30)  # not held back by the child
+        with _views.no_view_opening(payload, wait=5.0) as free:
+            assert free
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
