@@ -1320,7 +1320,7 @@ class Core(HotPaths):
                         # another may write to these files now. Close the descriptors
                         # as they are: no cut, no sync, no mark (the next open scans
                         # the tail, as after a crash).
-                        self.payload.drop()
+                        self.payload.close(as_is=True)
                     elif self.readonly:
                         self.payload.close()
                     else:

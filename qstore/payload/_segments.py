@@ -779,33 +779,22 @@ class SegmentSet:
     def path_of(self, file_id: int) -> str:
         return self._path(file_id)
 
-    def drop(self) -> None:
-        """Close every file as it is: no cut, no sync (the store was released already)."""
-        with self._lock:
-            writer, self._writer = self._writer, None
-            try:
-                if writer is not None:
-                    writer.abandon()
-            finally:
-                for reader in self._readers.values():
-                    reader.close()
-                self._readers.clear()
-
-    def close(self) -> None:
+    def close(self, *, as_is: bool = False) -> None:
         """Seal nothing: cut the active segment's preallocated tail, fsync it, close every file.
 
         Every file is closed even when the cut or the fsync fails (that error
-        is raised after).
+        is raised after). ``as_is``: no cut and no sync, the files only closed
+        (the store was released already: another may write to them now).
         """
         with self._lock:
             writer, self._writer = self._writer, None
             try:
                 if writer is not None:
                     try:
-                        writer.finish()
-                    except BaseException:
-                        writer.abandon()
-                        raise
+                        if not as_is:
+                            writer.finish()
+                    finally:
+                        writer.abandon()  # does nothing once finish closed it
             finally:
                 for reader in self._readers.values():
                     reader.close()
