@@ -25,12 +25,26 @@ check and the demo the same way, through :func:`lazy`: a ``qstore push`` or
 them doubled the command's start-up (about 0.2 s against 0.1 s). Each such
 module is also imported under ``TYPE_CHECKING``, so the type checker and the
 layer test (tests/test_layers.py) see the import as a module-level one.
+
+A Ctrl-C must not land inside such an import: numpy's C extension cannot
+be loaded twice in one process, so a ``KeyboardInterrupt`` raised halfway
+through its first import left numpy unusable until the process ended (every
+later compaction or check failed with "cannot load module more than once per
+process"; an interrupt audit). The first import therefore holds back SIGINT,
+when the main thread runs it, and delivers it to the old handler once the
+import is done (:func:`_signals_held`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import signal
+import sys
+import threading
 import types
+from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 
@@ -39,9 +53,35 @@ class _LazyModule(types.ModuleType):
     names, so that every later read is a plain attribute lookup."""
 
     def __getattr__(self, name: str) -> Any:  # only for names not copied yet
-        module = importlib.import_module(self.__name__)
+        module = sys.modules.get(self.__name__)
+        if module is None:
+            with _signals_held():
+                module = importlib.import_module(self.__name__)
         self.__dict__.update(module.__dict__)
         return getattr(module, name)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold back SIGINT for the body, then give it to the handler it was meant for.
+
+    Only the main thread runs Python signal handlers, and only it may set
+    them: elsewhere the body runs as it is (no ``KeyboardInterrupt`` is raised
+    in other threads). A handler that is not a Python callable (ignored, or
+    the default) is left alone.
+    """
+    old = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(old):
+        yield
+        return
+    caught: list[FrameType | None] = []
+    signal.signal(signal.SIGINT, lambda _signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if caught:
+            old(signal.SIGINT, caught[0])  # default_int_handler: KeyboardInterrupt now
 
 
 def lazy(name: str) -> Any:
