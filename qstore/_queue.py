@@ -91,6 +91,13 @@ def _receipt_parts(item: object) -> tuple[int, int, int]:
     return int(qid, 16), int(mid, 16), int(delivery, 16)
 
 
+def _refuse_receiptless(item: object) -> None:
+    """A Message from peek, get or dead_letters is refused before anything else is
+    looked at, as the clients refuse it before sending."""
+    if isinstance(item, Message) and item._lease is None and item.receipt is None:
+        raise no_receipt(item.id)
+
+
 def _iterate(items: object, what: str) -> Iterator[Any]:
     refuse_single_item(items, what)
     try:
@@ -202,6 +209,8 @@ class Queue:
         the queue's ``ttl``, if any).
         """
         q = self._q
+        if q.deleted:  # first, as through a server (which looks the queue up first)
+            raise QueueNotFound(q.name)
         if (dedup_key is not None or not q.plain or type(payload) is not bytes
                 or delay != 0 or type(delay) not in (int, float) or ttl is not None):
             return self._push([(payload, priority, delay, dedup_key, ttl)])[0]
@@ -226,17 +235,23 @@ class Queue:
         ``ttl`` are the defaults of items that do not give theirs.
         """
         q = self._q
+        listed = _iterate(items, "push_many")
+        if q.deleted:  # after what a client checks before sending, as through a server
+            raise QueueNotFound(q.name)
+        # The batch defaults are checked even when every item gives its own.
+        delay = _seconds(delay, "delay")
+        if ttl is not None:
+            ttl = _seconds(ttl, "ttl", positive=True)
         # The usual batch (bodies, or (body, priority) pairs, no delay, TTL or
         # dedup) is collected as two lists for the core's hot path; the first
         # item that needs more turns the batch into rows for the general path.
-        plain = (q.plain and q.hot_paths and ttl is None and delay == 0
-                 and type(delay) in (int, float))
+        plain = q.plain and q.hot_paths and ttl is None and delay == 0
         bodies: list[bytes] = []
         prios: list[int | str] = []
         default = 0 if q.int_prio else ""
         defaults = (None, None, delay, None, ttl)
         rows: list[tuple[Any, ...]] = []
-        for item in _iterate(items, "push_many"):
+        for item in listed:
             if plain:
                 kind = type(item)
                 if kind is bytes:
@@ -265,8 +280,6 @@ class Queue:
                 raise InvalidArgument(f"push_many item must be bytes or a tuple, not {item!r:.60}")
         if plain:
             if not bodies:
-                if q.deleted:  # as ack_many([]) and the clients: the queue is gone
-                    raise QueueNotFound(q.name)
                 return []
             core = self._core
             limit = core.max_payload_bytes
@@ -277,12 +290,7 @@ class Queue:
                 if q.deleted:
                     raise QueueNotFound(q.name)
                 return core.push_ready(q, bodies, prios)
-        if not rows:  # nothing to push; the batch defaults are still checked
-            _seconds(delay, "delay")
-            if ttl is not None:
-                _seconds(ttl, "ttl", positive=True)
-            if q.deleted:
-                raise QueueNotFound(q.name)
+        if not rows:  # nothing to push
             return []
         return self._push(rows)
 
@@ -354,6 +362,8 @@ class Queue:
         With ``wait`` > 0, block up to that many seconds for a message; a push
         in this process wakes the waiter at once.
         """
+        if self._q.deleted:  # first, as through a server (which looks the queue up first)
+            raise QueueNotFound(self.name)
         if (type(wait) is float or type(wait) is int) and wait == 0 and type(lease) is float \
                 and 0.0 < lease <= MAX_SECONDS:
             core = self._core  # the common case, without pop_many's argument checks
@@ -365,6 +375,7 @@ class Queue:
 
     def pop_many(self, n: int, lease: float = 30.0, wait: float = 0.0) -> list[Message]:
         """Lease up to ``n`` messages from the head of the queue, in pop order."""
+        self._state()  # first, as through a server (which looks the queue up first)
         _check_count(n)
         lease = _seconds(lease, "lease", positive=True)
         wait = _seconds(wait, "wait")
@@ -498,6 +509,7 @@ class Queue:
 
     def _leased(self, item: Receipted, now_us: int) -> tuple[int, records.MessageRecord]:
         """The in-flight record ``item`` holds a live lease on (writer lock held)."""
+        _refuse_receiptless(item)
         q = self._q
         if q.deleted:
             raise QueueNotFound(q.name)
@@ -537,9 +549,12 @@ class Queue:
         what it should.
         """
         q = self._q
+        leases = [item._lease if type(item) is Message else None for item in items]
+        for item, lease in zip(items, leases, strict=True):
+            if lease is None:  # before all else, as the clients refuse it before sending
+                _refuse_receiptless(item)
         if q.deleted:
             raise QueueNotFound(q.name)
-        leases = [item._lease if type(item) is Message else None for item in items]
         mids: list[int] = []
         recs: list[records.MessageRecord] = []
         seen: set[int] = set()
@@ -579,6 +594,8 @@ class Queue:
 
         A message that has used up ``max_attempts`` goes to the dead letters.
         """
+        _refuse_receiptless(item)
+        self._state()
         delay = _seconds(delay, "delay")
         core = self._core
         with core.writing:
@@ -592,6 +609,8 @@ class Queue:
 
     def extend(self, item: Receipted, lease: float = 30.0) -> Message:
         """Move a live lease's deadline to now + ``lease``; the receipt stays valid."""
+        _refuse_receiptless(item)
+        self._state()
         lease = _seconds(lease, "lease", positive=True)
         core = self._core
         with core.writing:
@@ -640,6 +659,7 @@ class Queue:
 
     def peek(self, n: int = 1) -> list[Message]:
         """The first ``n`` ready messages in pop order, without leasing them."""
+        self._state()
         _check_count(n)
         self._catch_up()
         with self._core.settling:
@@ -674,6 +694,7 @@ class Queue:
 
     def get(self, message_id: int) -> Message:
         """One message by id, in any state (MessageNotFound once acked or purged)."""
+        self._state()
         if (isinstance(message_id, bool) or not isinstance(message_id, int)
                 or not 0 <= message_id < 2**64):
             raise InvalidArgument(f"message id must be an int in [0, 2**64), not {message_id!r}")
@@ -687,6 +708,7 @@ class Queue:
 
     def dead_letters(self, n: int = 10) -> list[Message]:
         """Up to ``n`` dead letters, oldest id first."""
+        self._state()
         _check_count(n)
         self._catch_up()
         with self._core.settling:
@@ -716,6 +738,7 @@ class Queue:
 
     def redrive(self, n: int = 100) -> int:
         """Move up to ``n`` dead letters back to ready with attempts reset to 0."""
+        self._state()
         _check_count(n)
         core = self._core
         self._catch_up()

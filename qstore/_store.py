@@ -29,6 +29,7 @@ from ._queue import MAX_SECONDS, Queue
 from ._repair import repair as run_repair
 from ._retry_log import RetryLog
 from ._snapshot import take_snapshot
+from ._txn import QueueState
 from .meta import keys, records
 
 log = logging.getLogger("qstore")
@@ -169,14 +170,11 @@ class Store:
         if unknown:
             raise InvalidArgument(f"unknown queue option(s) {unknown}; known: {OPTION_NAMES}")
         core = self._core
-        before = core.queues.get(name)
+        before = core.queues.get(name) if isinstance(name, str) else None
         if before is not None:
             timers.catch_up(core, before)  # the bulk, letting go of the lock between batches
         with core.writing:
-            state = core.queues.get(name)
-            if state is None:
-                _check_name_type(name)  # None is no name at all, as for queue(None)
-                raise QueueNotFound(name)
+            state = _lookup(core.queues, name)
             now_us = keys.to_us(core.clock())
             if state.next_event_us <= now_us:
                 timers.promote_all(core, state, now_us)  # what fell due since
@@ -189,11 +187,7 @@ class Store:
 
     def queue(self, name: str) -> Queue:
         self._core.check_open()
-        state = self._core.queues.get(name)
-        if state is None:
-            _check_name_type(name)
-            raise QueueNotFound(name)
-        return Queue(self._core, state)
+        return Queue(self._core, _lookup(self._core.queues, name))
 
     def queues(self) -> list[str]:
         self._core.check_open()
@@ -203,11 +197,7 @@ class Store:
         """Delete a queue with every message in it, in one batch."""
         core = self._core
         with core.writing:
-            state = core.queues.get(name)
-            if state is None:
-                _check_name_type(name)
-                raise QueueNotFound(name)
-            core.drop_queue(state)
+            core.drop_queue(_lookup(core.queues, name))
 
     # -- maintenance ----------------------------------------------------------
 
@@ -390,6 +380,23 @@ def _check_name_type(name: object) -> None:
     """Not a name at all (a lookup of it is InvalidArgument, not QueueNotFound)."""
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"queue name must be a non-empty str, not {name!r}")
+
+
+def _lookup(queues: dict[str, QueueState], name: object) -> QueueState:
+    """The state of queue ``name``; a name no queue can have (not a str, empty, or
+    not UTF-8) is InvalidArgument, as it is through a client, and never a
+    ``TypeError`` from the lookup (an unhashable one)."""
+    if isinstance(name, str):
+        state = queues.get(name)
+        if state is not None:
+            return state
+    _check_name_type(name)
+    assert isinstance(name, str)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: the clients cannot send it
+        raise InvalidArgument(f"queue name {name!r} is not encodable as UTF-8") from None
+    raise QueueNotFound(name)
 
 
 def _check_queue_name(name: object) -> None:

@@ -367,3 +367,59 @@ def test_a_snapshot_destination_that_is_no_path_is_refused(store: Any, tmp_path:
         with pytest.raises(qstore.InvalidArgument, match="snapshot destination"):
             store.snapshot(dest)
     assert list(cwd.iterdir()) == []
+
+
+def test_a_deleted_queue_is_named_before_a_bad_argument(store: Any) -> None:
+    # A server looks the queue up before the operation checks its arguments; the
+    # embedded store does the same (they differed, a differential audit). Only
+    # a Message with no receipt is refused first: a client refuses it before sending.
+    q = store.create_queue("gone")
+    q.push(b"x")
+    peeked = q.peek(1)[0]
+    store.delete_queue("gone")
+    bad_calls = [
+        lambda: q.push("not bytes"), lambda: q.push(b"x", priority="a"),
+        lambda: q.push_many([(b"x", "a")]), lambda: q.push_many([b"x"], delay=-1.0),
+        lambda: q.pop(lease=0), lambda: q.pop_many(0), lambda: q.peek(0), lambda: q.get(-1),
+        lambda: q.nack("zz", delay=-1.0), lambda: q.extend("zz", lease=0),
+        lambda: q.ack("zz"), lambda: q.ack_many(["zz"]), lambda: q.dead_letters(0),
+        lambda: q.redrive(0),
+    ]
+    for i, call in enumerate(bad_calls):
+        with pytest.raises(qstore.QueueNotFound):
+            call()
+            pytest.fail(f"call {i} raised nothing")
+    for call in (lambda: q.ack(peeked), lambda: q.ack_many(["zz", peeked]),
+                 lambda: q.nack(peeked, delay=-1.0), lambda: q.extend(peeked)):
+        with pytest.raises(qstore.InvalidArgument, match="has no receipt"):
+            call()
+
+
+def test_a_receiptless_message_in_ack_many_is_refused_before_a_stale_one(store: Any) -> None:
+    q = store.create_queue("r")
+    q.push_many([b"1", b"2"])
+    first, second = q.pop_many(2)
+    q.ack(first)
+    stale_then_receiptless = [first, q.get(second.id)]  # get: no receipt
+    with pytest.raises(qstore.InvalidArgument, match="has no receipt"):
+        q.ack_many(stale_then_receiptless)
+    assert q.stats().in_flight == 1
+
+
+def test_a_name_no_queue_can_have_is_an_invalid_argument(store: Any) -> None:
+    for call in (lambda: store.queue(["q"]), lambda: store.delete_queue({}),
+                 lambda: store.configure_queue(["q"], ttl=5.0), lambda: store.queue("\udc80"),
+                 lambda: store.delete_queue("\udc80"),
+                 lambda: store.configure_queue("\udc80", ttl=5.0)):
+        with pytest.raises(qstore.InvalidArgument):
+            call()
+
+
+@pytest.mark.parametrize("defaults", [{"delay": -1.0}, {"delay": float("nan")},
+                                      {"ttl": 0.0}, {"ttl": "x"}])
+def test_push_many_checks_its_defaults_when_every_item_gives_its_own(
+        store: Any, defaults: dict[str, Any]) -> None:
+    q = store.create_queue("p")
+    with pytest.raises(qstore.InvalidArgument):
+        q.push_many([(b"x", 0, 0.0, None, 5.0)], **defaults)
+    assert q.stats().total == 0
