@@ -72,6 +72,9 @@ class _Link(base.LinkSettings):
         except BaseException:
             await proto.close()
             raise
+        if self.closed:  # close() ran while this connected: it must not outlive it
+            await proto.close()
+            raise StoreClosed(f"the client of {self.address} is closed")
         self._proto = proto
         return proto
 
@@ -81,9 +84,14 @@ class _Link(base.LinkSettings):
             if self.closed:
                 raise StoreClosed(f"the client of {self.address} is closed")
             async with self._opening:
+                if self.closed:
+                    raise StoreClosed(f"the client of {self.address} is closed")
                 proto = self._proto
                 if proto is None or proto.lost:
                     proto = await self._open()
+            if proto.lost:  # dropped since its handshake: nothing would answer
+                raise ConnectionLost(f"connection to {self.address} lost before {op} was "
+                                     "sent; it did not run")
         rid = next(self._ids)
         frame = base.request(rid, op, args, self.welcome)
         fut = proto.loop.create_future()
@@ -96,8 +104,9 @@ class _Link(base.LinkSettings):
         timer = proto.loop.call_later(self.timeout + wait, _time_out, fut)
         sent = abandoned = False
         try:
-            proto.transport.write(frame)
+            # Set before the write: an interrupt right after it must find it set.
             sent = True
+            proto.transport.write(frame)
             if proto.paused:  # a large request filled the socket: wait, within the time
                 await asyncio.wait_for(proto.drained(), self.timeout + wait)
             value = await fut
@@ -107,7 +116,11 @@ class _Link(base.LinkSettings):
             await proto.close(f"closed after {op} had no answer in time")
             raise ConnectionLost(f"connection to {self.address} lost during {op}: "
                                  f"{_reason(exc)}; it may or may not have run") from None
-        except asyncio.CancelledError:
+        except BaseException:
+            # A cancelled task, or an interrupt (KeyboardInterrupt under
+            # run_until_complete) after the pop went out: what its answer leases
+            # is given back, as for a cancellation, else it stayed leased to this
+            # live connection with nobody holding it (an interrupt audit).
             if popping and sent and not proto.lost:
                 if fut.done() and not fut.cancelled():
                     if fut.exception() is None:  # answered, but the task never resumed
@@ -211,6 +224,15 @@ class _Protocol(asyncio.Protocol):
         except Exception as exc:  # a malformed frame: this connection is done
             self._fail(exc)
             self.transport.close()
+        except BaseException:
+            # An interrupt halfway through: a frame may be lost or read twice, and
+            # its caller would wait out the timeout. The connection is closed now
+            # (its leases go back, as for any close) and every caller told at once.
+            self._fail(ConnectionLost(f"connection to {self.address} closed: interrupted "
+                                      "while reading answers; requests in flight may or may "
+                                      "not have run"))
+            self.transport.close()
+            raise
 
     def _frame(self, value: Any) -> None:
         if not self.welcome.done():
