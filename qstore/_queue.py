@@ -550,9 +550,10 @@ class Queue:
         """
         q = self._q
         leases = [item._lease if type(item) is Message else None for item in items]
-        for item, lease in zip(items, leases, strict=True):
-            if lease is None:  # before all else, as the clients refuse it before sending
-                _refuse_receiptless(item)
+        if None in leases:  # not all popped here: refused before all else, as by the clients
+            for item, lease in zip(items, leases, strict=True):
+                if lease is None:
+                    _refuse_receiptless(item)
         if q.deleted:
             raise QueueNotFound(q.name)
         mids: list[int] = []

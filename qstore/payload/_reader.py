@@ -181,13 +181,27 @@ class SegmentReader:
             self.remap()
             view = self._whole
         bound = len(view) if limit is None else min(limit, len(view))
-        out = []
+        out: list[bytes] = []
+        append = out.append
+        lowest, unpack, seeds, crc32 = fmt.HEADER_SIZE, _FRAME_UNPACK, _SEEDS, _crc32
         for ref in refs:
+            # frame_problem's checks, inline: a call per record was a sixth of a
+            # batch pop's reading. Anything unusual goes to frame_problem itself.
             offset, length = ref.offset, ref.length
+            start = offset + frame_size
+            end = start + length
+            if offset >= lowest and end <= bound:
+                stored, crc = unpack(view, offset)
+                seed = seeds.get(length)
+                if stored == length and seed is not None:
+                    body = view[start:end]
+                    if crc32(body, seed) == crc:
+                        append(body.tobytes())
+                        continue
             problem = frame_problem(view, offset, length, bound)
             if problem is not None:
                 raise Corruption(self.path, offset, problem)
-            out.append(view[offset + frame_size: offset + frame_size + length].tobytes())
+            append(view[start:end].tobytes())
         return out
 
     def scan(self, start: int = fmt.HEADER_SIZE, end: int | None = None) -> Iterator[PayloadRef]:
