@@ -400,6 +400,7 @@ class Core(HotPaths):
                                   "(to start a store from it, copy the directory and "
                                   f"remove {SNAPSHOT_MANIFEST} from the copy)")
         self.reserve = SpaceReserve(path)
+        self.space_low = False
         if not config.readonly:
             os.makedirs(path, exist_ok=True)
             self._writer_key = _claim_writer(path)
@@ -478,6 +479,9 @@ class Core(HotPaths):
         need = space_to_open(os.path.join(self.path, "meta"))
         if free_bytes(self.path) >= need:
             return True
+        if not self.space_low:
+            log.warning("disk nearly full: pushes are refused until space is back")
+        self.space_low = True  # the room left is for acks and compaction
         self.reserve.release(f"{doing} needs about {need} bytes free")
         return free_bytes(self.path) >= need
 

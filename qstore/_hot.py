@@ -29,16 +29,19 @@ names a key twice.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any
 
 from ._durability import Syncer
 from ._errors import StorageError
+from ._reserve import RESERVE_BYTES, SpaceReserve, free_bytes
 from ._seg_accounts import DEFER_MAX
 from ._txn import QueueState, Txn
-from .meta import Batch, MetaDB, keys, new_batch, records
+from .meta import Batch, MetaDB, keys, new_batch, records, space_to_open
 from .payload import FRAME_SIZE, HEADER_SIZE, PayloadRef, SegmentSet
 
 log = logging.getLogger("qstore")
@@ -80,6 +83,12 @@ class HotPaths:
     """The hot paths, id allocation and the record cache of :class:`~qstore._core.Core`."""
 
     # Set by Core.__init__ (declared here for the type checker).
+    path: str
+    reserve: SpaceReserve
+    # True from the moment the disk had less free than the metadata database
+    # needs to reopen (the space reserve was released for it) until the
+    # reserve is back: pushes are refused meanwhile (check_push_space).
+    space_low: bool
     payload: SegmentSet
     meta: MetaDB
     syncer: Syncer
@@ -121,6 +130,8 @@ class HotPaths:
         :meth:`commit` would write (a test compares the two byte for byte),
         built straight into one batch: no Txn, no per-call dictionaries.
         """
+        if self.space_low:
+            self.check_push_space()
         now = self.clock()  # before the append: a clock that fails leaves nothing behind
         ref = self.payload.append_one(body)
         fid, offset, length = ref
@@ -170,6 +181,26 @@ class HotPaths:
             self.ready.notify_all(q.name)
         return mid
 
+    def check_push_space(self) -> None:
+        """Refuse a push while the disk is nearly full (:attr:`space_low`; lock held).
+
+        Once the reserve was released so that the metadata database could
+        reopen, its room is for the acks and the compaction that free space.
+        Pushes took it: a server's producers, pushing on, used the last bytes,
+        and from then on every ack, pop and compaction failed until a file was
+        deleted by hand (a fault audit). Pushes now wait for the reserve to be
+        made again (or for room for it twice over), then go on by themselves.
+        """
+        if self.reserve.restore() or free_bytes(self.path) >= (
+                space_to_open(os.path.join(self.path, "meta")) + 2 * RESERVE_BYTES):
+            self.space_low = False
+            log.warning("free space is back: pushes are taken again")
+            return
+        err = StorageError(f"the disk of {self.path} is nearly full: pushes are refused "
+                           "until space is back (ack, delete or compact to free it)")
+        err.errno = errno.ENOSPC
+        raise err
+
     def push_ready(self, q: QueueState, bodies: Sequence[bytes],
                    prios: Sequence[int | str]) -> list[int]:
         """Append ready messages, no delay, TTL or dedup: the hot path of
@@ -199,6 +230,8 @@ class HotPaths:
         for a failed single push), and a payload is never deleted unless it is
         known to hold only records no commit referred to.
         """
+        if self.space_low:
+            self.check_push_space()
         before = self.payload.active_id
         ours = [] if before is None or self.payload.segment_size(before) > HEADER_SIZE \
             else [before]

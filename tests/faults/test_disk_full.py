@@ -179,6 +179,52 @@ def test_store_on_a_disk_with_no_byte_free_opens_to_ack_and_compact(small_disk: 
         assert view.queue("q").get(next(iter(kept))).payload == b"after"
 
 
+def test_pushes_on_a_full_disk_leave_the_reserve_to_acks_and_compaction(small_disk: str) -> None:
+    # A producer that pushes on while the disk is full (a server's, always)
+    # took the room the released reserve gave the metadata database: from
+    # then on every ack, pop and compaction failed until a file was deleted
+    # by hand (a fault audit). Pushes are now refused until the reserve is back.
+    path = os.path.join(small_disk, "s")
+    store = qstore.open(path, compactor=False, segment_max_bytes=SEGMENT)
+    q = store.create_queue("q")
+    kept: dict[int, bytes] = {}
+    for i in range(20):
+        bodies = [b"%d-%d-" % (i, j) + b"x" * 2000 for j in range(100)]
+        kept.update(zip(q.push_many(bodies), bodies, strict=True))
+    filler = os.path.join(small_disk, "filler")
+    _fill(filler)
+    acked = refused = 0
+    for i in range(20_000):  # a push, then a pop and its ack, over and over
+        body = b"y%d-" % i + b"y" * 512
+        try:
+            kept[q.push(body)] = body
+        except qstore.StorageError as exc:
+            assert exc.errno == errno.ENOSPC
+            refused += 1
+        try:
+            m = q.pop()
+            assert m is not None
+            q.ack(m)
+        except qstore.StorageError as exc:  # the first write to find the disk full
+            assert exc.errno == errno.ENOSPC
+            continue
+        del kept[m.id]
+        acked += 1
+        if refused > 50 and acked > 1000:
+            break
+    # Once pushes were refused, acks kept going: the reserve's room was theirs.
+    assert refused > 50 and acked > 1000, (refused, acked)
+    assert store.compact().bytes_freed > SEGMENT
+    _assert_intact(store, kept)
+    os.unlink(filler)  # space is back: pushes are taken again, in the same process
+    kept[q.push(b"after")] = b"after"
+    assert os.path.exists(os.path.join(path, RESERVE_NAME))
+    _assert_intact(store, kept)
+    store.close()
+    with qstore.open(path, compactor=False) as again:
+        _assert_intact(again, kept)
+
+
 def _full_without_reserve(small_disk: str) -> tuple[str, qstore.Store, dict[int, bytes]]:
     """A store on a disk filled until a push failed, its space reserve gone."""
     path = os.path.join(small_disk, "s")
