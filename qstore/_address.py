@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import socket
 import stat
@@ -16,10 +17,36 @@ from dataclasses import dataclass
 from ._errors import InvalidArgument
 
 SOCKET_NAME = "qstore.sock"
+# Written by ``qstore serve`` into the store it owns, removed when it stops:
+# {"address": the address it listens on, "pid": its process id}. A store served
+# over TCP only has no socket file to tell it is served (served_address).
+SERVER_FILE = "qstore.server"
 # The event loops ``qstore serve`` runs on (qstore.server.loop_factory); here,
 # not in the server package, so that the command line lists them without
 # importing the server.
 LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def served_address(store_path: str) -> str | None:
+    """The address of the server that owns the store at ``store_path``, from its
+    :data:`SERVER_FILE`; None if there is none, or its process is gone (a
+    killed server leaves the file behind)."""
+    try:
+        with open(os.path.join(store_path, SERVER_FILE), encoding="utf-8") as f:
+            info = json.load(f)
+        address, pid = info["address"], info["pid"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(address, str) or isinstance(pid, bool) or not isinstance(pid, int) \
+            or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except OSError:
+        pass  # alive, another user's
+    return address
 
 
 def checked_path(value: object, what: str) -> str:

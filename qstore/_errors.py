@@ -50,20 +50,24 @@ class StoreLocked(QStoreError):
     """Another process (or another open in this one) holds the store read-write.
 
     ``served``: the store directory holds a server's socket (``qstore serve``),
-    so the writer is most likely that server, which other processes reach
-    with ``qstore.connect(path)``.
+    or the file a running server writes into it, so the writer is most likely
+    that server, which other processes reach with ``qstore.connect``: at
+    ``address`` when it is known (a server listening on TCP), else through
+    the store's path.
     """
 
-    def __init__(self, path: str, served: bool = False) -> None:
+    def __init__(self, path: str, served: bool = False, address: str | None = None) -> None:
         if served:
+            where = address if address is not None else path
             super().__init__(f"store {path!r} is locked by another writer, most likely the "
-                             f"qstore server whose socket is in it: use qstore.connect({path!r}) "
+                             f"qstore server on {where}: use qstore.connect({where!r}) "
                              "to go through it, or open it with readonly=True")
         else:
             super().__init__(f"store {path!r} is locked by another writer; open it with "
                              "readonly=True")
         self.path = path
         self.served = served
+        self.address = address
 
 
 class StoreClosed(QStoreError):

@@ -69,6 +69,11 @@ def _exit_codes() -> Iterator[None]:
             _error(f"store {exc.path!r} is served already: a qstore server answers on "
                    "its socket; every other command goes through it")
             sys.exit(exit_code(exc))
+        if exc.served and exc.address is not None:  # a server on TCP only
+            _error(f"store {exc.path!r} is served already, by the qstore server on "
+                   f"{exc.address}: give commands that address (with --token-file if it "
+                   "needs a token) instead of the store's path")
+            sys.exit(exit_code(exc))
         _error(f"store {exc.path!r} is locked by another writer (a "
                "process that opened it with qstore.open): read-only commands (stats, "
                "peek, queues, check) still work; to change it while that process runs, "

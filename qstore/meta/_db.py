@@ -52,7 +52,7 @@ from rocksdict import (
     WriteOptions,
 )
 
-from .._address import SOCKET_NAME
+from .._address import SOCKET_NAME, served_address
 from .._errors import Corruption, StorageError, StoreLocked
 
 Batch = WriteBatch
@@ -225,8 +225,13 @@ class MetaDB:
             return Rdict(self.path, _options(create), access_type=access)
         except Exception as exc:
             if not readonly and _locked(exc):
-                served = os.path.exists(os.path.join(self._store_path, SOCKET_NAME))
-                raise StoreLocked(self._store_path, served) from None
+                address = served_address(self._store_path)
+                sock = os.path.join(self._store_path, SOCKET_NAME)
+                served = address is not None or os.path.exists(sock)
+                if address is not None and address.startswith("unix://") \
+                        and os.path.abspath(address[len("unix://"):]) == os.path.abspath(sock):
+                    address = None  # its own socket: the store's path reaches it
+                raise StoreLocked(self._store_path, served, address) from None
             if readonly and _read_only_fs(exc):
                 # On a read-only filesystem nothing can change under the view, so
                 # a private copy linking the same table files is the same database.

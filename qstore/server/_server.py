@@ -38,10 +38,10 @@ from typing import Any
 
 from .. import __version__
 from .. import _wire as wire
-from .._address import Address, unix_socket_answers
+from .._address import SERVER_FILE, Address, unix_socket_answers
 from .._auth import check_tls, check_token
 from .._errors import InvalidArgument, QStoreError
-from .._fs import FDS_PER_SEGMENT, make_room_for_files
+from .._fs import FDS_PER_SEGMENT, make_room_for_files, write_json_durably
 from .._net_errors import AuthenticationFailed, ProtocolError, ServerBusy
 from .._store import Store
 from .._txn import NO_EVENT_US, READY
@@ -217,7 +217,18 @@ class Server:
                                                     ssl=self._ssl, reuse_address=True,
                                                     ssl_handshake_timeout=tls_timeout,
                                                     backlog=backlog)
+        # Tells a process that finds the store locked which server owns it, and
+        # where to reach it: a TCP-only server leaves no socket in the store.
+        try:
+            write_json_durably(self._server_file, {"address": self.listening_on,
+                                                   "pid": os.getpid()})
+        except OSError as exc:  # a full disk: serve all the same, the file only helps
+            log.warning("cannot write %s: %s", self._server_file, exc)
         log.info("qstore server listening on %s", self.listening_on)
+
+    @property
+    def _server_file(self) -> str:
+        return os.path.join(self.store.path, SERVER_FILE)
 
     def _connections_that_fit(self) -> int:
         """``--max-connections``, or fewer if the process's descriptor limit (raised
@@ -279,6 +290,9 @@ class Server:
         if self.address.kind == "unix" and self._server is not None:  # ours to remove
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.address.path)
+        if self._server is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._server_file)
         await asyncio.to_thread(self.store.close)
 
     # -- connections (called by _conn.Connection) -------------------------------------

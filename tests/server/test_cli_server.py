@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 import qstore
+from qstore._address import served_address
 from qstore.cli import main
 
 from ._support import ServerProcess, env, running
@@ -215,6 +216,35 @@ def test_serve_on_a_served_store_says_it_is_served(tmp_path: Any) -> None:
                            capture_output=True, text=True, timeout=60, env=env())
     assert r.returncode == 3, r.stderr
     assert "is served already" in r.stderr and "qstore.open" not in r.stderr
+
+
+def test_a_store_served_over_tcp_only_names_its_server(tmp_path: Any) -> None:
+    # A TCP-only server leaves no socket in the store: commands said it was
+    # "locked by another writer (a process that opened it with qstore.open)",
+    # a second serve did too, and qstore.open raised StoreLocked(served=False)
+    # (a newcomer's audit). The server now writes STORE/qstore.server.
+    path = str(tmp_path / "s")
+    with running(path, "--listen", "tcp://127.0.0.1:0") as srv:
+        assert srv.address.startswith("tcp://127.0.0.1:")
+        with open(os.path.join(path, "qstore.server"), encoding="utf-8") as f:
+            assert json.load(f) == {"address": srv.address, "pid": srv.proc.pid}
+        with pytest.raises(qstore.StoreLocked) as info:
+            qstore.open(path)
+        assert info.value.served and info.value.address == srv.address
+        assert f"qstore.connect({srv.address!r})" in str(info.value)
+        for args in (["push", path, "q", "x", "--create"], ["serve", path]):
+            r = subprocess.run([sys.executable, "-m", "qstore.cli", *args],
+                               capture_output=True, text=True, timeout=60, env=env())
+            assert r.returncode == 3, r.stderr
+            assert "is served already" in r.stderr and srv.address in r.stderr, r.stderr
+            assert "qstore.open" not in r.stderr
+        assert srv.terminate() == 0
+    assert not os.path.exists(os.path.join(path, "qstore.server"))  # gone with its server
+    with qstore.open(path) as store:  # and a killed server's file says nothing
+        assert store.queues() == []
+    with open(os.path.join(path, "qstore.server"), "w", encoding="utf-8") as f:
+        json.dump({"address": "tcp://127.0.0.1:1", "pid": 2**22 + 1}, f)
+    assert served_address(path) is None
 
 
 def test_queues_lists_through_a_server_address(tmp_path: Any) -> None:
