@@ -76,7 +76,7 @@ def _exit_codes() -> Iterator[None]:
             sys.exit(exit_code(exc))
         _error(f"store {exc.path!r} is locked by another writer (a "
                "process that opened it with qstore.open): read-only commands (stats, "
-               "peek, queues, check) still work; to change it while that process runs, "
+               "peek, queues, check, snapshot) still work; to change it while that process runs, "
                "let a server own the store (qstore serve) and have both go through it")
         sys.exit(exit_code(exc))
     except errors.QStoreError as exc:
@@ -359,10 +359,21 @@ def snapshot(store_path: str, dest: str, token_file: str | None) -> None:
 
     When a server owns STORE (or STORE is a server address) the server takes
     it, and DEST is a path on the server's machine; otherwise the store is
-    opened here, read-write.
+    opened here, read-write, or, when another process has it open (an
+    application that embeds it), through a read-only view (docs/spark.md).
     """
-    with _target(store_path, token_file) as store:
-        store.snapshot(dest)
+    tls, cafile = _tls_options()
+    with _exit_codes():
+        try:
+            with open_target(store_path, token_file, tls=tls, cafile=cafile) as store:
+                store.snapshot(dest)
+        except errors.StoreLocked as exc:
+            if exc.served:
+                raise
+            # It said "locked", although a view takes the same consistent snapshot
+            # beside the writer (a newcomer's audit).
+            with embedded.open_store(store_path, readonly=True, compactor=False) as view:
+                view.snapshot(dest)
     click.echo(dest)
 
 

@@ -191,6 +191,24 @@ def test_writer_locked_store_exits_3(tmp_path) -> None:  # type: ignore[no-untyp
         assert r.returncode == 0 and r.stdout.split() == ["q"]
 
 
+def test_snapshot_of_a_store_another_process_writes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # It exited 3 ("locked"): a read-only view takes the same snapshot beside
+    # the writer (docs/spark.md), and now the command does that.
+    path, dest = str(tmp_path / "s"), str(tmp_path / "snap")
+    with qstore.open(path, compactor=False) as store:
+        q = store.create_queue("q")
+        ids = q.push_many([b"a", b"b", b"c"])
+        q.ack(q.pop())
+        r = subprocess.run([sys.executable, "-m", "qstore.cli", "snapshot", path, dest],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        q.push(b"after")  # the writer goes on; the snapshot does not see it
+    with qstore.open(dest, readonly=True) as snap:
+        assert [m.payload for m in snap.queue("q").peek(10)] == [b"b", b"c"]
+        assert snap.queue("q").get(ids[1]).payload == b"b"
+        assert snap.check().ok
+
+
 @pytest.mark.parametrize("command", ["push", "pop", "peek", "stats", "queues", "compact",
                                      "snapshot", "audit", "backfill", "demo"])
 def test_every_command_has_help(runner: CliRunner, command: str) -> None:
