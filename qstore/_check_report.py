@@ -126,6 +126,11 @@ class CheckReport:
         """One line: what was checked and the verdict."""
         checked = (f"{self.messages:,} messages in {self.queues:,} queues, "
                    f"{self.segments:,} segments, {self.payload_bytes:,} payload bytes verified")
+        if self.notes:  # a repaired store reads "clean" while bodies are gone: say so
+            kinds: dict[str, int] = {}
+            for n in self.notes:
+                kinds[n.kind] = kinds.get(n.kind, 0) + 1
+            checked += "; notes: " + ", ".join(f"{c:,} {k}" for k, c in sorted(kinds.items()))
         if self.ok:
             return f"clean: {checked}"
         return f"{len(self.findings):,} findings: {checked}"

@@ -61,8 +61,16 @@ def repair(core: Core, payload_dir: str) -> CheckReport:
     _, second = inspect_store(core.meta, payload_dir, active_id=active)
     _rebuild(core, second, done)
     report, _ = inspect_store(core.meta, payload_dir, active_id=active)
+    # One line says what changed; each action is at INFO (the command line prints
+    # each on stdout already, and printed them twice when they were warnings).
+    if done:
+        kinds: dict[str, int] = {}
+        for entry in done:
+            kinds[entry.kind] = kinds.get(entry.kind, 0) + 1
+        log.warning("repair: %d actions (%s)", len(done),
+                    ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
     for entry in done:
-        log.warning("repair: %s", entry)
+        log.info("repair: %s", entry)
     return dataclasses.replace(report, repairs=tuple(done))
 
 

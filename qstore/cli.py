@@ -454,7 +454,7 @@ def check(store_path: str, repair: bool, token_file: str | None) -> None:
     else:
         with _exit_codes():
             report = _check.check_path(store_path)
-    out.print(report.summary(), markup=False, highlight=False)
+    out.print(report.summary(), markup=False, highlight=False, soft_wrap=True)
     for note in report.notes:
         out.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     if report.ok:

@@ -202,6 +202,9 @@ def test_cli_check_repair_prints_what_it_did(store_path: str, clock: Any,
     assert "repaired: counters_rebuilt: queue 'other': [ready, delayed, in_flight, dead, " \
            "bytes] [7, 0, 0, 0, 1] -> [3, 0, 0, 0, 144]" in r.output
     assert any(line.startswith("clean: 11 messages in 2 queues") for line in lines)
+    # "clean", and the headline says what is gone (it said only "clean").
+    assert [line for line in lines if line.startswith("clean: ")][0].endswith(
+        "; notes: 3 damaged_set_aside")
     assert sum(line.startswith("note: damaged_set_aside: ") for line in lines) == 3
     r = runner.invoke(main, ["check", store_path])  # the plain check: clean, with the notes
     assert r.exit_code == 0 and "note: damaged_set_aside" in r.output
