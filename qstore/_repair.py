@@ -12,10 +12,14 @@ then, from the primary records (queue ``Q`` and message ``m`` records) only:
    one synced batch: missing index keys are put, stray ones deleted, each
    queue's ``C`` counters and each segment's ``S`` record set to the
    recount, ``M id_hwm`` raised above every id;
-3. checks a last time: the report it returns is that check's, with
+3. retires a segment whose header is damaged once no message refers to it
+   (``_retire_damaged``): renamed to ``<segment>.damaged``, bytes kept, its
+   ``S`` record dropped, so the check no longer reports it for good;
+4. checks a last time: the report it returns is that check's, with
    ``repairs`` listing every action.
 
-It deletes no payload and no message record, ever. What it cannot rebuild
+It deletes no payload and no message record, ever (a retired segment is
+renamed, not deleted). What it cannot rebuild
 from the primary records stays a finding: a message record that does not
 decode, a message without its queue, keys of a queue id without a ``Q``
 record, an orphan segment file, a dedup key two messages claim, and an
@@ -28,7 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
+from . import _check_report as k
 from . import _states as states
 from ._check import Check, inspect_store
 from ._check_report import CheckReport, Finding
@@ -48,6 +54,8 @@ INDEX_KEY_REMOVED = "index_key_removed"
 COUNTERS_REBUILT = "counters_rebuilt"
 SEGMENT_RECORD_REBUILT = "segment_record_rebuilt"
 SEGMENT_RECORD_REMOVED = "segment_record_removed"
+# A damaged segment nothing refers to, renamed to <segment>.damaged (kept, not listed)
+SEGMENT_RETIRED = "segment_retired"
 ID_HWM_RAISED = "id_hwm_raised"
 
 
@@ -58,8 +66,9 @@ def repair(core: Core, payload_dir: str) -> CheckReport:
     core.settle_segments()  # S records as this process counts them: none defers a push
     _, first = inspect_store(core.meta, payload_dir, active_id=active)
     _set_aside(core, first.damaged, done)
-    _, second = inspect_store(core.meta, payload_dir, active_id=active)
+    checked, second = inspect_store(core.meta, payload_dir, active_id=active)
     _rebuild(core, second, done)
+    _retire_damaged(core, checked, second, done)
     report, _ = inspect_store(core.meta, payload_dir, active_id=active)
     # One line says what changed; each action is at INFO (the command line prints
     # each on stdout already, and printed them twice when they were warnings).
@@ -181,6 +190,44 @@ def _segments(core: Core, recount: dict[int, list[int]], sizes: dict[int, int],
                 f"[live bytes, live count, end] "
                 f"{list(old) if old is not None else None} -> {list(want)}")))
     return out
+
+
+def _retire_damaged(core: Core, report: CheckReport, check: Check,
+                    done: list[Finding]) -> None:
+    """Rename damaged segments that nothing refers to out of the way; drop their S records.
+
+    A segment whose header is damaged is kept while a message (a dead letter
+    set aside for it) refers to it. Once none does, nothing can ever read it
+    and the check would report it for good: it becomes ``<segment>.damaged``
+    (``SegmentSet.retire_damaged``: its bytes kept, never listed again), then
+    its ``S`` record goes. In that order: a crash between leaves an ``S``
+    record of a missing file that nothing refers to, which the next repair
+    removes; the file is never deleted. Left: a file whose ``S`` record counts
+    live records (messages whose records were lost may be in it: a finding
+    stays), one a compaction pass names, one the payload journal holds records
+    of, and the active segment.
+    """
+    headers = {f.file_id for f in report.findings
+               if f.kind == k.BAD_SEGMENT_HEADER and f.file_id is not None}
+    busy = {fid for fid, _ in check.journal} | set(check.segs) | set(check.late)
+    raw = core.meta.get(keys.COMPACTION_KEY)
+    if raw is not None:
+        _, output, sources = records.decode_compaction(raw)
+        busy |= {output, *sources}
+    for fid in sorted(headers & set(core.payload.damaged) - busy):
+        seg = core.segments.get(fid)
+        if fid == core.payload.active_id or (seg is not None and seg[1] > 0):
+            continue
+        reason = core.payload.damaged[fid]
+        path = core.payload.path_of(fid)
+        kept = core.payload.retire_damaged(fid)
+        if seg is not None:
+            core.write_synced(deletes=[keys.segment_key(fid)])
+            core.segments.pop(fid, None)
+        record = f", its S record {seg} removed" if seg is not None else ""
+        done.append(Finding(SEGMENT_RETIRED, file_id=fid, detail=(
+            f"header damaged ({reason}) and no message refers to it: "
+            f"{os.path.basename(path)} renamed to {os.path.basename(kept)}{record}")))
 
 
 def _id_hwm(core: Core, max_id: int, done: list[Finding]) -> int | None:

@@ -32,6 +32,10 @@ FRAME_SIZE = FRAME.size  # 8
 LENGTH = struct.Struct("<I")
 MAX_RECORD_LENGTH = 0xFFFF_FFFF
 SEGMENT_SUFFIX = ".seg"
+# A damaged segment retired by a repair once nothing refers to it: kept as
+# ``<segment>.damaged`` (``.2``, ``.3``... if taken), a name that does not parse
+# as a segment, so nothing lists it again (docs/faults.md).
+DAMAGED_SUFFIX = ".damaged"
 FILE_ID_DIGITS = 10
 
 # Fixed reason strings for Corruption and for torn-tail reports.

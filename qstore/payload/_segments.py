@@ -155,6 +155,7 @@ class SegmentSet:
         # Segments whose file header is damaged (a flipped byte, a 0-byte, swapped
         # or renamed file): file id -> what is wrong. They stay as they are and get
         # no reader; a read of a message in one raises Corruption (docs/faults.md).
+        # A repair retires one nothing refers to any more (retire_damaged).
         self.damaged: dict[int, str] = {}
         if ids and not readonly:
             # The last file's header is damaged (a flipped byte, a cut, a renamed or
@@ -747,6 +748,27 @@ class SegmentSet:
             fsync_dir(self.directory)
         if failed is not None:
             raise failed
+
+    @_os_errors("retire")
+    def retire_damaged(self, file_id: int) -> str:
+        """Rename damaged segment ``file_id`` out of the segment namespace; its new path.
+
+        Only a segment of :attr:`damaged` (its header unreadable: it has no
+        reader, nothing here holds it), and only once nothing refers to it (the
+        caller's part: ``check(repair=True)``). It becomes ``<segment>.damaged``
+        (``.2``, ``.3``... if taken: never over an earlier one), a name that does
+        not parse as a segment, so no open, view, snapshot, compaction or check
+        lists it again; its bytes stay for whoever looks into the damage.
+        """
+        with self._lock:
+            if file_id not in self.damaged or file_id in self._readers:
+                raise ValueError(f"segment {file_id} is not a damaged segment of this set")
+            path = self._path(file_id)
+            kept = _free_name(path + fmt.DAMAGED_SUFFIX)
+            fcalls.replace(path, kept)  # kept is free: nothing is replaced
+            del self.damaged[file_id]
+        fsync_dir(self.directory)
+        return kept
 
     # -- accounting -----------------------------------------------------------
 

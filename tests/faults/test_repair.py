@@ -10,6 +10,7 @@ changes nothing.
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any
 
@@ -19,6 +20,7 @@ from click.testing import CliRunner
 import qstore
 from qstore.cli import main
 from qstore.meta import keys, new_batch, records
+from tests.faults._inject import FaultyCalls
 from tests.queue._support import dump
 
 CRC = "damaged payload: record checksum mismatch"
@@ -243,3 +245,101 @@ def test_repair_of_a_cut_sealed_segment_sets_its_lost_messages_aside(store_path:
         assert [q.get(mid).payload for mid in ids[:4]] == [_payload(i) for i in range(4)]
         assert [m.dead_reason for m in q.dead_letters(10)] == [
             "damaged payload: reference points past the end of the segment"] * 2
+
+
+def _flip_header(path: str) -> bytes:
+    """Flip byte 5 of the segment file's header (its magic); the file's bytes after."""
+    with open(path, "r+b") as f:
+        f.seek(5)
+        b = f.read(1)
+        f.seek(5)
+        f.write(bytes([b[0] ^ 1]))
+        f.seek(0)
+        return f.read()
+
+
+def test_repair_retires_a_damaged_segment_once_nothing_refers_to_it(
+        store_path: str, clock: Any, tmp_path: Any) -> None:
+    """A segment whose header is damaged stays while dead letters refer to it; once
+    none does, the repair renames it to ``<segment>.damaged`` (bytes kept) and drops
+    its S record, and the store checks clean: before, the check reported
+    ``bad_segment_header`` for it forever, the repair having nothing to offer."""
+    with qstore.open(store_path, clock=clock, compactor=False, segment_max_bytes=4096) as s:
+        s.create_queue("q").push_many([_payload(i) * 10 for i in range(40)])
+    name = "0000000003.seg"
+    seg = os.path.join(store_path, "payload", name)
+    kept = seg + ".damaged"
+    damaged = _flip_header(seg)
+    runner = CliRunner()
+    r = runner.invoke(main, ["check", "--repair", store_path])
+    assert r.exit_code == 0, r.output
+    assert "repaired: moved_aside: " in r.output and "segment_retired" not in r.output
+    assert os.path.exists(seg) and not os.path.exists(kept)  # dead letters refer to it
+    with qstore.open(store_path, clock=clock, compactor=False) as store:
+        q = store.queue("q")
+        assert q.stats().dead > 0
+        q.purge()
+        store.compact(threshold=0.0)
+        assert os.path.exists(seg)  # never chosen by compaction, never deleted
+        assert store.check().by_kind() == {"bad_segment_header": 1}
+        report = store.check(repair=True)
+        assert [(r.kind, r.file_id) for r in report.repairs] == [("segment_retired", 3)]
+        assert report.repairs[0].detail == (
+            f"header damaged (bad magic) and no message refers to it: {name} renamed to "
+            f"{name}.damaged, its S record [0, 0, {len(damaged)}] removed")
+        assert report.ok and report.notes == (), report.findings
+        assert 3 not in store.core.segments and 3 not in store.core.payload.damaged
+        q.push(b"after")
+        assert store.check().ok
+    assert not os.path.exists(seg)
+    with open(kept, "rb") as f:  # the evidence, byte for byte
+        assert f.read() == damaged
+    r = runner.invoke(main, ["check", "--repair", store_path])
+    assert r.exit_code == 0 and "repaired: nothing to repair" in r.output, r.output
+    assert "orphan" not in r.output
+    with qstore.open(store_path, readonly=True) as view:  # a view ignores it too
+        assert view.check().ok
+        assert [m.payload for m in view.queue("q").peek(5)] == [b"after"]
+    with qstore.open(store_path, clock=clock, compactor=False) as store:
+        assert store.check().ok
+        store.compact(threshold=0.0)
+        snap = store.snapshot(os.path.join(str(tmp_path), "snap"))
+    assert name + ".damaged" not in os.listdir(os.path.join(snap, "payload"))
+    assert runner.invoke(main, ["check", snap]).exit_code == 0
+    assert os.path.exists(kept)
+
+
+@pytest.mark.parametrize("call", ["replace", "fsync"])
+def test_a_retirement_that_fails_is_finished_by_the_next_repair(
+        store_path: str, clock: Any, monkeypatch: pytest.MonkeyPatch, call: str) -> None:
+    """The rename failing leaves everything as it was; the directory fsync after it
+    failing leaves the S record of a file that is gone, which the next repair removes.
+    Either way the damaged bytes are kept and the store ends clean."""
+    with qstore.open(store_path, clock=clock, compactor=False, segment_max_bytes=4096) as s:
+        s.create_queue("q").push_many([_payload(i) * 10 for i in range(40)])
+    seg = os.path.join(store_path, "payload", "0000000003.seg")
+    damaged = _flip_header(seg)
+    with qstore.open(store_path, clock=clock, compactor=False) as store:
+        store.check(repair=True)
+        store.queue("q").purge()
+        faults = FaultyCalls(monkeypatch, names=(call,), err=errno.EIO)
+        faults.arm(1)
+        with pytest.raises(qstore.StorageError) as raised:
+            store.check(repair=True)
+        assert raised.value.errno == errno.EIO and faults.failed == [call]
+        faults.heal()
+        after = store.check()
+        if call == "replace":
+            assert os.path.exists(seg) and after.by_kind() == {"bad_segment_header": 1}
+            want = [("segment_retired", 3)]
+        else:
+            assert not os.path.exists(seg)
+            assert [(f.kind, f.detail) for f in after.findings] == [
+                ("missing_segment", "no file 0000000003.seg; 0 messages reference it, "
+                                    "it has an S record")]
+            want = [("segment_record_removed", 3)]
+        report = store.check(repair=True)
+        assert [(r.kind, r.file_id) for r in report.repairs] == want
+        assert report.ok, report.findings
+    with open(seg + ".damaged", "rb") as f:
+        assert f.read() == damaged
