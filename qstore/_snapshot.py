@@ -1,8 +1,9 @@
 """Consistent snapshots of a running store, for Spark jobs and backups.
 
 A snapshot directory holds ``meta/`` (a RocksDB checkpoint), ``payload/``
-(hard links of every segment) and ``MANIFEST.json`` (format version, time,
-every segment with the length of its data at the moment of the checkpoint).
+(hard links of every segment, damaged ones included: a faithful copy) and
+``MANIFEST.json`` (format version, time, every segment with the length of its
+data at the moment of the checkpoint).
 All three are taken under the writer lock, so they agree. Segments are never
 modified in place (the active one only grows; compaction only unlinks), so a
 hard link keeps the snapshot's bytes intact whatever the live store does
@@ -95,7 +96,11 @@ def _write(core: Core, dest: str) -> None:
         else:
             core.meta.checkpoint(os.path.join(dest, "meta"))
         segments = []
-        for fid in core.payload.file_ids():
+        # Damaged segments too (a header that does not read: no reader, so not in
+        # file_ids): immutable files of the store like the others, linked as they
+        # are, so the snapshot's check names the same damage as the store's.
+        damaged = dict(core.payload.damaged)
+        for fid in sorted(set(core.payload.file_ids()) | set(damaged)):
             name = segment_name(fid)
             target = os.path.join(dest, "payload", name)
             try:
@@ -105,6 +110,12 @@ def _write(core: Core, dest: str) -> None:
                     raise _storage_error(f"cannot hard-link segment {name} into {dest!r} (a "
                                          "snapshot must be on the store's filesystem)",
                                          exc) from exc
+                if fid in damaged:
+                    # A view's damaged segment the writer retired since (a repair
+                    # renamed it: nothing referred to it), and no pinned map of it.
+                    log.warning("segment %s is no longer in the store (retired by a "
+                                "repair): left out of the snapshot", name)
+                    continue
                 # A view's segment the writer deleted since the view opened: still the
                 # view's (pinned), so its bytes are written out as a copy.
                 try:
@@ -112,6 +123,9 @@ def _write(core: Core, dest: str) -> None:
                 except OSError as exc2:
                     raise _storage_error(f"cannot write segment {name} into {dest!r}",
                                          exc2) from exc2
+            if fid in damaged:
+                log.warning("segment %s is damaged (%s): linked into the snapshot as it is",
+                            name, damaged[fid])
             # A view's active segment ends where its records do: the writer cuts
             # the preallocated zeros off (in the linked file too) when it closes.
             segments.append({"file_id": fid, "length": core.data_size(fid)})

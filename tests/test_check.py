@@ -322,6 +322,45 @@ def test_snapshot_checks_clean_and_a_damaged_one_does_not(tmp_path: Any,
     assert "missing_segment" in {f.kind for f in check_path(snap).findings}
 
 
+@pytest.mark.parametrize("through", ["store", "view"])
+def test_a_snapshot_links_a_damaged_segment_and_its_check_names_the_same_damage(
+        tmp_path: Any, clock: FakeClock, through: str) -> None:
+    """A segment whose header is damaged is a file of the store like any other: the
+    snapshot links it and lists it, so its check says ``bad_segment_header`` as the
+    store's does. Before, the snapshot left it out without a word and its check said
+    ``missing_segment`` (not listed in the manifest) instead."""
+    path = str(tmp_path / "store")
+    where = build(path, clock)
+    fid = where["a0"][2]
+    with open(seg_path(path, fid), "r+b") as f:
+        f.seek(5)
+        b = f.read(1)
+        f.seek(5)
+        f.write(bytes([b[0] ^ 1]))
+    size = os.path.getsize(seg_path(path, fid))
+    store_report = check_path(path)
+    assert ("bad_segment_header", None, None, fid) in kinds(store_report)
+    snap = str(tmp_path / "snap")
+    if through == "store":
+        r = CliRunner().invoke(main, ["snapshot", path, snap])
+        assert r.exit_code == 0, r.output
+    else:
+        with qstore.open(path, compactor=False), qstore.open(path, readonly=True) as view:
+            view.snapshot(snap)
+    assert {"file_id": fid, "length": size} in read_manifest(snap)["segments"]
+    assert os.stat(seg_path(snap, fid)).st_ino == os.stat(seg_path(path, fid)).st_ino
+    snap_report = check_path(snap)
+    assert [(f.kind, f.queue, f.message_id, f.file_id, f.offset, f.detail)
+            for f in snap_report.findings] == [
+        (f.kind, f.queue, f.message_id, f.file_id, f.offset, f.detail)
+        for f in store_report.findings]
+    assert snap_report.by_kind() == {"bad_segment_header": 1 + sum(
+        w[2] == fid for w in where.values())}
+    with qstore.open(snap, readonly=True) as view, pytest.raises(  # read as the store does
+            qstore.Corruption, match="bad magic"):
+        view.queue("a").get(where["a0"][1])
+
+
 _KILLED_SNAPSHOT = """
 import os, sys
 import qstore
