@@ -210,7 +210,7 @@ class Check:
         self._counters()
         journaled_files = {fid for fid, _ in self.journal}
         for f in check_segments(self.meta, self.files, self.segs, self.active_id, compaction,
-                                view=self.view):
+                                view=self.view, late=self.late):
             if f.kind == k.SEGMENT_TRUNCATED and f.file_id in journaled_files:
                 self.notes.append(Finding(k.JOURNALED, file_id=f.file_id, detail=(
                     f"{f.kind}: {f.detail}; the payload journal holds records of it, which "

@@ -7,8 +7,8 @@ the file is there and its header intact, it is not shorter than the data the
 metadata refers to, its ``S`` record equals the recount, and a file that
 nothing references or accounts for is an orphan.
 
-The single checks are small functions of plain values (``header_finding``,
-``manifest_truncation``, ``orphan_exempt``, ``orphan``, ``unlisted``,
+The single checks are small functions of plain values (``missing_file``,
+``header_finding``, ``manifest_truncation``, ``orphan_exempt``, ``orphan``, ``unlisted``,
 ``record_mismatch``, ``end_past_manifest``, ``records_past_end``) that the
 Spark audit's driver (``qstore/spark/_audit_checks.py``) calls too: one
 implementation, the same findings in the same words.
@@ -30,8 +30,11 @@ COPYING, DELETING = records.COPYING, records.DELETING
 
 def check_segments(meta: MetaDB, files: SegmentFiles, recount: Mapping[int, list[int]],
                    active_id: int | None, compaction: tuple[str, int, list[int]] | None,
-                   *, view: bool = False) -> list[Finding]:
-    """Findings about segments. ``recount``: file id -> [bytes with frames, count, max end].
+                   *, view: bool = False,
+                   late: Mapping[int, list[int]] | None = None) -> list[Finding]:
+    """Findings about segments. ``recount``: file id -> [bytes with frames, count, max end];
+    ``late``: the same for the messages an ``S`` record's deferred pushes leave out of
+    it (counted apart: they only count as references to the file).
 
     Not orphans: the active segment (a fresh one has no ``S`` record yet), a
     file holding no more than a header, the output of a compaction pass still
@@ -64,12 +67,13 @@ def check_segments(meta: MetaDB, files: SegmentFiles, recount: Mapping[int, list
         stored[fid] = (b, n, end)
     lengths = files.lengths
     phase, output, sources = compaction if compaction is not None else ("", None, [])
-    fids = set(files.sizes) | set(stored) | set(recount) | set(lengths or ())
+    late = late or {}
+    fids = set(files.sizes) | set(stored) | set(recount) | set(late) | set(lengths or ())
     newest = max(stored, default=0) if view else None
     for fid in sorted(fids):
         active = fid if newest is not None and fid > newest else active_id
         findings += _check_one(fid, files, stored.get(fid), recount.get(fid, [0, 0, 0]),
-                               active, phase, output, sources)
+                               late.get(fid, [0, 0, 0])[1], active, phase, output, sources)
     return findings
 
 
@@ -77,6 +81,20 @@ def check_segments(meta: MetaDB, files: SegmentFiles, recount: Mapping[int, list
 # Each takes plain values (sizes, lengths, the S record, the recount) and returns
 # the finding, or None: the integrity check and the audit report the same problem
 # in the same words.
+
+
+def missing_file(fid: int, refs: int, has_record: bool, listed: bool) -> Finding | None:
+    """No file for a segment that ``refs`` messages reference, that has an ``S`` record
+    (``has_record``) or that a snapshot's manifest lists (``listed``)."""
+    if not (refs or has_record or listed):
+        return None
+    why = [f"{refs} messages reference it"]
+    if has_record:
+        why.append("it has an S record")
+    if listed:
+        why.append("MANIFEST.json lists it")
+    return Finding(k.MISSING_SEGMENT, file_id=fid,
+                   detail=f"no file {fmt.segment_name(fid)}; " + ", ".join(why))
 
 
 def header_finding(fid: int, problem: str | None) -> Finding | None:
@@ -146,22 +164,15 @@ def found(*maybe: Finding | None) -> list[Finding]:
 
 
 def _check_one(fid: int, files: SegmentFiles, stored: tuple[int, int, int] | None,
-               counted: list[int], active_id: int | None, phase: str, output: int | None,
-               sources: list[int]) -> list[Finding]:
+               counted: list[int], late: int, active_id: int | None, phase: str,
+               output: int | None, sources: list[int]) -> list[Finding]:
     out: list[Finding] = []
     lengths = files.lengths
     size = files.sizes.get(fid)
     nbytes, count, max_end = counted
     listed = lengths is not None and fid in lengths
     if size is None:
-        if stored is not None or count or listed:
-            why = [f"{count} messages reference it"]
-            if stored is not None:
-                why.append("it has an S record")
-            if listed:
-                why.append("MANIFEST.json lists it")
-            out.append(Finding(k.MISSING_SEGMENT, file_id=fid,
-                               detail=f"no file {fmt.segment_name(fid)}; " + ", ".join(why)))
+        out += found(missing_file(fid, count + late, stored is not None, listed))
     else:
         out += found(header_finding(fid, files.header_problem(fid)))
         truncated = None

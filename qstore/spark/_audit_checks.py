@@ -17,14 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import _check_segments as segs
-from .._check_report import (
-    BAD_RECORD,
-    COUNTER_MISMATCH,
-    MISSING_SEGMENT,
-    ORPHAN_QUEUE_KEYS,
-    SEGMENT_RECORD_MISMATCH,
-    Finding,
-)
+from .._check_report import BAD_RECORD, COUNTER_MISMATCH, ORPHAN_QUEUE_KEYS, Finding
 from .._check_segments import found
 from .._message import SegmentStats
 from ..meta import keys, records
@@ -256,10 +249,8 @@ def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]],
         refs = count + late_count  # messages that reference the segment
         stored = facts.segment_records.get(fid)
         length = facts.manifest.get(fid, facts.files.get(fid, 0))
-        if listed and not present:
-            findings.append(Finding(MISSING_SEGMENT, file_id=fid, detail=(
-                f"listed in MANIFEST.json ({length} bytes) but absent from payload/; "
-                f"{refs} messages reference it")))
+        if not present:  # as the check words it
+            findings += found(segs.missing_file(fid, refs, stored is not None, listed))
         if present:
             findings += found(segs.header_finding(fid, facts.headers.get(fid)))
         truncated = None
@@ -294,9 +285,6 @@ def check_segments(facts: MetaFacts, recount: Mapping[int, tuple[int, int]],
             findings += found(segs.end_past_manifest(fid, end, length))
         if stored is not None and fid in ends and fid not in late and live_bytes >= 0:
             findings += found(segs.records_past_end(fid, ends[fid], end))  # as the check
-        if stored is not None and not listed and not present and refs == 0:
-            findings.append(Finding(SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
-                "S record for a segment that does not exist")))
         active = fid == facts.active_id
         rows.append({
             "file_id": fid,

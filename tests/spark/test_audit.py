@@ -408,3 +408,63 @@ def test_malformed_keys_and_a_short_s_end_are_findings_as_in_the_check(
             f"{seg[2] - 1}")
     assert past in [f.detail for f in check_path(snap).findings]
     assert past in [f["detail"] for f in audited if f["file_id"] == first]
+
+
+def test_segment_findings_agree_with_the_check_word_for_word(spark: Any, tmp_path: Any) -> None:
+    """Every segment-level finding of the audit is the check's, in the same words: a
+    damaged header, a file deleted under its messages, a
+    dead segment's file deleted (listed, S record, nothing refers to it) and an S
+    record of a file that neither exists nor is listed. The last two used to be
+    worded by the audit alone ("listed in MANIFEST.json ... but absent from
+    payload/", "S record for a segment that does not exist")."""
+    path = str(tmp_path / "store")
+    with qstore.open(path, clock=FakeClock(), compactor=False, segment_max_bytes=1200) as s:
+        jobs = s.create_queue("jobs")
+        ids = jobs.push_many([(b"%-100d" % i, 0) for i in range(60)])
+        fids = {mid: s.core.message_record(keys.message_key(1, mid)).file_id  # type: ignore[union-attr]
+                for mid in ids}
+        by_seg: dict[int, list[int]] = {}
+        for mid, fid in fids.items():
+            by_seg.setdefault(fid, []).append(mid)
+        segs = sorted(by_seg)
+        assert len(segs) >= 5
+        dead_seg, header_seg, deleted_seg = segs[0], segs[1], segs[2]
+        done = jobs.pop_many(len(by_seg[dead_seg]))  # the first segment's, in push order
+        assert sorted(m.id for m in done) == by_seg[dead_seg]
+        jobs.ack_many(done)  # dead: an S record counting nothing, kept (no compactor)
+        snap = s.snapshot(str(tmp_path / "snap"))
+    # The snapshot's segments are hard links of the (closed) store's: damaged in place.
+    with open(os.path.join(snap, "payload", segment_name(header_seg)), "r+b") as f:
+        f.seek(5)
+        byte = f.read(1)
+        f.seek(5)
+        f.write(bytes([byte[0] ^ 1]))
+    for fid in (dead_seg, deleted_seg):
+        os.unlink(os.path.join(snap, "payload", segment_name(fid)))
+    ghost = max(segs) + 50
+    db = MetaDB(os.path.join(snap, "meta"), readonly=False, store_path=snap)
+    batch = new_batch()
+    batch.put(keys.segment_key(ghost), records.encode_segment(0, 0, 24))
+    db.write(batch, sync=True)
+    db.close()
+
+    def segment_level(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        return sorted(r for r in rows if r[1] is None and r[2] is not None)
+
+    checked = segment_level([(f.kind, f.message_id, f.file_id, f.detail)
+                             for f in check_path(snap).findings])
+    result = run_audit(snap, spark=spark, out=str(tmp_path / "out"), quiet=True)
+    audited = segment_level([(f["kind"], f["message_id"], f["file_id"], f["detail"])
+                             for f in pq.read_table(result.paths["findings"]).to_pylist()])
+    name = segment_name
+    assert checked == sorted([
+        ("bad_segment_header", None, header_seg, "bad magic"),
+        ("missing_segment", None, dead_seg, f"no file {name(dead_seg)}; 0 messages reference "
+                                            "it, it has an S record, MANIFEST.json lists it"),
+        ("missing_segment", None, deleted_seg, f"no file {name(deleted_seg)}; "
+         f"{len(by_seg[deleted_seg])} messages reference it, it has an S record, "
+         "MANIFEST.json lists it"),
+        ("missing_segment", None, ghost, f"no file {name(ghost)}; 0 messages reference it, "
+                                         "it has an S record"),
+    ])
+    assert audited == checked
