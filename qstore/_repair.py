@@ -77,7 +77,7 @@ def repair(core: Core, payload_dir: str) -> CheckReport:
         for entry in done:
             kinds[entry.kind] = kinds.get(entry.kind, 0) + 1
         log.warning("repair: %d actions (%s)", len(done),
-                    ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
+                    ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())))
     for entry in done:
         log.info("repair: %s", entry)
     return dataclasses.replace(report, repairs=tuple(done))
