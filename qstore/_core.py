@@ -17,6 +17,7 @@ number read-only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _states as states
+from ._address import SERVER_FILE
 from ._config import Config, checked_clock
 from ._durability import Syncer
 from ._errors import (
@@ -440,7 +442,16 @@ class Core(HotPaths):
                 self._journal_policy()
             self._drop_lost_tails()
             self._complete_found()
-            self.reserve.restore()
+            # Without its reserve (released by an earlier run on a full disk, and
+            # no room to make it again), pushes wait for space from the start:
+            # space_low lived in memory only, so after a restart pushes took the
+            # room back (a review).
+            self.space_low = not self.reserve.restore()
+            # This process holds the store: a server's file left in it (by one
+            # killed) names no server any more (its pid may live on in a container
+            # or be reused).
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(path, SERVER_FILE))
             self.syncer.start()
         # Last: a clock that tells of its moves wakes the blocked pops (_waits.py).
         self._unwatch_clock = watch(config.clock, self._clock_moved)
@@ -711,7 +722,7 @@ class Core(HotPaths):
             self._next_qid = max(self._next_qid, records.unpack(qnext, "qid")[1])
         self._load_queues()
         self.segments = self._load_segments()
-        self.reserve.restore()
+        self.space_low = not self.reserve.restore()
         if self.always:
             # The journal keys the database holds, for the checkpoints to delete
             # (an interrupted push may have written some it did not note).

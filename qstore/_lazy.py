@@ -53,10 +53,12 @@ class _LazyModule(types.ModuleType):
     names, so that every later read is a plain attribute lookup."""
 
     def __getattr__(self, name: str) -> Any:  # only for names not copied yet
-        module = sys.modules.get(self.__name__)
-        if module is None:
-            with _signals_held():
-                module = importlib.import_module(self.__name__)
+        # Through import_module even when sys.modules has it: one another thread is
+        # still importing is there already, half done, and import_module waits
+        # for it (a review). Only a first import holds back SIGINT.
+        first = self.__name__ not in sys.modules
+        with _signals_held() if first else contextlib.nullcontext():
+            module = importlib.import_module(self.__name__)
         self.__dict__.update(module.__dict__)
         return getattr(module, name)
 

@@ -368,8 +368,8 @@ def snapshot(store_path: str, dest: str, token_file: str | None) -> None:
             with open_target(store_path, token_file, tls=tls, cafile=cafile) as store:
                 store.snapshot(dest)
         except errors.StoreLocked as exc:
-            if exc.served:
-                raise
+            if exc.served and (exc.address is not None or server_answers(store_path)):
+                raise  # a server holds it (a socket file a killed one left says nothing)
             # It said "locked", although a view takes the same consistent snapshot
             # beside the writer (a newcomer's audit).
             with embedded.open_store(store_path, readonly=True, compactor=False) as view:

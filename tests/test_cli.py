@@ -209,6 +209,24 @@ def test_snapshot_of_a_store_another_process_writes(tmp_path) -> None:  # type: 
         assert snap.check().ok
 
 
+def test_snapshot_beside_a_writer_past_a_socket_a_killed_server_left(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Any qstore.sock made the fallback give up ("locked"), also one nothing
+    # answers on (a review).
+    import socket
+
+    path, dest = str(tmp_path / "s"), str(tmp_path / "snap")
+    with qstore.open(path, compactor=False) as store:
+        store.create_queue("q").push(b"x")
+        stale = socket.socket(socket.AF_UNIX)
+        stale.bind(os.path.join(path, "qstore.sock"))
+        stale.close()  # the file stays; nothing answers on it
+        r = subprocess.run([sys.executable, "-m", "qstore.cli", "snapshot", path, dest],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    with qstore.open(dest, readonly=True) as snap:
+        assert [m.payload for m in snap.queue("q").peek(1)] == [b"x"]
+
+
 @pytest.mark.parametrize("command", ["push", "pop", "peek", "stats", "queues", "compact",
                                      "snapshot", "audit", "backfill", "demo"])
 def test_every_command_has_help(runner: CliRunner, command: str) -> None:

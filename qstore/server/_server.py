@@ -220,8 +220,10 @@ class Server:
         # Tells a process that finds the store locked which server owns it, and
         # where to reach it: a TCP-only server leaves no socket in the store.
         try:
-            write_json_durably(self._server_file, {"address": self.listening_on,
-                                                   "pid": os.getpid()})
+            a = self.address  # a unix path made absolute: read from anywhere
+            address = f"unix://{os.path.abspath(a.path)}" if a.kind == "unix" \
+                else self.listening_on
+            write_json_durably(self._server_file, {"address": address, "pid": os.getpid()})
         except OSError as exc:  # a full disk: serve all the same, the file only helps
             log.warning("cannot write %s: %s", self._server_file, exc)
         log.info("qstore server listening on %s", self.listening_on)

@@ -179,23 +179,12 @@ def test_store_on_a_disk_with_no_byte_free_opens_to_ack_and_compact(small_disk: 
         assert view.queue("q").get(next(iter(kept))).payload == b"after"
 
 
-def test_pushes_on_a_full_disk_leave_the_reserve_to_acks_and_compaction(small_disk: str) -> None:
-    # A producer that pushes on while the disk is full (a server's, always)
-    # took the room the released reserve gave the metadata database: from
-    # then on every ack, pop and compaction failed until a file was deleted
-    # by hand (a fault audit). Pushes are now refused until the reserve is back.
-    path = os.path.join(small_disk, "s")
-    store = qstore.open(path, compactor=False, segment_max_bytes=SEGMENT)
-    q = store.create_queue("q")
-    kept: dict[int, bytes] = {}
-    for i in range(20):
-        bodies = [b"%d-%d-" % (i, j) + b"x" * 2000 for j in range(100)]
-        kept.update(zip(q.push_many(bodies), bodies, strict=True))
-    filler = os.path.join(small_disk, "filler")
-    _fill(filler)
+def _churn(q: qstore.Queue, kept: dict[int, bytes], tag: bytes) -> tuple[int, int]:
+    """A push, then a pop and its ack, over and over, until pushes were refused
+    many times and many acks went through; (refused pushes, acks)."""
     acked = refused = 0
-    for i in range(20_000):  # a push, then a pop and its ack, over and over
-        body = b"y%d-" % i + b"y" * 512
+    for i in range(20_000):
+        body = tag + b"%d-" % i + b"y" * 512
         try:
             kept[q.push(body)] = body
         except qstore.StorageError as exc:
@@ -210,10 +199,36 @@ def test_pushes_on_a_full_disk_leave_the_reserve_to_acks_and_compaction(small_di
             continue
         del kept[m.id]
         acked += 1
-        if refused > 50 and acked > 1000:
+        if refused > 50 and acked > 500:
             break
+    return refused, acked
+
+
+def test_pushes_on_a_full_disk_leave_the_reserve_to_acks_and_compaction(small_disk: str) -> None:
+    # A producer that pushes on while the disk is full (a server's, always)
+    # took the room the released reserve gave the metadata database: from
+    # then on every ack, pop and compaction failed until a file was deleted
+    # by hand (a fault audit). Pushes are now refused until the reserve is back.
+    path = os.path.join(small_disk, "s")
+    store = qstore.open(path, compactor=False, segment_max_bytes=SEGMENT)
+    q = store.create_queue("q")
+    kept: dict[int, bytes] = {}
+    for i in range(20):
+        bodies = [b"%d-%d-" % (i, j) + b"x" * 2000 for j in range(100)]
+        kept.update(zip(q.push_many(bodies), bodies, strict=True))
+    filler = os.path.join(small_disk, "filler")
+    _fill(filler)
+    refused, acked = _churn(q, kept, b"a")
     # Once pushes were refused, acks kept going: the reserve's room was theirs.
-    assert refused > 50 and acked > 1000, (refused, acked)
+    assert refused > 50 and acked > 500, (refused, acked)
+    # A restart before space is back, then the same: pushes make the reserve
+    # again before they take any room (its flag lived in memory only, and after
+    # a restart pushes took the room back; a review).
+    store.close()
+    store = qstore.open(path, compactor=False, segment_max_bytes=SEGMENT)
+    q = store.queue("q")
+    refused, acked = _churn(q, kept, b"b")
+    assert refused > 50 and acked > 500, (refused, acked)
     assert store.compact().bytes_freed > SEGMENT
     _assert_intact(store, kept)
     os.unlink(filler)  # space is back: pushes are taken again, in the same process

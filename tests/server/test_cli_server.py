@@ -247,6 +247,24 @@ def test_a_store_served_over_tcp_only_names_its_server(tmp_path: Any) -> None:
     assert served_address(path) is None
 
 
+def test_the_server_file_holds_an_absolute_address_and_goes_at_the_next_open(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    # A store served by a relative path wrote "unix://s/qstore.sock", which named
+    # nothing from another directory; and a file left by a killed server was
+    # believed whenever its pid existed (a container's pid 1, a reused pid).
+    monkeypatch.chdir(tmp_path)
+    with running("s") as srv:
+        with open(os.path.join("s", "qstore.server"), encoding="utf-8") as f:
+            address = json.load(f)["address"]
+        assert address == f"unix://{tmp_path / 's' / 'qstore.sock'}"
+        srv.proc.kill()  # SIGKILL: the file stays
+        srv.proc.wait(30)
+    with open(os.path.join("s", "qstore.server"), "w", encoding="utf-8") as f:
+        json.dump({"address": "tcp://127.0.0.1:1", "pid": os.getpid()}, f)  # a live pid
+    with qstore.open("s", compactor=False):
+        assert not os.path.exists(os.path.join("s", "qstore.server"))  # not a server's
+
+
 def test_queues_lists_through_a_server_address(tmp_path: Any) -> None:
     # Every other reading command took a server address; queues said "no store".
     with running(str(tmp_path / "s")) as srv:
