@@ -446,7 +446,7 @@ class Core(HotPaths):
             # no room to make it again), pushes wait for space from the start:
             # space_low lived in memory only, so after a restart pushes took the
             # room back (a review).
-            self.space_low = not self.reserve.restore()
+            self.space_low = not self.space_ok()
             # This process holds the store: a server's file left in it (by one
             # killed) names no server any more (its pid may live on in a container
             # or be reused).
@@ -722,7 +722,7 @@ class Core(HotPaths):
             self._next_qid = max(self._next_qid, records.unpack(qnext, "qid")[1])
         self._load_queues()
         self.segments = self._load_segments()
-        self.space_low = not self.reserve.restore()
+        self.space_low = not self.space_ok()
         if self.always:
             # The journal keys the database holds, for the checkpoints to delete
             # (an interrupted push may have written some it did not note).

@@ -86,8 +86,9 @@ class HotPaths:
     path: str
     reserve: SpaceReserve
     # True from the moment the disk had less free than the metadata database
-    # needs to reopen (the space reserve was released for it) until the
-    # reserve is back: pushes are refused meanwhile (check_push_space).
+    # needs to reopen (the space reserve was released for it), or an open found
+    # no room to make the reserve, until there is (space_ok): pushes are refused
+    # meanwhile (check_push_space).
     space_low: bool
     payload: SegmentSet
     meta: MetaDB
@@ -191,8 +192,7 @@ class HotPaths:
         deleted by hand (a fault audit). Pushes now wait for the reserve to be
         made again (or for room for it twice over), then go on by themselves.
         """
-        if self.reserve.restore() or free_bytes(self.path) >= (
-                space_to_open(os.path.join(self.path, "meta")) + 2 * RESERVE_BYTES):
+        if self.space_ok():
             self.space_low = False
             log.warning("free space is back: pushes are taken again")
             return
@@ -200,6 +200,12 @@ class HotPaths:
                            "until space is back (ack, delete or compact to free it)")
         err.errno = errno.ENOSPC
         raise err
+
+    def space_ok(self) -> bool:
+        """The space reserve is whole (made again here if there is room), or the disk
+        has room for it twice over (a filesystem that cannot make one)."""
+        return self.reserve.restore() or free_bytes(self.path) >= (
+            space_to_open(os.path.join(self.path, "meta")) + 2 * RESERVE_BYTES)
 
     def push_ready(self, q: QueueState, bodies: Sequence[bytes],
                    prios: Sequence[int | str]) -> list[int]:
