@@ -1269,8 +1269,13 @@ class Core(HotPaths):
 
         def add() -> None:
             if len(ks) < 512:  # a small queue's: no numpy (loaded on first use)
-                for value in vs:
-                    fid, _, length = records.message_ref(value)
+                for key, value in zip(ks, vs, strict=True):
+                    try:
+                        fid, _, length = records.message_ref(value)
+                    except Exception as exc:  # msgpack's errors have no common base
+                        # As message_refs says it (a raw FormatError reached purge).
+                        raise StorageError(f"message key {key.hex()}: undecodable record "
+                                           f"({exc})") from None
                     old = per.get(fid, (0, 0))
                     per[fid] = (old[0] + FRAME_SIZE + length, old[1] + 1)
                 ks.clear()

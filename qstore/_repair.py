@@ -202,11 +202,16 @@ def _retire_damaged(core: Core, report: CheckReport, check: Check,
     (``SegmentSet.retire_damaged``: its bytes kept, never listed again), then
     its ``S`` record goes. In that order: a crash between leaves an ``S``
     record of a missing file that nothing refers to, which the next repair
-    removes; the file is never deleted. Left: a file whose ``S`` record counts
-    live records (messages whose records were lost may be in it: a finding
-    stays), one a compaction pass names, one the payload journal holds records
-    of, and the active segment.
+    removes; the file is never deleted. Nothing is retired while a message
+    record does not decode or validate (it may refer to any segment). Left: a
+    file whose ``S`` record counts live records (messages whose records were
+    lost may be in it: a finding stays), one a compaction pass names, one the
+    payload journal holds records of, and the active segment.
     """
+    if any(f.kind == k.BAD_RECORD for f in report.findings):
+        # A record that does not decode or validate may name any segment and is
+        # counted in none: retire nothing while one is there (a review).
+        return
     headers = {f.file_id for f in report.findings
                if f.kind == k.BAD_SEGMENT_HEADER and f.file_id is not None}
     busy = {fid for fid, _ in check.journal} | set(check.segs) | set(check.late)

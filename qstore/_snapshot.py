@@ -113,9 +113,12 @@ def _write(core: Core, dest: str) -> None:
                 if fid in damaged:
                     # A view's damaged segment the writer retired since (a repair
                     # renamed it: nothing referred to it), and no pinned map of it.
-                    log.warning("segment %s is no longer in the store (retired by a "
-                                "repair): left out of the snapshot", name)
-                    continue
+                    # Left out, the view's S record of it made a snapshot that never
+                    # checked clean (a review): refused, the next view has neither.
+                    raise StorageError(
+                        f"segment {name} was retired by a repair after this read-only "
+                        "view opened, and the view's metadata still names it: open a "
+                        "new view and take the snapshot again") from exc
                 # A view's segment the writer deleted since the view opened: still the
                 # view's (pinned), so its bytes are written out as a copy.
                 try:

@@ -18,8 +18,9 @@ import pytest
 from click.testing import CliRunner
 
 import qstore
+from qstore._check import check_path
 from qstore.cli import main
-from qstore.meta import keys, new_batch, records
+from qstore.meta import MetaDB, keys, new_batch, records
 from tests.faults._inject import FaultyCalls
 from tests.queue._support import dump
 
@@ -247,6 +248,60 @@ def test_repair_of_a_cut_sealed_segment_sets_its_lost_messages_aside(store_path:
             "damaged payload: reference points past the end of the segment"] * 2
 
 
+def _retirable(store_path: str, clock: Any) -> str:
+    """A store whose damaged segment 3 no message refers to any more; its path."""
+    with qstore.open(store_path, clock=clock, compactor=False, segment_max_bytes=4096) as s:
+        s.create_queue("q").push_many([_payload(i) * 10 for i in range(40)])
+    seg = os.path.join(store_path, "payload", "0000000003.seg")
+    _flip_header(seg)
+    with qstore.open(store_path, clock=clock, compactor=False) as store:
+        store.check(repair=True)
+        store.queue("q").purge()
+        store.compact(threshold=0.0)
+    return seg
+
+
+def test_a_view_older_than_a_retirement_refuses_to_snapshot(
+        store_path: str, clock: Any, tmp_path: Any) -> None:
+    # The view's metadata still names the retired file: its snapshot left the file
+    # out and kept the S record, a snapshot that never checked clean (a review).
+    seg = _retirable(store_path, clock)
+    with qstore.open(store_path, readonly=True) as view:
+        with qstore.open(store_path, clock=clock, compactor=False) as store:
+            assert [r.kind for r in store.check(repair=True).repairs] == ["segment_retired"]
+        with pytest.raises(qstore.StorageError, match="retired by a repair"):
+            view.snapshot(str(tmp_path / "old"))
+        assert not os.path.exists(tmp_path / "old")  # nothing half made is left
+    assert not os.path.exists(seg)
+    with qstore.open(store_path, readonly=True) as view:  # a new view: clean
+        view.snapshot(str(tmp_path / "new"))
+    assert check_path(str(tmp_path / "new")).ok
+
+
+def test_no_segment_is_retired_while_a_message_record_is_unreadable(
+        store_path: str, clock: Any) -> None:
+    # Such a record may name the segment, and is counted in none: with its S
+    # record gone as well, the repair retired the file (a review, two faults).
+    seg = _retirable(store_path, clock)
+    with qstore.open(store_path, clock=clock, compactor=False) as store:
+        other = store.create_queue("r")
+        mid = other.push(b"x")
+        qid = store.core.queues["r"].qid
+    meta = MetaDB(os.path.join(store_path, "meta"), readonly=False, store_path=store_path)
+    try:
+        batch = new_batch()
+        batch.put(keys.message_key(qid, mid), b"\xc1garbage")
+        batch.delete(keys.segment_key(3))
+        meta.write(batch, sync=True)
+    finally:
+        meta.close()
+    with qstore.open(store_path, clock=clock, compactor=False) as store:
+        report = store.check(repair=True)
+        assert "segment_retired" not in [r.kind for r in report.repairs]
+        assert "bad_record" in report.by_kind()
+    assert os.path.exists(seg)
+
+
 def _flip_header(path: str) -> bytes:
     """Flip byte 5 of the segment file's header (its magic); the file's bytes after."""
     with open(path, "r+b") as f:
@@ -343,3 +398,22 @@ def test_a_retirement_that_fails_is_finished_by_the_next_repair(
         assert report.ok, report.findings
     with open(seg + ".damaged", "rb") as f:
         assert f.read() == damaged
+
+
+def test_purge_of_a_queue_with_an_undecodable_record_says_which(store_path: str,
+                                                                clock: Any) -> None:
+    # A small queue's purge decoded records one by one and let msgpack's own
+    # FormatError out (a review); a big one's said StorageError naming the key.
+    with qstore.open(store_path, clock=clock, compactor=False) as store:
+        mid = store.create_queue("q").push(b"x")
+        qid = store.core.queues["q"].qid
+    meta = MetaDB(os.path.join(store_path, "meta"), readonly=False, store_path=store_path)
+    try:
+        batch = new_batch()
+        batch.put(keys.message_key(qid, mid), b"\xc1garbage")
+        meta.write(batch, sync=True)
+    finally:
+        meta.close()
+    with qstore.open(store_path, clock=clock, compactor=False) as store, \
+            pytest.raises(qstore.StorageError, match=keys.message_key(qid, mid).hex()):
+        store.queue("q").purge()
