@@ -20,9 +20,10 @@ from click.testing import CliRunner
 import qstore
 from qstore._check import check_path
 from qstore.cli import main
-from qstore.meta import MetaDB, keys, new_batch, records
+from qstore.meta import keys, new_batch, records
 from tests.faults._inject import FaultyCalls
 from tests.queue._support import dump
+from tests.test_check import write_meta
 
 CRC = "damaged payload: record checksum mismatch"
 
@@ -287,14 +288,8 @@ def test_no_segment_is_retired_while_a_message_record_is_unreadable(
         other = store.create_queue("r")
         mid = other.push(b"x")
         qid = store.core.queues["r"].qid
-    meta = MetaDB(os.path.join(store_path, "meta"), readonly=False, store_path=store_path)
-    try:
-        batch = new_batch()
-        batch.put(keys.message_key(qid, mid), b"\xc1garbage")
-        batch.delete(keys.segment_key(3))
-        meta.write(batch, sync=True)
-    finally:
-        meta.close()
+    write_meta(store_path, puts={keys.message_key(qid, mid): b"\xc1garbage"},
+               deletes=[keys.segment_key(3)])
     with qstore.open(store_path, clock=clock, compactor=False) as store:
         report = store.check(repair=True)
         assert "segment_retired" not in [r.kind for r in report.repairs]
@@ -407,13 +402,7 @@ def test_purge_of_a_queue_with_an_undecodable_record_says_which(store_path: str,
     with qstore.open(store_path, clock=clock, compactor=False) as store:
         mid = store.create_queue("q").push(b"x")
         qid = store.core.queues["q"].qid
-    meta = MetaDB(os.path.join(store_path, "meta"), readonly=False, store_path=store_path)
-    try:
-        batch = new_batch()
-        batch.put(keys.message_key(qid, mid), b"\xc1garbage")
-        meta.write(batch, sync=True)
-    finally:
-        meta.close()
+    write_meta(store_path, puts={keys.message_key(qid, mid): b"\xc1garbage"})
     with qstore.open(store_path, clock=clock, compactor=False) as store, \
             pytest.raises(qstore.StorageError, match=keys.message_key(qid, mid).hex()):
         store.queue("q").purge()
