@@ -1272,10 +1272,11 @@ class Core(HotPaths):
                 for key, value in zip(ks, vs, strict=True):
                     try:
                         fid, _, length = records.message_ref(value)
-                    except Exception as exc:  # msgpack's errors have no common base
-                        # As message_refs says it (a raw FormatError reached purge).
-                        raise StorageError(f"message key {key.hex()}: undecodable record "
-                                           f"({exc})") from None
+                    except Exception:  # msgpack's errors have no common base
+                        # Raised as the bulk path raises it: StorageError naming the
+                        # key (a raw FormatError reached purge).
+                        records.decode_messages([key], [value])
+                        raise
                     old = per.get(fid, (0, 0))
                     per[fid] = (old[0] + FRAME_SIZE + length, old[1] + 1)
                 ks.clear()
