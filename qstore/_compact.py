@@ -245,6 +245,7 @@ class Compactor:
         if deleted:
             with core.settling:
                 core.reserve.restore()  # a full disk released it: space is back
+            core.space_tick()
         return CompactionResult(
             sealed=sealed,
             segments_read=tuple(sources),

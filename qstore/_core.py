@@ -46,6 +46,7 @@ from ._hot import JOURNAL_FLUSH_BYTES, HotPaths
 from ._migrate import mark_current_format, migrate_dedup
 from ._rate import TokenBucket
 from ._reserve import SpaceReserve, free_bytes
+from ._retry_log import RetryLog
 from ._seg_accounts import load_segments
 from ._txn import NO_EVENT_US, QueueState, Txn, apply_counts, plain_push
 from ._waits import sleep_time_of, watch
@@ -158,6 +159,12 @@ POINT_DELETES = 4096
 # this much free space, and the memtable is flushed after JOURNAL_FLUSH_BYTES
 # journaled (see Core._journal_policy).
 JOURNAL_MIN_FREE = 128 * 1024 * 1024
+
+# RocksDB's log is kept small (MetaDB.keep_log_small) while the disk has less
+# than LOG_TIGHT_FREE bytes free, in every durability mode, and may grow again
+# (to the 64 MiB write buffer) once it has LOG_ROOMY_FREE (see Core.watch_space).
+LOG_TIGHT_FREE = 256 * 1024 * 1024
+LOG_ROOMY_FREE = 512 * 1024 * 1024
 
 LOST_METADATA = "metadata is missing or empty next to existing payload segments"
 
@@ -403,6 +410,8 @@ class Core(HotPaths):
                                   f"remove {SNAPSHOT_MANIFEST} from the copy)")
         self.reserve = SpaceReserve(path)
         self.space_low = False
+        self._space_retries = RetryLog(log, "keeping the metadata log small on a nearly "
+                                       "full disk", config.sweep_interval)
         if not config.readonly:
             os.makedirs(path, exist_ok=True)
             self._writer_key = _claim_writer(path)
@@ -447,6 +456,8 @@ class Core(HotPaths):
             # space_low lived in memory only, so after a restart pushes took the
             # room back (a review).
             self.space_low = not self.space_ok()
+            self.space_tick()
+            self.syncer.on_tick = self.space_tick
             # This process holds the store: a server's file left in it (by one
             # killed) names no server any more (its pid may live on in a container
             # or be reused).
@@ -495,6 +506,43 @@ class Core(HotPaths):
         self.space_low = True  # the room left is for acks and compaction
         self.reserve.release(f"{doing} needs about {need} bytes free")
         return free_bytes(self.path) >= need
+
+    def watch_space(self) -> None:
+        """Keep RocksDB's log small while the disk is nearly full (any thread).
+
+        Called at open, by the sync thread at each interval (``interval`` and
+        ``always``), by the sweeper (every mode) and after a compaction pass.
+        Without it, a store that filled its disk with small operations had a
+        log several MiB larger than the space reserve, and once a write failed
+        the database could not be reopened: no ack, pop or compaction went
+        through until a file was deleted by hand (:meth:`MetaDB.keep_log_small`).
+        """
+        try:
+            free = free_bytes(self.path)
+        except OSError:
+            return
+        meta = self.meta
+        small = free < (LOG_ROOMY_FREE if meta.small_log else LOG_TIGHT_FREE)
+        if small == meta.small_log:
+            return
+        with self.lock:  # a reopen after a failed write replaces the database handle
+            if self.closed:
+                return
+            log.info("%s: %d bytes free: the metadata log is kept %s", self.path, free,
+                     "small" if small else "at its usual size again")
+            meta.keep_log_small(small)
+        if small:  # drop the log grown so far, while there is room (not under the lock)
+            meta.flush()
+
+    def space_tick(self) -> None:
+        """:meth:`watch_space` for a background thread: a failure (the flush, on a
+        full disk) is logged once per episode and tried again at the next tick."""
+        try:
+            self.watch_space()
+        except StorageError as exc:
+            self._space_retries.failed(exc)
+        else:
+            self._space_retries.worked()
 
     # -- opening --------------------------------------------------------------
 
@@ -705,6 +753,11 @@ class Core(HotPaths):
                                f"{failed}")
             err.errno = errno.ENOSPC
             raise err
+        with contextlib.suppress(OSError):
+            if free_bytes(self.path) < LOG_TIGHT_FREE:
+                # The disk filled faster than the watch looked: reopen with the
+                # small log (a failed database takes only the flag).
+                self.meta.keep_log_small(True)
         self.meta.reopen()
         self._reload()
         log.warning("metadata writes work again: the database was reopened after %s", failed)

@@ -87,6 +87,9 @@ class Syncer:
         self.on_synced: Callable[[], None] | None = None
         # always mode: called after each checkpoint tick (the core's journal policy)
         self.on_checkpoint: Callable[[], None] | None = None
+        # Called at each tick of the thread, before its sync or checkpoint (the
+        # core's watch of the free space; it logs its own failures).
+        self.on_tick: Callable[[], None] | None = None
 
     def wrote(self) -> None:
         """A batch was written (writer lock held)."""
@@ -186,6 +189,8 @@ class Syncer:
             self._kick.clear()
             if self._stop.is_set():
                 return
+            if self.on_tick is not None:
+                self.on_tick()
             if self.journal:
                 self.checkpoint()
             else:

@@ -205,6 +205,7 @@ class Store:
         interval = self.config.sweep_interval
         retries = RetryLog(log, "lease/delay sweep", interval)
         while not self._stop.wait(interval):
+            self._core.space_tick()
             try:
                 timers.promote_due(self._core)
                 retries.worked()

@@ -77,16 +77,42 @@ def storage_error(doing: str, exc: BaseException) -> StorageError:
 
 
 INFO_LOG_MAX_BYTES = 1024 * 1024  # RocksDB's info LOG rolls past this
+WRITE_BUFFER_BYTES = 64 * 1024 * 1024
+# The memtable size while the disk is nearly full (MetaDB.keep_log_small): the
+# write-ahead log, which a reopen after a failed write replays into a table
+# file and so needs about its size free, stays about this small.
+SMALL_WRITE_BUFFER_BYTES = 256 * 1024
+# The options that differ while the log is kept small, set at open and changed
+# on the open database (SetOptions):
+# - RocksDB sizes a memtable's arena blocks from the write buffer it was opened
+#   with (1 MiB for 64 MiB) and flushes a memtable whose allocation passes the
+#   write buffer: shrunk alone, it was flushed after every write (20,000 table
+#   files and a 5 MB MANIFEST for 20,000 single-key writes through rocksdict).
+# - Small memtables make many level-0 table files, and on a nearly full disk
+#   RocksDB cancels the compactions that would merge them ("not enough room"):
+#   at 20 of them it slowed writes, at 36 stopped them, and a flush (close()
+#   flushes) waited for that to clear, for good, as did a write (holding the
+#   GIL: the whole process). Kept small, the store may keep thousands.
+_LOG_OPTIONS = {
+    False: {"write_buffer_size": WRITE_BUFFER_BYTES, "arena_block_size": 1024 * 1024,
+            "level0_slowdown_writes_trigger": 20, "level0_stop_writes_trigger": 36},
+    True: {"write_buffer_size": SMALL_WRITE_BUFFER_BYTES, "arena_block_size": 32 * 1024,
+           "level0_slowdown_writes_trigger": 4000, "level0_stop_writes_trigger": 8000},
+}
 
 
-def _options(create: bool) -> Options:
+def _options(create: bool, small_log: bool = False) -> Options:
     opts = Options(raw_mode=True)
     opts.create_if_missing(create)
     opts.set_max_background_jobs(2)
     # Deleted index keys at a queue's head leave tombstones; bigger L0 files and
     # regular compaction keep seeks short (pops also seek from per-level heads
     # past the tombstones, see qstore/_heads.py).
-    opts.set_write_buffer_size(64 * 1024 * 1024)
+    log_options = _LOG_OPTIONS[small_log]
+    opts.set_write_buffer_size(log_options["write_buffer_size"])
+    opts.set_arena_block_size(log_options["arena_block_size"])
+    opts.set_level_zero_slowdown_writes_trigger(log_options["level0_slowdown_writes_trigger"])
+    opts.set_level_zero_stop_writes_trigger(log_options["level0_stop_writes_trigger"])
     # Every open moves the info LOG aside (LOG.old.<time>); on a full disk each
     # failed attempt would leave one more. Keep a few, and roll the LOG within an
     # open too: it grew without bound while a store stayed open (about 8 KB a
@@ -213,6 +239,7 @@ class MetaDB:
         self.writes = 0
         self._scratch: str | None = None  # a read-only open's private copy (see _open)
         self._opens = 1  # this handle's open count (see write_mark)
+        self.small_log = False  # see keep_log_small
         self._db = self._open(create=not readonly)
         self._wopts = WriteOptions()
         self._wopts_sync = WriteOptions()
@@ -222,7 +249,7 @@ class MetaDB:
         readonly = self.readonly
         access = AccessType.read_only() if readonly else AccessType.read_write()
         try:
-            return Rdict(self.path, _options(create), access_type=access)
+            return Rdict(self.path, _options(create, self.small_log), access_type=access)
         except Exception as exc:
             if not readonly and _locked(exc):
                 address = served_address(self._store_path)
@@ -503,6 +530,32 @@ class MetaDB:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(table)
+
+    def keep_log_small(self, small: bool) -> None:
+        """Keep the write-ahead log small (a nearly full disk), or let it grow again.
+
+        RocksDB writes every batch to its log, and drops a log only once the
+        memtable it backs is flushed, by default at 64 MiB. After a write fails
+        on a full disk, the database must be reopened, and the reopen replays
+        the log into a table file: it needs about the log's size free. A store
+        that filled its disk with small messages had a log of 15 MB on a 32 MiB
+        disk, far more than the 1 MiB space reserve gives back, and no ack,
+        pop or compaction could go through until a file was deleted by hand.
+        Small, the memtable is flushed (and its log dropped) every
+        :data:`SMALL_WRITE_BUFFER_BYTES`; the switch applies to the open
+        database at once (``SetOptions``: the next write flushes a memtable
+        already past the size) and to every reopen. The caller flushes now, while
+        there is room for the table file.
+        """
+        if small == self.small_log:
+            return
+        self.small_log = small
+        if self.failed is not None:
+            return  # the reopen that resumes writes opens with it
+        try:
+            self._db.set_options({k: str(v) for k, v in _LOG_OPTIONS[small].items()})
+        except Exception as exc:
+            raise storage_error("setting the metadata write buffer failed", exc) from None
 
     def flush(self) -> None:
         if self.failed is not None:
