@@ -29,8 +29,9 @@ COMPACTION_KEY = META + b"compaction"
 # storage when the batch holding this value was written (power-loss recovery).
 SYNCED_KEY = META + b"synced"
 # M backfill/<job id>: a bulk load whose rows are in (written by its ingestion,
-# with them) and whose rejects directory may still lack _SUCCESS; deleted once
-# it has one (docs/backfill.md).
+# with them). Deleted by the job itself once its rejects directory has _SUCCESS;
+# one a crash left is settled by the next backfill and kept until a rerun of that
+# job, refused once, deletes it (docs/backfill.md).
 BACKFILL_JOB = META + b"backfill/"
 
 

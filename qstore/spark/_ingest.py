@@ -26,9 +26,10 @@ each point leaves (docs/backfill.md):
 5. ``_SUCCESS`` is written in the rejects directory, the staging directory is
    removed (``cleaned``), and the job's marker is deleted: ``M backfill/<job>``,
    which the ingestion wrote with the rows. A crash before that leaves the
-   marker, and :func:`settle_loaded` (at the start of the next job) writes the
-   ``_SUCCESS`` the crashed one could not, and refuses a rerun of that job
-   (its rows are in).
+   marker: :func:`settle_loaded` (at the start of the next job, whichever it
+   is) writes the ``_SUCCESS`` the crashed one could not and keeps the marker,
+   settled, until a run of that same job, which it refuses once (its rows are
+   in) and deletes the marker then.
 
 Steps are also crash points for tests: with ``QSTORE_BACKFILL_CRASH_AT=<step>``
 in the environment the process SIGKILLs itself right after that step, and
@@ -63,6 +64,12 @@ JOB_FILE = "job.json"
 JOB_FORMAT = 1  # never change the meaning of 1
 SUCCESS_FILE = "_SUCCESS"
 CRASH_ENV = "QSTORE_BACKFILL_CRASH_AT"
+# The job marker M backfill/<job> (docs/meta-schema.md): [version, rows, rejects_dir,
+# fingerprint]. Version 1 as the ingestion writes it; version 2 once a later job has
+# settled it (written the _SUCCESS, reported it) and keeps it to refuse a rerun.
+MARKER_UNSETTLED = records.RECORD_VERSION  # never change the meaning of 1
+MARKER_SETTLED = records.RECORD_VERSION_2  # never change the meaning of 2
+MARKER_VERSIONS = (MARKER_UNSETTLED, MARKER_SETTLED)
 STEPS = ("reserved", "staged", "rejects_published", "moving", "moved", "ingested", "cleaned")
 # Test hook: called with the name of each step as it completes. None in normal use.
 step_hook: Callable[[str], None] | None = None
@@ -102,12 +109,18 @@ class AlreadyLoaded(QStoreError):
 
 
 def settle_loaded(store: Store, fingerprint: str | None) -> list[tuple[str, int]]:
-    """Finish what jobs that crashed after their ingestion left: each one's rejects
-    directory gets its ``_SUCCESS``, its marker goes. Returns (job id, rows
-    loaded) of each. Raises :class:`AlreadyLoaded` (after settling) if one of
-    them is the job ``fingerprint`` names: its rows are in the store, and a
-    rerun after a crash would load them twice (it is refused once: a second
-    run loads them again)."""
+    """Finish what jobs that crashed after their ingestion left, and refuse a rerun of one.
+
+    Each marker not settled yet gets its rejects directory's ``_SUCCESS`` and is
+    rewritten as settled (record version 2), so it is reported once. A marker
+    naming a job (a fingerprint) stays until a run of that job: other jobs may
+    run in between, and a rerun of the killed job must still be refused then.
+    A marker without one (a DataFrame source) is deleted: no run can be that
+    job. Returns (job id, rows loaded) of each marker settled now. Raises
+    :class:`AlreadyLoaded` (after settling, and deleting that job's marker) if
+    one is the job ``fingerprint`` names: its rows are in the store, and a rerun
+    after a crash would load them twice (it is refused once: a second run loads
+    them again)."""
     core = store.core
     with core.settling:
         core.check_writable()
@@ -115,15 +128,24 @@ def settle_loaded(store: Store, fingerprint: str | None) -> list[tuple[str, int]
         if not found:
             return []
         settled, same = [], None
+        puts: list[tuple[bytes, bytes]] = []
+        deletes: list[bytes] = []
         for key, raw in found:
             job_id = key[len(keys.BACKFILL_JOB):].decode("ascii", "replace")
-            _, rows, dest, mark = records.unpack(raw, "backfill job")
-            if isinstance(dest, str) and os.path.isdir(dest):
-                _write_success(dest)
-            settled.append((job_id, rows))
+            version, rows, dest, mark = records.unpack(raw, "backfill job", MARKER_VERSIONS)
+            if version == MARKER_UNSETTLED:
+                if isinstance(dest, str) and os.path.isdir(dest):
+                    _write_success(dest)
+                settled.append((job_id, rows))
             if fingerprint is not None and mark == fingerprint:
                 same = (job_id, rows, dest)
-        core.write_synced(deletes=[key for key, _ in found])
+                deletes.append(key)
+            elif mark is None:
+                deletes.append(key)
+            elif version == MARKER_UNSETTLED:
+                puts.append((key, records.pack([MARKER_SETTLED, rows, dest, mark])))
+        if puts or deletes:
+            core.write_synced(puts, deletes=deletes)
     if same is not None:
         job_id, rows, dest = same
         raise AlreadyLoaded(
@@ -299,7 +321,7 @@ def commit_job(store: Store, staging: str, loaded_digests: list[bytes] | None = 
             fsync_dir(payload_dir)
             step("moved")
             _ingest_locked(store, job, staging, (marker, records.pack(
-                [records.RECORD_VERSION, job.total("loaded"), rejects_dir(store, job),
+                [MARKER_UNSETTLED, job.total("loaded"), rejects_dir(store, job),
                  fingerprint])))
         except BaseException:
             landed = _landed(store, marker)
@@ -313,10 +335,10 @@ def commit_job(store: Store, staging: str, loaded_digests: list[bytes] | None = 
                     os.unlink(path)
                 _withdraw_segments(payload_dir, job)
             # Loaded (committed, and something after it raised): the rows are in, and
-            # the next job settles the marker (settle_loaded). Unknown (the database
-            # cannot be read): nothing is withdrawn; the rejects stay without
-            # _SUCCESS (marked) and the next read-write open deletes the segments if
-            # nothing refers to them.
+            # the marker stays for settle_loaded (the next job settles it, a rerun of
+            # this one is refused). Unknown (the database cannot be read): nothing is
+            # withdrawn; the rejects stay without _SUCCESS (marked) and the next
+            # read-write open deletes the segments if nothing refers to them.
             raise
         step("ingested")
     dest_dir = rejects_dir(store, job)
@@ -325,7 +347,7 @@ def commit_job(store: Store, staging: str, loaded_digests: list[bytes] | None = 
     shutil.rmtree(staging)
     fsync_dir(os.path.dirname(staging))
     step("cleaned")
-    # The marker last: a crash before this leaves it, for the next job to settle.
+    # The marker last: a crash before this leaves it, for settle_loaded.
     with store.core.settling:
         store.core.check_writable()
         store.core.write_synced(deletes=[marker])

@@ -22,7 +22,7 @@ import qstore
 from qstore._check import check_path
 from qstore._errors import StorageError
 from qstore.cli import main as qstore_cli
-from qstore.meta import MetaDB, keys
+from qstore.meta import MetaDB, keys, records
 from qstore.payload import _format as fmt
 from qstore.spark import _ingest
 from qstore.spark._bulk import PartitionLoader, PartitionPlan
@@ -618,6 +618,80 @@ def test_kill_at_every_step_leaves_none_or_all_of_the_rows(spark: Any, tmp_path:
     assert os.listdir(work / "staging") == []
     assert {b for _, _, b in drain(work, "q")} == loaded
     check_consistent(work)
+
+
+def _markers(store: Path) -> dict[str, list[Any]]:
+    """The backfill job markers in ``store``: job id -> decoded record."""
+    with qstore.open(store, readonly=True) as s:
+        return {key[len(keys.BACKFILL_JOB):].decode(): records.unpack(raw, "backfill job",
+                                                                      _ingest.MARKER_VERSIONS)
+                for key, raw in s.core.meta.scan(keys.BACKFILL_JOB,
+                                                 keys.prefix_end(keys.BACKFILL_JOB))}
+
+
+def test_a_rerun_after_a_kill_is_refused_even_when_another_job_ran_between(
+        spark: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    """Job A killed after its ingestion, then another job B, then A again (an audit):
+    B's start deleted A's marker with its own, so the rerun of A loaded every row a
+    second time and succeeded. B settles A (its rejects get ``_SUCCESS``) and keeps
+    its marker: the rerun is refused once, and each row is in the store once."""
+    src_a = write_parquet(tmp_path / "a.parquet", payload=[b"a%d" % i for i in range(20)]
+                          + [None], p=list(range(21)))
+    src_b = write_parquet(tmp_path / "b.parquet", payload=[b"b%d" % i for i in range(5)],
+                          p=list(range(5)))
+    store, image, work = tmp_path / "store", tmp_path / "image-staged", tmp_path / "work"
+
+    def keep_staged(step: str) -> None:
+        if step == "staged":
+            shutil.copytree(store, image)
+
+    monkeypatch.setattr(_ingest, "step_hook", keep_staged)
+    run_backfill(str(src_a), into=store, queue="q", priority_col="p", spark=spark)
+    monkeypatch.setattr(_ingest, "step_hook", None)
+    shutil.copytree(image, work)
+    (staging,) = (work / "staging").iterdir()
+    mark_a = _ingest.job_fingerprint(str(src_a), "parquet", "q",
+                                     ("payload", "p", None, None, None))
+    assert _commit_in_child(work, staging, "ingested", mark_a) == -signal.SIGKILL
+    (rejects_a,) = (work / "rejects").iterdir()
+    assert not (rejects_a / "_SUCCESS").exists()
+
+    assert run_backfill(str(src_b), into=work, queue="q", priority_col="p",
+                        spark=spark).loaded == 5
+    assert (rejects_a / "_SUCCESS").exists()  # B settled A's job...
+    assert [m[0] for m in _markers(work).values()] == [_ingest.MARKER_SETTLED]  # ...kept
+    check_consistent(work)  # a kept marker is no finding
+    with pytest.raises(_ingest.AlreadyLoaded, match="loaded its 20 rows"):
+        run_backfill(str(src_a), into=work, queue="q", priority_col="p", spark=spark)
+    assert _markers(work) == {}
+    assert check_consistent(work)["q"][0] == 25
+    bodies = [b for _, _, b in drain(work, "q")]
+    assert sorted(bodies) == sorted([b"a%d" % i for i in range(20)]
+                                    + [b"b%d" % i for i in range(5)])  # each once
+
+
+def test_settling_keeps_other_jobs_markers_once_settled_until_their_rerun(
+        tmp_path: Path) -> None:
+    """The marker's lifetime: a later job settles it once (``_SUCCESS``, reported,
+    version 2) and keeps it while the job it names has not run again; the rerun
+    deletes it and is refused; a marker naming no job (a DataFrame) goes at once."""
+    rejects = tmp_path / "rejects-a"
+    rejects.mkdir()
+    with qstore.open(tmp_path / "store", compactor=False) as s:
+        s.core.write_synced([
+            (keys.backfill_job_key("a"), records.pack([1, 7, str(rejects), "job-a"])),
+            (keys.backfill_job_key("df"), records.pack([1, 3, None, None])),
+        ])
+        assert sorted(_ingest.settle_loaded(s, "job-b")) == [("a", 7), ("df", 3)]
+        assert (rejects / "_SUCCESS").exists()
+        (rejects / "_SUCCESS").unlink()
+        assert _ingest.settle_loaded(s, None) == []  # settled: not again
+        assert not (rejects / "_SUCCESS").exists()
+        with pytest.raises(_ingest.AlreadyLoaded, match="job a: .* its 7 rows"):
+            _ingest.settle_loaded(s, "job-a")
+        assert _ingest.settle_loaded(s, "job-a") == []  # refused once
+        assert s.check().ok
+    assert _markers(tmp_path / "store") == {}
 
 
 def _segment_files(store: Path) -> list[str]:
