@@ -33,6 +33,9 @@ from ._lazy import lazy
 from ._numbers import plain_number
 from ._tables import add_plain_row, print_stats
 
+# serve --log-level: logging's numbers, without importing logging to start the CLI
+LOG_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+
 if TYPE_CHECKING:
     from . import _check, _demo, _snapshot, server
     from . import _core as embedded_core
@@ -636,17 +639,28 @@ def demo(directory: str, fresh: bool, messages: int, no_spark: bool) -> None:
 @click.option("--loop", "loop", type=click.Choice(list(LOOPS)), default="auto",
               show_default=True,
               help="The event loop: uvloop where installed (auto), or asyncio's own.")
+@click.option("--log-level", type=click.Choice(list(LOG_LEVELS)), default="info",
+              show_default=True,
+              help="Log lines at this level and above go to stderr, with time and level.")
 def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert: str | None,
           tls_key: str | None, metrics_port: int | None, max_payload_bytes: int | None,
           max_frame: int | None, max_connections: int, max_waiting: int,
-          durability: str, loop: str) -> None:
+          durability: str, loop: str, log_level: str) -> None:
     """Serve STORE to clients (qstore.connect) until SIGTERM or SIGINT.
 
     Prints "listening on ADDRESS" once clients can connect, then the event loop
     it runs on ("event loop: uvloop" or "event loop: asyncio"), then, with
-    --metrics-port, "metrics on URL".
+    --metrics-port, "metrics on URL". Logs go to stderr, one line each with its
+    time and level ("stopped" last, on a clean shutdown).
     See docs/server.md for operations and security.
     """
+    import logging
+
+    # Without a handler, Python printed only warnings and errors, bare: no time
+    # or level to tell damage from a nearly full disk in a service's journal,
+    # and no INFO line at all (repair actions, the log kept small).
+    logging.basicConfig(level=LOG_LEVELS[log_level], stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (tls_cert is None) != (tls_key is None):
         raise click.UsageError("give both --tls-cert and --tls-key, or neither")
     try:
@@ -687,6 +701,7 @@ def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert:
         try:
             server.serve(store, listen, token=token, ssl_context=ctx, limits=limits,
                          metrics_port=metrics_port, ready=ready, loop=loop)
+            logging.getLogger("qstore").info("qstore server stopped; closing %s", store_path)
         except BaseException:
             store.close()
             if not listened and not was_store:

@@ -274,3 +274,30 @@ def test_queues_lists_through_a_server_address(tmp_path: Any) -> None:
         r = CliRunner().invoke(main, ["queues", srv.address])
     assert r.exit_code == 0, r.output
     assert r.output.split() == ["a", "b"]
+
+
+def test_serve_logs_to_stderr_with_time_and_level(tmp_path: Any) -> None:
+    # Without a handler, Python printed only warnings and errors, bare (no time,
+    # no level), and dropped every INFO line (an audit of what operators see).
+    import re
+
+    store = str(tmp_path / "s")
+    srv = ServerProcess(store)
+    try:
+        assert srv.terminate() == 0
+        assert srv.proc.stderr is not None
+        lines = srv.proc.stderr.read().decode().splitlines()
+    finally:
+        srv.kill()
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+    assert re.fullmatch(stamp + r" INFO qstore\.server: qstore server listening on unix://.*",
+                        lines[0]), lines
+    assert re.fullmatch(stamp + r" INFO qstore: qstore server stopped; closing .*",
+                        lines[-1]), lines
+    quiet = ServerProcess(store, "--log-level", "warning")
+    try:
+        assert quiet.terminate() == 0
+        assert quiet.proc.stderr is not None
+        assert quiet.proc.stderr.read() == b""
+    finally:
+        quiet.kill()
