@@ -15,8 +15,8 @@ process-global one), served over HTTP by the library's own thread:
 - ``qstore_compaction_passes_total``, ``..._failed_passes_total``,
   ``..._messages_moved_total``, ``..._bytes_freed_total`` and
   ``..._seconds_total`` (the passes since the server opened the store);
-- ``qstore_leases_held`` (leases handed to open connections and not settled:
-  what goes back to ready if their clients go away).
+- ``qstore_leases_held`` (leases handed to open connections, not settled and
+  not run out: what goes back to ready if their clients go away).
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ class Server:
         self._ungreeted: dict[Connection, None] = {}  # in arrival order
         self._leases = book = LeaseBook(store.core.clock)
         if metrics is not None:
-            metrics.leases_held.set_function(lambda: len(book.owner))
+            metrics.leases_held.set_function(book.live)
         self._ending: set[asyncio.Task[None]] = set()
         self._inbox: list[_Request] = []
         self._round_due = False

@@ -199,3 +199,23 @@ def test_removing_parked_pops_in_any_order_keeps_lines_short_and_in_order() -> N
     for i in order[4_000:]:
         pops.remove(ws[i])
     assert pops.lines == {} and pops.count == 0 and pops.of(conn) == []
+
+
+def test_the_leases_held_gauge_counts_only_leases_not_run_out(tmp_path: Any) -> None:
+    # The book keeps a run-out receipt until its next sweep; the gauge counted
+    # them: 300 leases "held" for messages ready again (an observability audit).
+    clock = FakeClock()
+    with qstore.open(str(tmp_path / "s"), clock=clock) as store:
+        store.create_queue("q").push_many([b"%d" % i for i in range(5)])
+        book = LeaseBook(clock)
+        conn = Leases(book)
+        queue_op(store, conn, "pop_many", {"queue": "q", "n": 3, "lease": 1.0})
+        long = queue_op(store, conn, "pop", {"queue": "q", "lease": 10.0})
+        assert book.live() == 4
+        clock.advance(2.0)
+        assert book.live() == 1 and len(book.owner) == 4  # kept, not counted
+        queue_op(store, conn, "extend", {"queue": "q", "receipt": long[7], "lease": 30.0})
+        clock.advance(15.0)
+        assert book.live() == 1  # extended past the advance
+        queue_op(store, conn, "ack", {"queue": "q", "receipt": long[7]})
+        assert book.live() == 0
