@@ -66,6 +66,7 @@ from .payload import (
     SegmentSet,
     parse_segment_name,
     restore_records,
+    segment_name,
     viewing,
 )
 
@@ -449,6 +450,7 @@ class Core(HotPaths):
             if self.always:
                 self.syncer.on_checkpoint = self._journal_policy
                 self._journal_policy()
+            self._report_missing_segments(self._missing_segments())
             self._drop_lost_tails()
             self._complete_found()
             # Without its reserve (released by an earlier run on a full disk, and
@@ -896,12 +898,42 @@ class Core(HotPaths):
                     raise
                 if not missing or last:
                     # Still missing with fresh metadata: damage, which reads report.
+                    self._report_missing_segments(missing)
                     return
                 self.meta.close()
                 self.payload.refresh()
         except BaseException:
             self.payload.close()
             raise
+
+    def _missing_segments(self) -> list[int]:
+        """Segments the metadata has an S record of whose file is not there (a
+        damaged header is not missing: the payload names it in ``damaged``)."""
+        there = set(self.payload.file_ids()) | set(self.payload.damaged)
+        return sorted(fid for fid in self.segments if fid not in there)
+
+    def _report_missing_segments(self, missing: list[int]) -> None:
+        """Log each missing segment file once, with what the metadata says is in it.
+
+        Always damage: compaction deletes a segment's S record before its file,
+        so no crash leaves a record of a deleted file (a repair's retirement
+        aside: it renames the file first). Without this line an open said
+        nothing, and the first sign was a pop's dead letters (docs/faults.md).
+        """
+        for fid in missing:
+            live_bytes, count, _ = self.segments[fid]
+            path = os.path.join(self.path, "payload", segment_name(fid))
+            if count:
+                log.error("segment file %s is missing: the metadata says %d live message(s) "
+                          "(%d bytes) refer to it; reads of them raise Corruption, pops move "
+                          "them to the dead letters; `qstore check` reports them "
+                          "(missing_segment) and `qstore check --repair` moves them all to "
+                          "the dead letters", path, count, live_bytes)
+            else:
+                log.error("segment file %s is missing: no message refers to it, but the "
+                          "metadata still has its S record; `qstore check` reports it "
+                          "(missing_segment) and `qstore check --repair` removes the record",
+                          path)
 
     def _drop_lost_tails(self) -> None:
         """Forget messages whose payload bytes did not survive a power loss.
@@ -915,7 +947,7 @@ class Core(HotPaths):
         files = set(self.payload.file_ids())
         for fid, (_, _, end) in list(self.segments.items()):
             if fid not in files:
-                continue  # a missing segment is damage: reads raise, the audit reports it
+                continue  # missing (logged by the open) or a damaged header: reads raise
             valid = self.payload.segment_size(fid)
             if valid >= end:
                 continue

@@ -12,6 +12,7 @@ and the check names it.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -101,3 +102,33 @@ def test_a_damaged_segment_file_affects_only_its_own_messages(
         assert os.path.exists(path), f"{path} was deleted"
     with qstore.open(store_path, compactor=False) as store:  # and it opens again
         assert store.queue("q").stats().dead == len(ids) - len(readable)
+
+
+@pytest.mark.parametrize("acked", [False, True])
+@pytest.mark.parametrize("readonly", [False, True])
+def test_a_deleted_sealed_segment_is_logged_once_at_open_with_its_messages(
+        store_path: str, caplog: pytest.LogCaptureFixture, acked: bool, readonly: bool) -> None:
+    with qstore.open(store_path, compactor=False, segment_max_bytes=4096) as store:
+        q = store.create_queue("q")
+        q.push_many([(_body(i), 0) for i in range(100)])
+        if acked:  # the first sealed segments hold nothing live: dead, awaiting a pass
+            q.ack_many(q.pop_many(30))
+        seg = next(g for g in store.stats().segments if g.file_id == 2)
+    path = os.path.join(store_path, "payload", "0000000002.seg")
+    os.remove(path)
+
+    with caplog.at_level(logging.ERROR, logger="qstore"), \
+            qstore.open(store_path, compactor=False, readonly=readonly):
+        pass
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1, lines
+    (line,) = lines
+    assert path in line and "is missing" in line
+    if acked:
+        assert seg.live_count == 0
+        assert "no message refers to it" in line
+        assert "--repair` removes the record" in line
+    else:
+        assert seg.live_count > 0
+        assert f"{seg.live_count} live message(s) ({seg.live_bytes} bytes)" in line
+        assert "pops move them to the dead letters" in line
