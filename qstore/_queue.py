@@ -98,6 +98,44 @@ def _refuse_receiptless(item: object) -> None:
         raise no_receipt(item.id)
 
 
+class _Buried:
+    """The damaged messages one pop or peek moved to the dead letters, logged once
+    per segment and reason when the call ends (:meth:`report`).
+
+    One line a message made a lost segment file of the default size about
+    250,000 identical lines; each message is still logged at DEBUG, and its
+    dead-letter record keeps its own reason.
+    """
+
+    def __init__(self, queue: str) -> None:
+        self._queue = queue
+        # (file id, reason) -> [count, lowest id, highest id, the lowest id's error]
+        self._runs: dict[tuple[int, str], list[Any]] = {}
+
+    def add(self, mid: int, file_id: int, reason: str, exc: Corruption) -> None:
+        log.debug("queue %r: message %d moved to the dead letters: %s (%s)",
+                  self._queue, mid, reason, exc)
+        run = self._runs.get((file_id, reason))
+        if run is None:
+            self._runs[(file_id, reason)] = [1, mid, mid, exc]
+            return
+        run[0] += 1
+        if mid < run[1]:
+            run[1], run[3] = mid, exc
+        run[2] = max(run[2], mid)
+
+    def report(self) -> None:
+        for (fid, reason), (count, low, high, exc) in sorted(self._runs.items()):
+            if count == 1:
+                log.error("queue %r: message %d moved to the dead letters: %s (%s)",
+                          self._queue, low, reason, exc)
+            else:
+                log.error("queue %r: %d messages of segment %d moved to the dead letters: "
+                          "%s (ids %d to %d; the first: %s)", self._queue, count, fid,
+                          reason, low, high, exc)
+        self._runs.clear()
+
+
 def _iterate(items: object, what: str) -> Iterator[Any]:
     refuse_single_item(items, what)
     try:
@@ -407,6 +445,13 @@ class Queue:
                 got = self._pop_locked(n, lease)
 
     def _pop_locked(self, n: int, lease: float) -> list[Message]:
+        buried = _Buried(self._q.name)
+        try:
+            return self._pop_rounds(n, lease, buried)
+        finally:
+            buried.report()  # what was moved aside is committed, even if a round raised
+
+    def _pop_rounds(self, n: int, lease: float, buried: _Buried) -> list[Message]:
         # A loop, not recursion: each round that meets damaged heads moves them
         # aside (at least one) and pops again; a long run of them must not overflow.
         while True:
@@ -467,7 +512,8 @@ class Queue:
             except Corruption:
                 # Nothing was written: move the damaged ones aside and pop again
                 # (each round removes at least one, so this ends).
-                if not self._bury_damaged(q, ready_keys, core.records_of(q, ready_keys)):
+                if not self._bury_damaged(q, ready_keys, core.records_of(q, ready_keys),
+                                          buried):
                     raise
                 continue
             if plan is None:
@@ -479,12 +525,13 @@ class Queue:
             return out
 
     def _bury_damaged(self, q: QueueState, ready_keys: list[bytes],
-                      recs: list[records.MessageRecord]) -> list[bytes]:
+                      recs: list[records.MessageRecord], buried: _Buried) -> list[bytes]:
         """Move the ready messages among ``ready_keys`` whose payload is damaged to
         the dead letters, with the reason recorded (writer lock held); their keys.
 
         A damaged message at the head must never block its queue (contract
-        section 9). Its payload bytes stay where they are.
+        section 9). Its payload bytes stay where they are. Each one is added to
+        ``buried``, which the calling pop or peek logs once it ends.
         """
         core = self._core
         read = core.payload.read
@@ -496,14 +543,14 @@ class Queue:
             except Corruption as exc:
                 mid = keys.trailing_id(rkey)
                 reason = f"{records.DAMAGED_REASON}: {exc.reason}"
-                log.error("queue %r: message %d moved to the dead letters: %s (%s)",
-                          q.name, mid, reason, exc)
                 states.bury(txn, q, mid, rec, reason)
-                gone.append(rkey)
+                gone.append((rkey, mid, rec.file_id, reason, exc))
         if gone:
             core.commit(txn)
-            q.heads.removed(gone)
-        return gone
+            q.heads.removed([rkey for rkey, *_ in gone])
+            for _, mid, fid, reason, error in gone:  # committed: in the dead letters now
+                buried.add(mid, fid, reason, error)
+        return [rkey for rkey, *_ in gone]
 
     # -- ack / nack / extend --------------------------------------------------
 
@@ -665,17 +712,24 @@ class Queue:
         self._catch_up()
         with self._core.settling:
             q = self._maybe_promote()
-            want = n
-            while True:
-                ready_keys = q.heads.plan(self._core.meta, want).keys
-                try:
-                    return self._messages(q, ready_keys[:n])
-                except Corruption:
-                    recs = self._core.records_of(q, ready_keys)
-                    if not self._core.readonly:
-                        if not self._bury_damaged(q, ready_keys, recs):
-                            raise
-                        continue
+            buried = _Buried(q.name)
+            try:
+                return self._peek_rounds(q, n, buried)
+            finally:
+                buried.report()
+
+    def _peek_rounds(self, q: QueueState, n: int, buried: _Buried) -> list[Message]:
+        want = n
+        while True:
+            ready_keys = q.heads.plan(self._core.meta, want).keys
+            try:
+                return self._messages(q, ready_keys[:n])
+            except Corruption:
+                recs = self._core.records_of(q, ready_keys)
+                if not self._core.readonly:
+                    if not self._bury_damaged(q, ready_keys, recs, buried):
+                        raise
+                    continue
                 # A view cannot move them: it leaves them out, and looks further
                 # until it has n intact messages or the queue ends.
                 intact = [(k, rec) for k, rec in zip(ready_keys, recs, strict=True)

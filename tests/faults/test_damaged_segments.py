@@ -132,3 +132,36 @@ def test_a_deleted_sealed_segment_is_logged_once_at_open_with_its_messages(
         assert seg.live_count > 0
         assert f"{seg.live_count} live message(s) ({seg.live_bytes} bytes)" in line
         assert "pops move them to the dead letters" in line
+
+
+@pytest.mark.parametrize("call", ["pop_many", "peek"])
+def test_the_messages_of_a_deleted_segment_moved_aside_are_one_error_line_per_call(
+        store_path: str, caplog: pytest.LogCaptureFixture, call: str) -> None:
+    with qstore.open(store_path, compactor=False, segment_max_bytes=4096) as store:
+        ids = store.create_queue("q").push_many([(_body(i), 0) for i in range(100)])
+        counts = {g.file_id: g.live_count for g in store.stats().segments}
+    first, lost = counts[1], counts[2]
+    gone = ids[first:first + lost]  # segment 2's messages, in push order
+    os.remove(os.path.join(store_path, "payload", "0000000002.seg"))
+
+    with qstore.open(store_path, compactor=False) as store:
+        q = store.queue("q")
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="qstore"):
+            # 10 at a time: segment 2 is met over several rounds of the one call.
+            got = q.pop_many(10) if call == "pop_many" else q.peek(10)
+        moved = [r for r in caplog.records if "moved to the dead letters" in r.getMessage()]
+        errors = [r.getMessage() for r in moved if r.levelno == logging.ERROR]
+        assert len(errors) == 1, errors
+        assert (f"queue 'q': {lost} messages of segment 2 moved to the dead letters: "
+                f"damaged payload: segment file is missing (ids {gone[0]} to {gone[-1]}; "
+                in errors[0])
+        details = [r.getMessage() for r in moved if r.levelno == logging.DEBUG]
+        assert details == [f"queue 'q': message {mid} moved to the dead letters: damaged "
+                           f"payload: segment file is missing (corruption in "
+                           f"{store_path}/payload/0000000002.seg at offset 0: segment file "
+                           f"is missing)" for mid in gone]
+        assert [m.id for m in got] == [*ids[:first], *ids[first + lost:]][:10]
+        dead = q.dead_letters(100)
+        assert [m.id for m in dead] == gone
+        assert {m.dead_reason for m in dead} == {"damaged payload: segment file is missing"}
