@@ -122,8 +122,12 @@ class Compactor:
         self.passes = 0
         self.failed_passes = 0
         self.messages_moved = 0
-        self.bytes_freed = 0
+        self.bytes_freed = 0  # never decreases: each pass's bytes_freed is >= 0
         self.seconds = 0.0
+        # Output bytes written by passes that could not delete their sources yet (a
+        # read-only view was opening, or the pass failed once its repoint began):
+        # the pass that deletes those sources subtracts them from what it frees.
+        self._owed = 0
 
     # -- crash recovery on open -----------------------------------------------
 
@@ -246,6 +250,11 @@ class Compactor:
             with core.settling:
                 core.reserve.restore()  # a full disk released it: space is back
             core.space_tick()
+        # Never negative (CompactionResult): an output whose sources stay has freed
+        # nothing yet; it is owed by the pass that deletes them. A negative amount
+        # made the server's counter qstore_compaction_bytes_freed_total go down.
+        net = sum(size for _, size in deleted) - written - self._owed
+        self._owed = max(0, -net)
         return CompactionResult(
             sealed=sealed,
             segments_read=tuple(sources),
@@ -253,7 +262,7 @@ class Compactor:
             output=output,
             messages_moved=moved,
             bytes_copied=copied,
-            bytes_freed=sum(size for _, size in deleted) - written,
+            bytes_freed=max(0, net),
             seconds=time.perf_counter() - started,
         )
 
@@ -437,6 +446,7 @@ class Compactor:
             # them (a source is deleted only once nothing refers to it, and an
             # unlink that failed is retried: see _delete_dead_segments).
             self._carry = list(sources)
+            self._owed += written  # the output stays: owed by the pass that deletes them
             self._clear_record_quietly()
             raise
         left = [fid for fid in sources if core.segments.get(fid, [0, 0])[1]]

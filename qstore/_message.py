@@ -195,9 +195,18 @@ class StoreStats:
 class CompactionResult:
     """What one pass did.
 
-    ``bytes_copied`` counts the records rewritten (8-byte frames included);
-    ``bytes_freed`` is the size of the segment files deleted minus the size
-    of the output written, i.e. how much less disk the payload takes.
+    ``bytes_copied`` counts the records rewritten (8-byte frames included).
+    ``bytes_freed`` is how much less disk the payload takes: the size of the
+    segment files the pass deleted minus the size of the output it wrote, and
+    never negative. A pass that copies its sources but cannot delete them yet
+    (a read-only view was opening; or it failed once its repoint began) has
+    freed nothing: it reports 0, and the pass that deletes those sources also
+    subtracts that output. So, once no output is owed, the sum over a store's
+    passes is the disk they gave back, and a running total never decreases
+    (the server's ``qstore_compaction_bytes_freed_total`` is a Prometheus
+    counter). What is owed is kept by the open store: after a reopen, the pass
+    that deletes such sources counts their whole size. Neither the new active
+    segment a seal starts nor dead segments a failed pass deleted are counted.
     """
 
     sealed: int | None

@@ -14,7 +14,9 @@ process-global one), served over HTTP by the library's own thread:
   ``qstore_garbage_ratio`` (what compaction works on);
 - ``qstore_compaction_passes_total``, ``..._failed_passes_total``,
   ``..._messages_moved_total``, ``..._bytes_freed_total`` and
-  ``..._seconds_total`` (the passes since the server opened the store);
+  ``..._seconds_total`` (the passes since the server opened the store, read
+  from the store's compactor at each scrape; each pass's ``bytes_freed`` is
+  never negative, so that counter never goes down);
 - ``qstore_leases_held`` (leases handed to open connections, not settled and
   not run out: what goes back to ready if their clients go away).
 """

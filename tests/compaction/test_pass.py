@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ import pytest
 import qstore
 from qstore import _compact
 from qstore.meta import records
+from qstore.payload import _segments, _views
 from qstore.payload._format import HEADER_SIZE
 
 from ._support import (
@@ -187,6 +190,59 @@ def test_many_dead_segments_are_deleted_a_chunk_per_hold_of_the_writer_lock(
     assert [n for n, _ in held] == [4, 4, 2] and {d for _, d in held} == {1}
     assert not dead & set(files_on_disk(store))
     assert recount(store) == []
+    store.close()
+
+
+@pytest.mark.parametrize("why", ["view_opening", "failed_after_repoint"])
+def test_a_pass_that_cannot_delete_its_sources_frees_nothing_until_one_does(
+    store_path: str, clock: Any, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    # It reported minus its output, and the server added that to its Prometheus
+    # counter qstore_compaction_bytes_freed_total, which went down (an audit).
+    store = open_store(store_path, clock)
+    q, ids = four_per_segment(store, 13)  # 3 full sealed segments; the 13th is active
+    ack_only(q, ids, {mid for i, mid in enumerate(ids[:12]) if i % 4})  # 75% garbage
+    sources = sorted(fid for fid in files_on_disk(store)
+                     if fid != store.core.payload.active_id)
+    assert len(sources) == 3
+    disk_before = disk_bytes(store)
+    if why == "view_opening":
+        # A read-only view opening holds the views lock as the pass ends: its
+        # metadata may still refer to the sources, so they stay (no waiting here).
+        monkeypatch.setattr(_segments, "no_view_opening",
+                            functools.partial(_views.no_view_opening, wait=0.0))
+        opening = _views.viewing(os.path.join(store_path, "payload"))
+        assert opening.__enter__()
+        try:
+            first = store.compact(threshold=0.5)
+        finally:
+            opening.__exit__(None, None, None)
+        assert first.sealed is None and list(first.segments_read) == sources
+        assert first.output is not None and first.segments_deleted == ()
+        assert first.bytes_freed == 0
+        reported = [first.bytes_freed]
+    else:
+        def fail(step: str) -> None:
+            if step == "repointed":
+                raise OSError(5, "injected")
+
+        monkeypatch.setattr(_compact, "step_hook", fail)
+        with pytest.raises(qstore.StorageError):  # the output stays, the sources too
+            store.compact(threshold=0.5)
+        monkeypatch.setattr(_compact, "step_hook", None)
+        reported = []  # a failed pass returns no result
+    assert disk_bytes(store) > disk_before  # an output was written, nothing deleted
+    assert store.compactor is not None and store.compactor.bytes_freed == 0
+
+    second = store.compact(threshold=0.5)
+    assert sorted(second.segments_deleted) == sources and second.output is None
+    freed = disk_before - disk_bytes(store)
+    assert freed > 0
+    assert second.bytes_freed == freed  # the sources' size minus the first pass's output
+    reported.append(second.bytes_freed)
+    assert min(reported) >= 0 and sum(reported) == freed
+    assert store.compactor.bytes_freed == freed  # the server's counter: 0, then freed
+    assert [m.id for m in q.pop_many(10)] == [ids[i] for i in (0, 4, 8, 12)]
     store.close()
 
 
