@@ -445,84 +445,86 @@ class Queue:
                 got = self._pop_locked(n, lease)
 
     def _pop_locked(self, n: int, lease: float) -> list[Message]:
-        buried = _Buried(self._q.name)
+        buried: _Buried | None = None  # what damaged heads were moved aside, if any
         try:
-            return self._pop_rounds(n, lease, buried)
-        finally:
-            buried.report()  # what was moved aside is committed, even if a round raised
-
-    def _pop_rounds(self, n: int, lease: float, buried: _Buried) -> list[Message]:
-        # A loop, not recursion: each round that meets damaged heads moves them
-        # aside (at least one) and pops again; a long run of them must not overflow.
-        while True:
-            core = self._core
-            q = self._q
-            if q.deleted:
-                raise QueueNotFound(q.name)
-            now = core.clock()
-            now_us = keys.to_us(now)
-            if q.next_event_us <= now_us and not timers.promote(core, q, now_us):
-                # A large due backlog: the pass goes on in later calls; meanwhile no
-                # expired message at the head may be delivered.
-                timers.expire_head(core, q, now_us, n)
-            bucket = q.bucket
-            if bucket is not None:
-                n = min(n, bucket.available(now))
-                if n == 0:
-                    return []
-            heads = q.heads
-            head = heads.known_head() if n == 1 else None
-            if head is not None:  # the usual single pop: no plan, no seek
-                plan = None
-                ready_keys = [head]
-            else:
-                plan = heads.plan(core.meta, n)
-                ready_keys = plan.keys
-                if not ready_keys:
-                    return []
-            when = keys.to_us(now + lease)
-            deadline = when / 1e6  # the deadline the store keeps, to the microsecond
-            name, qid = q.name, q.qid
-            read = core.payload.read
-            recs = core.records_of(q, ready_keys)
-            try:  # costs nothing unless raised (Python 3.11): damage is the cold path
-                if len(recs) == 1:
-                    rkey, rec = ready_keys[0], recs[0]
-                    mid = keys.trailing_id(rkey)
-                    payload = read(rec)
-                    core.deliver_one(q, rkey, mid, rec, when)
-                    out = [_popped(qid, mid, name, rec, payload, deadline)]
-                elif q.hot_paths:
-                    payloads = core.payload.read_many(recs)  # all read before anything changes
-                    core.deliver_many(q, ready_keys, recs, when)
-                    out = [_popped(qid, keys.trailing_id(rkey), name, rec, payload, deadline)
-                           for rkey, rec, payload in zip(ready_keys, recs, payloads, strict=True)]
+            # A loop, not recursion: each round that meets damaged heads moves them
+            # aside (at least one) and pops again; a long run of them must not overflow.
+            while True:
+                core = self._core
+                q = self._q
+                if q.deleted:
+                    raise QueueNotFound(q.name)
+                now = core.clock()
+                now_us = keys.to_us(now)
+                if q.next_event_us <= now_us and not timers.promote(core, q, now_us):
+                    # A large due backlog: the pass goes on in later calls; meanwhile no
+                    # expired message at the head may be delivered.
+                    timers.expire_head(core, q, now_us, n)
+                bucket = q.bucket
+                if bucket is not None:
+                    n = min(n, bucket.available(now))
+                    if n == 0:
+                        return []
+                heads = q.heads
+                head = heads.known_head() if n == 1 else None
+                if head is not None:  # the usual single pop: no plan, no seek
+                    plan = None
+                    ready_keys = [head]
                 else:
-                    txn = Txn()
-                    out = []
-                    for rkey, rec in zip(ready_keys, recs, strict=True):
+                    plan = heads.plan(core.meta, n)
+                    ready_keys = plan.keys
+                    if not ready_keys:
+                        return []
+                when = keys.to_us(now + lease)
+                deadline = when / 1e6  # the deadline the store keeps, to the microsecond
+                name, qid = q.name, q.qid
+                read = core.payload.read
+                recs = core.records_of(q, ready_keys)
+                try:  # costs nothing unless raised (Python 3.11): damage is the cold path
+                    if len(recs) == 1:
+                        rkey, rec = ready_keys[0], recs[0]
                         mid = keys.trailing_id(rkey)
                         payload = read(rec)
-                        states.deliver(txn, q, rkey, mid, rec, when)
-                        out.append(_popped(qid, mid, name, rec, payload, deadline))
-                    txn.count(q, READY, -len(out))
-                    txn.count(q, INFLIGHT, len(out))
-                    txn.add_event(q, when)
-                    core.commit(txn)
-            except Corruption:
-                # Nothing was written: move the damaged ones aside and pop again
-                # (each round removes at least one, so this ends).
-                if not self._bury_damaged(q, ready_keys, core.records_of(q, ready_keys),
-                                          buried):
-                    raise
-                continue
-            if plan is None:
-                heads.took_head(ready_keys[0])
-            else:
-                heads.taken(plan)
-            if bucket is not None:
-                bucket.take(now, len(out))
-            return out
+                        core.deliver_one(q, rkey, mid, rec, when)
+                        out = [_popped(qid, mid, name, rec, payload, deadline)]
+                    elif q.hot_paths:
+                        payloads = core.payload.read_many(recs)  # all read before anything changes
+                        core.deliver_many(q, ready_keys, recs, when)
+                        out = [_popped(qid, keys.trailing_id(rkey), name, rec, payload,
+                                       deadline)
+                               for rkey, rec, payload in zip(ready_keys, recs, payloads,
+                                                             strict=True)]
+                    else:
+                        txn = Txn()
+                        out = []
+                        for rkey, rec in zip(ready_keys, recs, strict=True):
+                            mid = keys.trailing_id(rkey)
+                            payload = read(rec)
+                            states.deliver(txn, q, rkey, mid, rec, when)
+                            out.append(_popped(qid, mid, name, rec, payload, deadline))
+                        txn.count(q, READY, -len(out))
+                        txn.count(q, INFLIGHT, len(out))
+                        txn.add_event(q, when)
+                        core.commit(txn)
+                except Corruption:
+                    # Nothing was written: move the damaged ones aside and pop again
+                    # (each round removes at least one, so this ends).
+                    if buried is None:  # the cold path: a _Buried only when needed
+                        buried = _Buried(q.name)
+                    if not self._bury_damaged(q, ready_keys, core.records_of(q, ready_keys),
+                                              buried):
+                        raise
+                    continue
+                if plan is None:
+                    heads.took_head(ready_keys[0])
+                else:
+                    heads.taken(plan)
+                if bucket is not None:
+                    bucket.take(now, len(out))
+                return out
+        finally:
+            if buried is not None:
+                buried.report()  # what was moved aside is committed, even if a round raised
 
     def _bury_damaged(self, q: QueueState, ready_keys: list[bytes],
                       recs: list[records.MessageRecord], buried: _Buried) -> list[bytes]:
