@@ -18,7 +18,13 @@ process-global one), served over HTTP by the library's own thread:
   from the store's compactor at each scrape; each pass's ``bytes_freed`` is
   never negative, so that counter never goes down);
 - ``qstore_leases_held`` (leases handed to open connections, not settled and
-  not run out: what goes back to ready if their clients go away).
+  not run out: what goes back to ready if their clients go away);
+- ``qstore_connections_refused_total{reason}`` (connections the server closed
+  with an error: ``auth`` a wrong or missing token, ``protocol`` a bad
+  handshake or frame, ``busy`` over ``--max-connections``, ``error`` anything
+  else), ``qstore_waiting_pops`` (pops parked now),
+  ``qstore_queue_expired_total{queue}`` (messages a TTL ended) and
+  ``qstore_space_low`` (1 while pushes are refused on a nearly full disk).
 """
 
 from __future__ import annotations
@@ -55,12 +61,19 @@ class _StoreCollector(Collector):
                                   labels=["queue", "state"])
         size = GaugeMetricFamily("qstore_queue_bytes", "Payload bytes by queue",
                                  labels=["queue"])
+        expired = CounterMetricFamily("qstore_queue_expired", "Messages a TTL ended, by queue",
+                                      labels=["queue"])
         for q in stats.queues:
             for state in ("ready", "delayed", "in_flight", "dead"):
                 depth.add_metric([q.queue, state], getattr(q, state))
             size.add_metric([q.queue], q.bytes)
+            expired.add_metric([q.queue], q.expired)
         yield depth
         yield size
+        yield expired
+        yield GaugeMetricFamily("qstore_space_low",
+                                "1 while pushes are refused on a nearly full disk",
+                                value=1 if store.core.space_low else 0)
         syncer = store.core.syncer
         yield CounterMetricFamily("qstore_syncs", "Durability syncs (WAL and payload)",
                                   value=syncer.syncs)
@@ -99,6 +112,11 @@ class Metrics:
         self.leases_held = Gauge("qstore_leases_held",
                                  "Leases handed to open connections and not settled",
                                  registry=r)
+        self.refused = Counter("qstore_connections_refused",
+                               "Connections closed with an error (auth, protocol, busy, error)",
+                               ["reason"], registry=r)
+        self.waiting_pops = Gauge("qstore_waiting_pops", "Pops parked waiting for a message",
+                                  registry=r)
         r.register(_StoreCollector(store))
 
     def request(self, op: str, seconds: float, ok: bool) -> None:

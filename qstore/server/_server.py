@@ -62,6 +62,7 @@ from ._worker import InlineStore, StoreThread
 log = logging.getLogger("qstore.server")
 
 RELEASE_SLICE = 500  # leases of a closed connection given back per store call
+REFUSAL_LOG_SECONDS = 60.0  # a line per reason of connections closed with an error
 SLOW_OPS = frozenset({"compact", "snapshot", "check", "backfill"})
 # Named in the handshake: protocol version 1 gained ops over time (cancel, check,
 # backfill), and a client could not tell which a server takes (a cross-version
@@ -158,7 +159,12 @@ class Server:
         self._round_due = False
         self._in_round = False
         self._dirty: list[Connection] = []  # connections with answers gathered this round
-        self._waiting = WaitingPops(limits.max_waiting)
+        self._waiting = waiting = WaitingPops(limits.max_waiting)
+        if metrics is not None:
+            metrics.waiting_pops.set_function(lambda: waiting.count)
+        # reason -> (when its last line was logged, refusals since): one line a
+        # minute at most, so a flood of bad clients cannot fill the log.
+        self._refusals: dict[str, tuple[float, int]] = {}
         self._listening = False
         self._stopping = False  # shutdown() began
         self._checking = 0  # checks running (each holds the writer lock throughout)
@@ -305,8 +311,9 @@ class Server:
         ungreeted = self._ungreeted
         if len(self._conns) - len(ungreeted) >= self._max_connections:
             # Told why and closed once made (before that it has no transport).
-            conn.refusal = _error_frame(ServerBusy(
-                f"over the limit of {self._max_connections} connections"))
+            busy = f"over the limit of {self._max_connections} connections"
+            conn.refusal = _error_frame(ServerBusy(busy))
+            self._refused("busy", busy)
             return conn
         while len(ungreeted) >= self.limits.max_ungreeted:
             # The oldest connection still without a handshake makes room: a client
@@ -375,7 +382,26 @@ class Server:
     def failed(self, conn: Connection, exc: BaseException) -> None:
         if not isinstance(exc, QStoreError):
             log.error("connection failed", exc_info=exc)
+        reason = ("auth" if isinstance(exc, AuthenticationFailed)
+                  else "protocol" if isinstance(exc, ProtocolError) else "error")
+        self._refused(reason, str(exc))
         conn.close(_error_frame(exc))
+
+    def _refused(self, reason: str, why: str) -> None:
+        """Count a connection closed with an error, and log it: the first of each
+        reason at once, then one line a minute with how many came since. Before,
+        wrong tokens, bad frames and refusals over the limit were counted and
+        logged nowhere (an observability audit)."""
+        if self.metrics:
+            self.metrics.refused.labels(reason).inc()
+        now = time.monotonic()
+        last, since = self._refusals.get(reason, (-REFUSAL_LOG_SECONDS, 0))
+        if now - last < REFUSAL_LOG_SECONDS:
+            self._refusals[reason] = (last, since + 1)
+            return
+        self._refusals[reason] = (now, 0)
+        more = f" ({since} more since the last line)" if since else ""
+        log.warning("connection closed (%s): %s%s", reason, why, more)
 
     def lost(self, conn: Connection) -> None:
         if conn.hello_timer is not None:

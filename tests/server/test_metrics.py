@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import urllib.request
 from typing import Any
@@ -143,6 +144,76 @@ def test_unknown_ops_are_counted_under_one_label(tmp_path: Any) -> None:
     ops = {dict(labels).get("op") for name, labels in got if name == "qstore_requests_total"}
     assert ops == {"unknown"}
     assert got[("qstore_requests_total", (("op", "unknown"), ("outcome", "error")))] == 50
+
+
+def test_refused_connections_and_parked_pops_are_counted(tmp_path: Any) -> None:
+    # Wrong tokens, bad frames and refusals over the limit were counted and logged
+    # nowhere, and parked pops were not shown (an observability audit).
+    port = _free_port()
+    token = tmp_path / "token"
+    token.write_text("right")
+    with running(str(tmp_path / "store"), "--metrics-port", str(port), "--token-file",
+                 str(token), "--max-connections", "2") as srv:
+        with pytest.raises(qstore.AuthenticationFailed):
+            qstore.connect(srv.address, token="wrong").stats()
+        s = raw_socket(srv.address)
+        s.sendall(frame([1, 2, 3]))  # not the handshake map
+        assert read_frames(s, 1)[0][0] == 0  # an error frame, then the close
+        s.close()
+        with qstore.connect(srv.address, token="right") as a, \
+                qstore.connect(srv.address, token="right") as b:
+            with pytest.raises(qstore.ServerBusy):
+                qstore.connect(srv.address, token="right").stats()
+            q = a.create_queue("jobs")
+            got: list[Any] = []
+            waiter = threading.Thread(target=lambda: got.append(b.queue("jobs").pop(wait=60)))
+            waiter.start()
+            deadline = time.monotonic() + 30
+            while _scrape(port)[("qstore_waiting_pops", ())] != 1:  # parked, not timed
+                assert time.monotonic() < deadline
+            q.push(b"wake")
+            waiter.join(30)
+            assert got[0].payload == b"wake"
+            after = _scrape(port)
+        assert after[("qstore_waiting_pops", ())] == 0
+        for reason in ("auth", "protocol", "busy"):
+            assert after[("qstore_connections_refused_total", (("reason", reason),))] == 1
+        assert after[("qstore_space_low", ())] == 0
+        assert srv.terminate() == 0
+        assert srv.proc.stderr is not None
+        log = srv.proc.stderr.read().decode()
+    for reason in ("auth", "protocol", "busy"):
+        assert log.count(f"connection closed ({reason})") == 1, log
+
+
+def test_expired_messages_and_a_nearly_full_disk_show_in_the_metrics(tmp_path: Any) -> None:
+    from prometheus_client import generate_latest
+
+    from qstore.server._metrics import Metrics
+
+    from ..conftest import FakeClock
+
+    clock = FakeClock()
+    with qstore.open(str(tmp_path / "s"), clock=clock, compactor=False) as store:
+        q = store.create_queue("jobs", ttl=5.0)
+        q.push_many([b"a", b"b", b"c"])
+        q.push(b"kept", ttl=100.0)
+        metrics = Metrics(store)
+
+        def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            text = generate_latest(metrics.registry).decode()
+            return {(x.name, tuple(sorted(x.labels.items()))): x.value
+                    for family in text_string_to_metric_families(text)
+                    for x in family.samples}
+
+        expired = ("qstore_queue_expired_total", (("queue", "jobs"),))
+        assert scrape()[expired] == 0
+        clock.advance(6.0)
+        assert len(q) == 1  # the TTL ran out for three
+        assert scrape()[expired] == 3
+        assert scrape()[("qstore_space_low", ())] == 0
+        store.core.space_low = True  # what a full disk sets (tests/faults/test_disk_full.py)
+        assert scrape()[("qstore_space_low", ())] == 1
 
 
 def test_a_metrics_port_of_0_is_refused(tmp_path: Any) -> None:
