@@ -282,12 +282,27 @@ def publish_rejects(store: Store, staging: str, job: StagedJob) -> list[str]:
     if dest_dir is None or not names:
         return []
     os.makedirs(dest_dir, exist_ok=True)
-    out = []
-    for name in names:
-        dest = os.path.join(dest_dir, "part-" + name.removeprefix("rejects-"))
-        shutil.move(os.path.join(src, name), dest)  # a rename when on the same filesystem
-        out.append(dest)
-    fsync_dir(dest_dir)
+    out: list[str] = []
+    partial = None
+    try:
+        for name in names:
+            dest = os.path.join(dest_dir, "part-" + name.removeprefix("rejects-"))
+            # Across filesystems a move is a copy: under a hidden name first, which
+            # readers of the directory skip, then renamed. A copy cut short (a full
+            # disk) left a truncated Parquet file under the final name, beside the
+            # complete ones, in a job that said nothing was loaded (a Spark fault
+            # audit).
+            partial = os.path.join(dest_dir, "." + os.path.basename(dest) + ".partial")
+            shutil.move(os.path.join(src, name), partial)  # a rename on one filesystem
+            os.rename(partial, dest)
+            partial = None
+            out.append(dest)
+        fsync_dir(dest_dir)
+    except BaseException:
+        for path in ([partial] if partial else []) + out:  # the job fails: withdraw them
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -586,6 +587,24 @@ def test_kill_at_every_step_leaves_none_or_all_of_the_rows(spark: Any, tmp_path:
                 assert seg.active or seg.live_count > 0, (crash_at, seg)
         check_consistent(work)
         assert {b for _, _, b in drain(work, "q")} == outcome, crash_at
+
+    # A rejects move cut short (a copy across filesystems on a full disk) left a
+    # truncated Parquet file under its final name, beside the complete ones, in a
+    # job that said nothing was loaded (a Spark fault audit). Now nothing of it.
+    work = tmp_path / "rejects-cut"
+    shutil.copytree(tmp_path / "image-staged", work)
+
+    def cut_move(src: str, dst: str) -> None:
+        with open(dst, "wb") as f:
+            f.write(b"PAR1 cut short")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_ingest.shutil, "move", cut_move)
+    with qstore.open(work, compactor=False) as s, pytest.raises(OSError):
+        _ingest.commit_job(s, str(work / "staging" / staging.name))
+    monkeypatch.undo()
+    assert [os.listdir(d) for d in (work / "rejects").iterdir()] == [[]]
+    assert check_consistent(work)["q"][0] == len(old)
 
     # A crash after the ingestion, before _SUCCESS: the rejects directory looked
     # like one of a job that loaded nothing, and a rerun loaded every row twice
