@@ -130,12 +130,32 @@ def parts_from_json(text: str) -> list[FilePart]:
 def read_part(part: FilePart, columns: list[str]) -> Iterator[pa.RecordBatch]:
     """The part's rows as Arrow batches, in file then row order."""
     for path, indexes in part.groups:
-        f = pq.ParquetFile(path, memory_map=True)
         try:
-            yield from f.iter_batches(batch_size=BATCH_ROWS, row_groups=list(indexes),
-                                      columns=columns)
+            f = pq.ParquetFile(path, memory_map=True)
+        except Exception as exc:
+            raise _naming(exc, f"reading {path}") from exc
+        try:
+            groups = list(indexes)
+            try:
+                yield from f.iter_batches(batch_size=BATCH_ROWS, row_groups=groups,
+                                          columns=columns)
+            except Exception as exc:
+                raise _naming(exc, f"reading {path} (row groups {groups[0]}-{groups[-1]})"
+                              ) from exc
         finally:
             f.close()
+
+
+def _naming(exc: Exception, where: str) -> Exception:
+    """``exc`` again, its message led by the file it came from: a damaged source read
+    here said only "Corrupt snappy compressed data." (a Spark fault audit), where
+    Spark's own reader names the file."""
+    text = f"{where}: {exc}"
+    try:
+        named = type(exc)(text)
+    except Exception:
+        named = RuntimeError(text)
+    return named
 
 
 def run_part(staging: str, spec_json: str, part_json: str) -> tuple[int, str]:

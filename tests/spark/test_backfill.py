@@ -523,6 +523,28 @@ def test_bad_arguments_change_nothing(spark: Any, tmp_path: Path) -> None:
         assert s.queues() == []
 
 
+def test_a_damaged_source_file_is_named_in_the_error(spark: Any, tmp_path: Path) -> None:
+    # Read by the direct path, a damaged Parquet file among the sources failed the
+    # job with only "Corrupt snappy compressed data." (a Spark fault audit).
+    src = tmp_path / "src"
+    src.mkdir()
+    for k in range(3):
+        pq.write_table(pa.table({"payload": pa.array(
+            [b"payload-%d-%06d-" % (k, i) * 20 for i in range(3000)], pa.binary())}),
+            src / f"part-{k}.parquet", row_group_size=1000, compression="snappy")
+    damaged = src / "part-1.parquet"
+    data = bytearray(damaged.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 16):
+        data[i] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    store = tmp_path / "store"
+    with pytest.raises(Exception) as failed:
+        run_backfill(str(src), into=store, queue="q", spark=spark)
+    assert f"reading {damaged} (row groups" in str(failed.value)
+    with qstore.open(store, readonly=True) as s:  # nothing was loaded
+        assert s.queue("q").stats().total == 0
+
+
 # -- crash safety -------------------------------------------------------------------
 
 
