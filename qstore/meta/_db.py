@@ -224,10 +224,19 @@ def _locked(exc: Exception) -> bool:
 
 
 class MetaDB:
-    """The metadata database of one store."""
+    """The metadata database of one store.
 
-    def __init__(self, path: str, *, readonly: bool, store_path: str) -> None:
+    ``copy_of``: ``path`` is a private copy of that directory (:func:`private_copy`,
+    what a snapshot's readers open). Errors then name ``copy_of`` and its files,
+    never the copy: the copy is gone by the time anyone reads the message, and
+    its table files are links to ``copy_of``'s, so damage found through them is
+    damage of ``copy_of``.
+    """
+
+    def __init__(self, path: str, *, readonly: bool, store_path: str,
+                 copy_of: str | None = None) -> None:
         self.path = path
+        self.shown = copy_of if copy_of is not None else path  # the directory errors name
         self.readonly = readonly
         self._store_path = store_path
         # Why writes are refused (a failed write put RocksDB in its error state),
@@ -263,7 +272,7 @@ class MetaDB:
                 # On a read-only filesystem nothing can change under the view, so
                 # a private copy linking the same table files is the same database.
                 return self._open_copy(self.path)
-            raise _open_error(self.path, exc) from None
+            raise _open_error(self.path, exc, self.shown) from None
 
     def _failure(self, doing: str, exc: Exception) -> StorageError:
         err = storage_error(doing, exc)
@@ -305,14 +314,23 @@ class MetaDB:
             return Rdict(self._scratch, _options(False), access_type=AccessType.read_only())
         except Exception as exc:
             shutil.rmtree(self._scratch, ignore_errors=True)
-            raise _open_error(path, exc) from None
+            raise _open_error(self._scratch, exc, self.shown) from None
+
+    def _read_error(self, exc: Exception) -> StorageError | Corruption:
+        """A failed read's error, naming the files of :attr:`shown`, not of a private copy."""
+        text = str(exc)
+        if self._scratch is not None:
+            text = text.replace(self._scratch, self.path)
+        if self.shown != self.path:
+            text = text.replace(self.path, self.shown)
+        return _read_error(self.shown, Exception(text))
 
     def get(self, key: bytes) -> bytes | None:
         try:
             value: bytes | None = self._db.get(key)
             return value
         except Exception as exc:
-            raise _read_error(self.path, exc) from None
+            raise self._read_error(exc) from None
 
     def write_mark(self) -> tuple[int, int]:
         """A value that changes with every write to the database (and every reopen).
@@ -325,7 +343,7 @@ class MetaDB:
         try:
             seq: int = self._db.latest_sequence_number()
         except Exception as exc:
-            raise _read_error(self.path, exc) from None
+            raise self._read_error(exc) from None
         return self._opens, seq
 
     def multi_get(self, keys: list[bytes]) -> list[bytes | None]:
@@ -333,7 +351,7 @@ class MetaDB:
             values: list[bytes | None] = self._db[keys]  # type: ignore[index,assignment]
             return values
         except Exception as exc:
-            raise _read_error(self.path, exc) from None
+            raise self._read_error(exc) from None
 
     def write(self, batch: WriteBatch, *, sync: bool = False) -> None:
         if self.failed is not None:
@@ -410,7 +428,7 @@ class MetaDB:
                 last = item[0]
                 yield item
         except Exception as exc:
-            raise _read_error(self.path, exc) from None
+            raise self._read_error(exc) from None
         # rocksdict's item iterator ends quietly at a damaged block: step past the
         # last key it gave with an iterator whose status says whether it really ended.
         it = self._db.iter(ro)
@@ -471,7 +489,7 @@ class MetaDB:
         try:
             it.status()
         except Exception as exc:
-            raise _read_error(self.path, exc) from None
+            raise self._read_error(exc) from None
 
     def ingest(self, paths: list[str]) -> None:
         """Add SST files (see :class:`SstWriter`) in one atomic ingestion.
@@ -597,16 +615,27 @@ def _read_error(path: str, exc: Exception) -> StorageError | Corruption:
     return storage_error("metadata read failed", exc)
 
 
-def _open_error(path: str, exc: Exception) -> StorageError | Corruption:
-    """The error of a failed open: ``Corruption`` when RocksDB found damage."""
+def _open_error(path: str, exc: Exception, shown: str | None = None
+                ) -> StorageError | Corruption:
+    """The error of a failed open of ``path``: ``Corruption`` when RocksDB found damage.
+
+    ``shown``: the directory ``path`` is a private copy of. Damage is named in
+    it (the copy links its table files); any other failure names the copy too,
+    since what failed may be a write into the copy (its info log, in ``TMPDIR``).
+    """
+    shown = path if shown is None else shown
+    text = str(exc)
     if _corruption(exc):
-        return Corruption(path, 0, f"metadata is damaged: {exc}")
-    if "No such file" in str(exc) and os.path.exists(os.path.join(path, "CURRENT")):
+        return Corruption(shown, 0, f"metadata is damaged: {text.replace(path, shown)}")
+    if "No such file" in text and os.path.exists(os.path.join(path, "CURRENT")):
         # The database exists but a file it names is gone (its MANIFEST, a
         # table): damage, as the contract says for missing metadata. A view
         # racing the writer's deletion of a file retries on the same text.
-        return Corruption(path, 0, f"metadata is damaged: a file of the database is "
-                                   f"missing: {exc}")
+        return Corruption(shown, 0, f"metadata is damaged: a file of the database is "
+                                    f"missing: {text.replace(path, shown)}")
+    if shown != path:
+        return storage_error(f"cannot open metadata at {shown} through its private copy "
+                             f"{path}", exc)
     return storage_error(f"cannot open metadata at {path}", exc)
 
 

@@ -84,9 +84,11 @@ class Snapshot:
         }
         active = self.manifest.get("active_id")
         self.active_id: int | None = int(active) if active is not None else None
-        self._scratch = private_meta_copy(os.path.join(self.path, "meta"))
-        try:
-            self.meta = MetaDB(self._scratch, readonly=True, store_path=self.path)
+        meta_dir = os.path.join(self.path, "meta")
+        self._scratch = private_meta_copy(meta_dir)
+        try:  # errors name meta_dir's files, not the scratch copy that links them
+            self.meta = MetaDB(self._scratch, readonly=True, store_path=self.path,
+                               copy_of=meta_dir)
         except BaseException:
             shutil.rmtree(self._scratch, ignore_errors=True)
             raise

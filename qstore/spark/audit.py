@@ -19,7 +19,9 @@ Passes (docs/spark.md lists every check and finding kind):
 Outputs go to ``OUT`` (default ``SNAPSHOT/audit``): ``summary.json``,
 ``findings.parquet`` (one row per problem) and ``report.html``; a short
 summary is printed. Exit codes: 0 clean, 1 findings, 2 bad usage (including
-a path that is not a snapshot), 3 the audit could not complete.
+a path that is not a snapshot), 3 the audit could not complete, 5 the
+snapshot cannot be read (damaged metadata, met by the driver or by a task:
+:mod:`._task_errors`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from ._audit_merge import cross_task_overlaps, merge
 from ._index_hash import MASK
 from ._report import render_html, render_text
 from ._snapshot_view import ROWS_PER_PARTITION, Snapshot
+from ._task_errors import task_corruption
 
 SUMMARY_FORMAT = 1  # never change the meaning of 1
 MAX_SIZE_GROUPS = 1000  # (queue, priority) groups kept in summary.json
@@ -72,7 +75,8 @@ def run_audit(snapshot: str | os.PathLike[str], *, master: str | None = None,
     (``master`` or ``$QSTORE_SPARK_MASTER`` or ``local[2]``) and stopped at
     the end if it was not already running. ``quiet`` skips the printing;
     the text is in the result either way. Raises InvalidArgument if
-    ``snapshot`` is not a snapshot.
+    ``snapshot`` is not a snapshot, :class:`~qstore.Corruption` if its
+    metadata is damaged (also where only a Spark task reads it).
     """
     started = time.time()
     path = os.path.abspath(os.fspath(snapshot))  # executors resolve it, not our cwd
@@ -82,6 +86,13 @@ def run_audit(snapshot: str | os.PathLike[str], *, master: str | None = None,
     session, stop = _session(spark, master)
     try:
         passes = _spark_passes(session, path, facts)
+    except Exception as exc:
+        # Damaged metadata met by a task (keys only executors read): the snapshot
+        # cannot be read, as when the driver meets it, not a failed run.
+        damage = task_corruption(exc)
+        if damage is None:
+            raise
+        raise damage from None
     finally:
         if stop:
             session.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -21,11 +22,12 @@ from qstore.cli import main as qstore_cli
 from qstore.meta import MetaDB, keys, new_batch, records
 from qstore.payload._format import segment_name
 from qstore.payload._writer import SegmentWriter, create_segment_file
-from qstore.spark._audit_checks import FINDINGS_SCHEMA
+from qstore.spark._audit_checks import FINDINGS_SCHEMA, read_meta_facts
 from qstore.spark._audit_merge import cross_task_overlaps, merge
 from qstore.spark._audit_source import AUDIT_SCHEMA, audit_range
 from qstore.spark._scan import scan_snapshot
-from qstore.spark._snapshot_view import Snapshot, plan_ranges
+from qstore.spark._snapshot_view import SCRATCH_PREFIX, Snapshot, plan_ranges
+from qstore.spark._task_errors import task_corruption
 from qstore.spark.audit import AuditResult, run_audit
 from tests.conftest import FakeClock
 
@@ -468,3 +470,77 @@ def test_segment_findings_agree_with_the_check_word_for_word(spark: Any, tmp_pat
                                          "it has an S record"),
     ])
     assert audited == checked
+
+
+def test_damaged_metadata_only_tasks_read_exits_5_naming_the_snapshots_file(
+        spark: Any, tmp_path: Any) -> None:
+    """Bytes flipped in a block of the metadata table that only executors read (message
+    records; the driver's reads pass it by). The task's Corruption used to fail the
+    job: exit 3, "the audit could not complete", a Python traceback. Now it is exit
+    5 with the one-line message the check gives, naming the snapshot's table file,
+    not the reader's private scratch copy (deleted by the time anyone reads it)."""
+    path = str(tmp_path / "store")
+    with qstore.open(path, compactor=False) as store:
+        store.create_queue("jobs").push_many([(b"job %d" % i, i % 10) for i in range(2000)])
+    with qstore.open(path, compactor=False) as store:  # the reopen writes the table file
+        snap = store.snapshot(str(tmp_path / "snap"))
+    [sst] = glob.glob(os.path.join(snap, "meta", "*.sst"))
+    at = os.path.getsize(sst) * 3 // 10  # inside the message records' data blocks
+    with open(sst, "r+b") as f:
+        f.seek(at)
+        data = f.read(16)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in data))
+    with Snapshot(snap) as view:  # the driver's own reads meet no damage
+        read_meta_facts(view)
+        plan_ranges(view)
+    with pytest.raises(qstore.Corruption) as info:
+        run_audit(snap, spark=spark, out=str(tmp_path / "out"), quiet=True)
+    assert info.value.path == os.path.join(snap, "meta")
+    assert "metadata is damaged" in info.value.reason and sst in info.value.reason
+    assert SCRATCH_PREFIX not in str(info.value)
+    r = CliRunner().invoke(qstore_cli, ["audit", snap, "--out", str(tmp_path / "out")])
+    said, unwrapped = " ".join(r.output.split()), "".join(r.output.split())
+    assert r.exit_code == 5, r.output
+    assert "Traceback" not in said and "could not complete" not in said
+    assert sst in unwrapped and SCRATCH_PREFIX not in unwrapped
+    checked = CliRunner().invoke(qstore_cli, ["check", snap])
+    assert checked.exit_code == 5 and "metadata is damaged" in " ".join(checked.output.split())
+
+
+def test_damaged_metadata_the_driver_reads_names_the_snapshots_file(tmp_path: Any) -> None:
+    """A snapshot whose metadata is damaged where the driver reads it (before Spark):
+    the message named the reader's private scratch copy of meta/, not the snapshot."""
+    path = str(tmp_path / "store")
+    with qstore.open(path, compactor=False) as store:
+        store.create_queue("jobs").push_many([(b"job %d" % i, i % 10) for i in range(50)])
+    with qstore.open(path, compactor=False) as store:
+        snap = store.snapshot(str(tmp_path / "snap"))
+    [sst] = glob.glob(os.path.join(snap, "meta", "*.sst"))
+    with open(sst, "r+b") as f:  # the one data block: every read meets it
+        f.seek(100)
+        data = f.read(16)
+        f.seek(100)
+        f.write(bytes(b ^ 0xFF for b in data))
+    r = CliRunner().invoke(qstore_cli, ["audit", snap, "--out", str(tmp_path / "out")])
+    said, unwrapped = " ".join(r.output.split()), "".join(r.output.split())
+    assert r.exit_code == 5, r.output
+    assert "metadata is damaged" in said
+    assert sst in unwrapped and SCRATCH_PREFIX not in unwrapped
+
+
+def test_a_tasks_corruption_is_found_in_the_failed_jobs_text() -> None:
+    # What PySpark's PythonException (and a Py4JJavaError's Java text) carries: the
+    # task's traceback, then Spark's suffix; with retries, the last attempt is last.
+    def failure(path: str) -> str:
+        return ("An exception was thrown from the Python worker: Traceback (most recent "
+                "call last):\n  File \"x.py\", line 1, in _read\nqstore._errors.Corruption: "
+                f"corruption in {path} at offset 0: metadata is damaged: Corruption: block "
+                f"checksum mismatch in {path}/000009.sst offset 2954 size 3008\n SQLSTATE: 38000")
+    found = task_corruption(Exception(failure("/old/meta") + "\n" + failure("/s/meta")))
+    assert found is not None
+    assert (found.path, found.offset) == ("/s/meta", 0)
+    assert found.reason.endswith("in /s/meta/000009.sst offset 2954 size 3008")
+    assert task_corruption(Exception("Traceback ...\nqstore._errors.StorageError: disk")) is None
+    assert task_corruption(Exception("Traceback ...\nValueError: corruption in x at "
+                                     "offset 0: y")) is None

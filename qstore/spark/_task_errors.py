@@ -1,0 +1,40 @@
+"""The qstore error behind a failed Spark job, found in the failure's text.
+
+A Python task that raises fails the job, and the driver gets a Spark error
+(``PythonException``, or ``Py4JJavaError`` through the RDD API) whose text is
+the task's Python traceback; the exception itself stays in the executor. Its
+last line names the class as ``module.Class: message``, so a
+:class:`~qstore.Corruption` an executor met (damaged metadata in the part of a
+snapshot only executors read) is recognised by that line and raised again in
+the driver, where the command turns it into the exit code ``qstore check``
+gives (5) with its one-line message, instead of "the job failed" with the
+traceback.
+
+Why the text, and not a checksum pass over the metadata in the driver before
+Spark starts: rocksdict has no ``VerifyChecksum``, so the driver would have to
+read every key of the snapshot itself (the work the executors are there to
+share), and damage a task meets for any other reason (a table file unreadable
+on one executor's mount) would still fail the job. The line this reads is
+Python's own traceback format, which Spark passes on unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .._errors import Corruption
+
+# "qstore._errors.Corruption: corruption in PATH at offset N: REASON" (Corruption's message)
+_CORRUPTION_LINE = re.compile(
+    rf"^{re.escape(f'{Corruption.__module__}.{Corruption.__qualname__}')}: "
+    r"corruption in (?P<path>.+?) at offset (?P<offset>\d+): (?P<reason>.*?)\s*$",
+    re.MULTILINE)
+
+
+def task_corruption(exc: BaseException) -> Corruption | None:
+    """The :class:`~qstore.Corruption` a task raised to fail the job of ``exc``, or None."""
+    found = _CORRUPTION_LINE.findall(str(exc))
+    if not found:
+        return None
+    path, offset, reason = found[-1]  # Spark reports the last attempt's failure last
+    return Corruption(path, int(offset), reason)
