@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .._errors import Corruption, InvalidArgument
+from .._errors import Corruption, InvalidArgument, StorageError
 from .._seg_accounts import covered_ids
 from .._snapshot import read_manifest
 from ..meta import MetaDB, keys, private_copy, records
@@ -226,14 +226,29 @@ def private_meta_copy(meta_dir: str) -> str:
     """A new private directory that RocksDB can open read-only as ``meta_dir``
     (:func:`qstore.meta.private_copy`), named after this process so that the
     next reader can remove it if this one dies (:func:`remove_stale_scratch`).
-    Raises InvalidArgument if ``meta_dir`` is not a directory.
+    Raises InvalidArgument if ``meta_dir`` is not a directory, StorageError
+    (with the errno) if it cannot be listed or, the usual case, if the copy
+    cannot be made in the temporary directory (``TMPDIR`` full, missing,
+    read-only): the snapshot is not at fault then, and the message says so.
     """
     remove_stale_scratch()
     try:
         return private_copy(meta_dir, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
     except OSError as exc:
-        raise InvalidArgument(f"{os.path.dirname(meta_dir)} is not a qstore snapshot: "
-                              f"cannot list {meta_dir} ({exc.strerror})") from None
+        if not os.path.isdir(meta_dir):
+            raise InvalidArgument(f"{os.path.dirname(meta_dir)} is not a qstore snapshot: "
+                                  f"cannot list {meta_dir} ({exc.strerror})") from None
+        if exc.filename is not None and os.path.abspath(exc.filename) == \
+                os.path.abspath(meta_dir):
+            err = StorageError(f"cannot list {meta_dir}: {exc.strerror}")
+        else:
+            err = StorageError(
+                f"cannot make the private copy of {meta_dir} that a snapshot's readers "
+                f"open, in the temporary directory {tempfile.gettempdir()} (TMPDIR): "
+                f"{exc.strerror} (errno {exc.errno}); give TMPDIR room or another "
+                "directory (a few KiB per reader)")
+        err.errno = exc.errno
+        raise err from None
 
 
 def remove_stale_scratch(directory: str | None = None) -> list[str]:

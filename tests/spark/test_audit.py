@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -544,3 +547,48 @@ def test_a_tasks_corruption_is_found_in_the_failed_jobs_text() -> None:
     assert task_corruption(Exception("Traceback ...\nqstore._errors.StorageError: disk")) is None
     assert task_corruption(Exception("Traceback ...\nValueError: corruption in x at "
                                      "offset 0: y")) is None
+
+
+def _audit_with_tmpdir(snap: str, tmpdir: str, out: str,
+                       monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(tempfile, "tempdir", tmpdir)  # what TMPDIR sets at start-up
+    return CliRunner().invoke(qstore_cli, ["audit", snap, "--out", out])
+
+
+def test_an_unusable_tmpdir_is_a_storage_error_naming_it_not_a_bad_snapshot(
+        clean_snap: Snap, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Readers copy meta/'s small files into TMPDIR; it failing said "SNAP is not a
+    # qstore snapshot: cannot list SNAP/meta" and exited 2, about an intact snapshot.
+    gone = str(tmp_path / "no-such-tmpdir")
+    monkeypatch.setattr(tempfile, "tempdir", gone)
+    with pytest.raises(qstore.StorageError) as info:
+        Snapshot(clean_snap.path)
+    assert info.value.errno == errno.ENOENT and gone in str(info.value)
+    r = _audit_with_tmpdir(clean_snap.path, gone, str(tmp_path / "out"), monkeypatch)
+    said = "".join(r.output.split())
+    assert r.exit_code == 5, r.output
+    assert "notaqstoresnapshot" not in said and f"{gone}(TMPDIR)" in said
+
+
+def test_a_full_tmpdir_is_enospc_naming_it_exit_5(
+        clean_snap: Snap, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    mnt = str(tmp_path / "mnt")
+    os.mkdir(mnt)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mnt],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        fd = os.open(os.path.join(mnt, "filler"), os.O_WRONLY | os.O_CREAT)
+        with contextlib.suppress(OSError):  # ENOSPC: full
+            while True:
+                os.write(fd, b"\0" * 4096)
+        os.close(fd)
+        r = _audit_with_tmpdir(clean_snap.path, mnt, str(tmp_path / "out"), monkeypatch)
+    finally:
+        subprocess.run(["umount", "-l", mnt], capture_output=True, check=False)
+    said, unwrapped = " ".join(r.output.split()), "".join(r.output.split())
+    assert r.exit_code == 5, r.output
+    assert "not a qstore snapshot" not in said and "No space left on device" in said
+    assert f"{mnt}(TMPDIR)" in unwrapped and "errno28" in unwrapped
+    assert check_path(clean_snap.path).ok  # the snapshot itself is intact
