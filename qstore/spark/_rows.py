@@ -46,7 +46,8 @@ class LoadSpec:
     dedup_col: str | None = None
     ttl_col: str | None = None
     default_ttl: float | None = None  # the queue's TTL: rows without one of their own get it
-    malformed_col: str | None = None  # a CSV source: each malformed line's text, else null
+    malformed_col: str | None = None  # a CSV or JSON source: each malformed line's text
+    malformed_format: str = "CSV"  # the source's format, as a malformed line's reason names it
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -296,7 +297,8 @@ def parse(batch: pa.RecordBatch, spec: LoadSpec) -> Rows:
 
     malformed = col(spec.malformed_col)
     if malformed is not None and malformed.null_count < n:  # first: the reason reported
-        why = f"malformed CSV line (its text is in column {spec.malformed_col!r})"
+        why = (f"malformed {spec.malformed_format} line (its text is in column "
+               f"{spec.malformed_col!r})")
         for i in np.flatnonzero(malformed.is_valid().to_numpy(zero_copy_only=False)).tolist():
             _reject(reasons, i, why)
     data, offsets = _payloads(batch.column(spec.payload_col), spec.max_payload_bytes, reasons)

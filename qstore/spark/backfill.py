@@ -301,6 +301,7 @@ class _Job:
         self.df, self.malformed_col = _read(spark, source, fmt,
                                             [c for c in text if c is not None],
                                             [c for c in exact if c is not None])
+        self.malformed_format = fmt.upper()  # what a malformed line's reject reason names
         self.paths = _paths(source) if fmt == "parquet" else None
         self.fingerprint = _ingest.job_fingerprint(source, fmt, queue, columns)
         self.explicit_options = explicit_options
@@ -333,7 +334,7 @@ class _Job:
                 payload_col=self.payload_col, priority_col=self.priority_col,
                 delay_col=self.delay_col, dedup_col=self.dedup_col, ttl_col=self.ttl_col,
                 default_ttl=store.core.queues[self.queue].rec.ttl,
-                malformed_col=self.malformed_col)
+                malformed_col=self.malformed_col, malformed_format=self.malformed_format)
             selected = self.df.select(*[_quoted(c) for c in spec.columns()])
             t = time.perf_counter()
             files = None
@@ -347,7 +348,7 @@ class _Job:
                 job = self._write_files(selected, files, spec, staging, plans)
                 self.phases.append(("write", time.perf_counter() - t))
             else:
-                with _static_partitions(self.spark, csv=self.malformed_col is not None):
+                with _static_partitions(self.spark, csv=self.malformed_format == "CSV"):
                     plans = self._plan(selected, spec, staging)
                     self.phases.append(("count", time.perf_counter() - t))
                     t = time.perf_counter()
@@ -655,6 +656,34 @@ def _csv_source(reader: Any, df: Any, paths: Any, text_cols: list[str]) -> tuple
     return reader.schema(schema).option("columnNameOfCorruptRecord", name).load(paths), name
 
 
+def _json_source(spark: Any, reader: Any, df: Any, paths: Any,
+                 text_cols: list[str]) -> tuple[Any, str]:
+    """``df`` (read by the JSON ``reader`` with inferred types) read again with
+    ``text_cols`` as strings and a column that holds each malformed line, as
+    :func:`_csv_source` does for CSV.
+
+    A line that does not parse as JSON was loaded in Spark's PERMISSIVE mode
+    with every column null: a reject "payload: null", its text lost. The
+    inference's own column for such lines (``_corrupt_record``, Spark's
+    ``spark.sql.columnNameOfCorruptRecord``) is left out; the returned column
+    (``malformed_line``, with ``_`` added while a source key has that name)
+    takes the text, and the job rejects the line as "malformed JSON line".
+    """
+    from pyspark.sql import types as T
+
+    inferred_corrupt = spark.conf.get("spark.sql.columnNameOfCorruptRecord", "_corrupt_record")
+    fields = [f for f in df.schema.fields
+              if not (f.name == inferred_corrupt and isinstance(f.dataType, T.StringType))]
+    name = MALFORMED_COL
+    while name in [f.name for f in fields]:
+        name += "_"
+    schema = T.StructType([
+        *(T.StructField(f.name, T.StringType(), True) if f.name in text_cols else f
+          for f in fields), T.StructField(name, T.StringType(), True)])
+    # A given schema: no second inference.
+    return reader.schema(schema).option("columnNameOfCorruptRecord", name).load(paths), name
+
+
 def _fractional(df: Any, cols: list[str]) -> list[str]:
     """Those of ``cols`` in ``df`` whose inferred type is a float or a decimal."""
     from pyspark.sql import types as T
@@ -727,7 +756,7 @@ def _cores(spark: Any) -> int:
 def _read(spark: Any, source: Any, fmt: str, text_cols: list[str] | None = None,
           int_cols: list[str] | None = None) -> tuple[Any, str | None]:
     """The source as a DataFrame, and the name of its malformed-line column (CSV
-    files; None otherwise).
+    and JSON files; None otherwise).
 
     Spark infers the types of CSV and JSON files. A CSV file's ``text_cols``
     are read as text whatever they look like. ``int_cols`` inferred as float
@@ -751,10 +780,11 @@ def _read(spark: Any, source: Any, fmt: str, text_cols: list[str] | None = None,
             fractional = _fractional(df, int_cols or [])
             if fmt == "csv":
                 return _csv_source(reader, df, paths, [*(text_cols or []), *fractional])
-            if fmt == "json" and fractional:
-                # Only those: JSON has types, and a payload or key column of the wrong
-                # one (an object, a number) stays a usage error (_check_schema).
-                return reader.schema(_text_schema(df, fractional)).load(paths), None
+            if fmt == "json":
+                # Only the fractional ones as text: JSON has types, and a payload or key
+                # column of the wrong one (an object, a number) stays a usage error
+                # (_check_schema).
+                return _json_source(spark, reader, df, paths, fractional)
             if fmt == "parquet":
                 df = _widened(reader, df, paths)
             return df, None

@@ -296,6 +296,30 @@ def test_csv_malformed_lines_are_rejected_not_loaded(spark: Any, tmp_path: Path)
         "malformed CSV line (its text is in column 'malformed_line_')"}
 
 
+def test_json_malformed_lines_are_rejected_with_their_text(spark: Any, tmp_path: Path) -> None:
+    # A line that does not parse was loaded in PERMISSIVE mode with every column
+    # null: rejected as "payload: null", its text lost (CSV kept it; a review).
+    src = tmp_path / "src.json"
+    cut = '{"payload": "important order 42", "priority": 9, '
+    src.write_text(
+        '{"payload": "a", "priority": 5, "malformed_line": "mine"}\n'
+        f"{cut}\n"
+        "not json at all\n"
+        '{"payload": "b", "priority": 8}\n', encoding="utf-8")
+    store, rejects = tmp_path / "store", tmp_path / "rejects"
+    run = backfill_cli(src, "--format", "json", "--queue", "q", "--priority-col", "priority",
+                       "--into", store, "--rejects", rejects)
+    assert run.exit_code == 1, run.output
+    assert [(p, b) for _, p, b in drain(store, "q")] == [(8, b"b"), (5, b"a")]
+    table = spark.read.parquet(str(rejects)).orderBy("source_row").collect()
+    assert [r["source_row"] for r in table] == [1, 2]
+    # A source key already has the name: the job's column takes a "_" more.
+    assert [r["malformed_line_"] for r in table] == [cut, "not json at all"]
+    assert {r["reject_reason"] for r in table} == {
+        "malformed JSON line (its text is in column 'malformed_line_')"}
+    assert "_corrupt_record" not in table[0].asDict()
+
+
 def test_dedup_rejects_rows_matching_live_messages_or_earlier_rows(spark: Any,
                                                                     tmp_path: Path) -> None:
     store = tmp_path / "store"
