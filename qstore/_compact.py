@@ -246,15 +246,16 @@ class Compactor:
         if sources:
             output, moved, copied, written, more = self._compact(sources, progress)
             deleted.extend(more)
+        # Never negative (CompactionResult): an output whose sources stay has freed
+        # nothing yet; it is owed by the pass that deletes them. A negative amount
+        # made the server's counter qstore_compaction_bytes_freed_total go down.
+        # Settled before anything below can raise, so what is owed stays true.
+        net = sum(size for _, size in deleted) - written - self._owed
+        self._owed = max(0, -net)
         if deleted:
             with core.settling:
                 core.reserve.restore()  # a full disk released it: space is back
             core.space_tick()
-        # Never negative (CompactionResult): an output whose sources stay has freed
-        # nothing yet; it is owed by the pass that deletes them. A negative amount
-        # made the server's counter qstore_compaction_bytes_freed_total go down.
-        net = sum(size for _, size in deleted) - written - self._owed
-        self._owed = max(0, -net)
         return CompactionResult(
             sealed=sealed,
             segments_read=tuple(sources),

@@ -166,6 +166,7 @@ JOURNAL_MIN_FREE = 128 * 1024 * 1024
 # (to the 64 MiB write buffer) once it has LOG_ROOMY_FREE (see Core.watch_space).
 LOG_TIGHT_FREE = 256 * 1024 * 1024
 LOG_ROOMY_FREE = 512 * 1024 * 1024
+FLUSH_MARGIN = 1024 * 1024  # free space a flush leaves beside twice the memtables
 
 LOST_METADATA = "metadata is missing or empty next to existing payload segments"
 
@@ -411,8 +412,11 @@ class Core(HotPaths):
                                   f"remove {SNAPSHOT_MANIFEST} from the copy)")
         self.reserve = SpaceReserve(path)
         self.space_low = False
-        self._space_retries = RetryLog(log, "keeping the metadata log small on a nearly "
-                                       "full disk", config.sweep_interval)
+        # Retried at every tick of the sync thread, else of the sweeper.
+        self._space_retries = RetryLog(
+            log, "keeping the metadata log small on a nearly full disk",
+            config.sync_interval if config.durability != "none" else config.sweep_interval)
+        self._log_flush_due = False  # the log grown before it was kept small: flush it
         if not config.readonly:
             os.makedirs(path, exist_ok=True)
             self._writer_key = _claim_writer(path)
@@ -509,42 +513,61 @@ class Core(HotPaths):
         self.reserve.release(f"{doing} needs about {need} bytes free")
         return free_bytes(self.path) >= need
 
-    def watch_space(self) -> None:
-        """Keep RocksDB's log small while the disk is nearly full (any thread).
+    def watch_space(self) -> bool:
+        """Keep RocksDB's log small while the disk is nearly full (writer lock held).
 
-        Called at open, by the sync thread at each interval (``interval`` and
-        ``always``), by the sweeper (every mode) and after a compaction pass.
-        Without it, a store that filled its disk with small operations had a
-        log several MiB larger than the space reserve, and once a write failed
-        the database could not be reopened: no ack, pop or compaction went
-        through until a file was deleted by hand (:meth:`MetaDB.keep_log_small`).
+        Run at open, at each tick of the sync thread (``interval`` and
+        ``always``) and of the sweeper (every mode), and after a compaction
+        pass that deleted segments (:meth:`space_tick`). Without it, a store
+        that filled its disk with small operations had a log several MiB larger
+        than the space reserve, and once a write failed the database could not
+        be reopened: no ack, pop or compaction went through until a file was
+        deleted by hand (:meth:`MetaDB.keep_log_small`). True if it tried
+        something (a switch, a flush), which then worked.
+
+        Under the writer lock: a flush outside it raced the reopen after a
+        failed write (rocksdict refuses to close a handle another thread is
+        inside, "Already borrowed", which then kept the store's LOCK, and the
+        push that reopened raised ``StoreLocked``; a review). The flush of the
+        log grown so far waits for room for its table file: one that failed on
+        a full disk left RocksDB refusing every write, and the reopen needs
+        about the log's size free (a review: a disk that filled between two
+        looks lost its acks to that flush).
         """
         try:
             free = free_bytes(self.path)
         except OSError:
-            return
+            return False
         meta = self.meta
+        if self.closed:
+            return False
+        tried = False
         small = free < (LOG_ROOMY_FREE if meta.small_log else LOG_TIGHT_FREE)
-        if small == meta.small_log:
-            return
-        with self.lock:  # a reopen after a failed write replaces the database handle
-            if self.closed:
-                return
+        if small != meta.small_log:
+            meta.keep_log_small(small)  # raises on failure: tried again at the next tick
             log.info("%s: %d bytes free: the metadata log is kept %s", self.path, free,
                      "small" if small else "at its usual size again")
-            meta.keep_log_small(small)
-        if small:  # drop the log grown so far, while there is room (not under the lock)
+            self._log_flush_due = small
+            tried = True
+        if self._log_flush_due and meta.failed is None \
+                and free >= 2 * meta.memtable_bytes() + FLUSH_MARGIN:
             meta.flush()
+            self._log_flush_due = False
+            tried = True
+        return tried
 
     def space_tick(self) -> None:
-        """:meth:`watch_space` for a background thread: a failure (the flush, on a
-        full disk) is logged once per episode and tried again at the next tick."""
-        try:
-            self.watch_space()
-        except StorageError as exc:
-            self._space_retries.failed(exc)
-        else:
-            self._space_retries.worked()
+        """:meth:`watch_space` for a background thread, under the writer lock: a
+        failure (on a full disk) is logged once per episode and tried again at
+        the next tick; "works again" only once an attempt did."""
+        with self.lock:  # three threads tick: the sync thread, the sweeper, the compactor
+            try:
+                tried = self.watch_space()
+            except StorageError as exc:
+                self._space_retries.failed(exc)
+            else:
+                if tried:
+                    self._space_retries.worked()
 
     # -- opening --------------------------------------------------------------
 

@@ -293,6 +293,15 @@ class MetaDB:
         try:
             old.close()
         except Exception as exc:  # the error state itself; closing still releases it
+            if "Already borrowed" in str(exc):
+                # Another thread is inside a call on it (always mode's checkpoint
+                # flushes outside the writer lock): the handle stays open, and its
+                # LOCK with it, so an open now would fail as StoreLocked (a review).
+                # Keep it; the next write tries again.
+                err = StorageError(f"reopening the metadata database must wait for a "
+                                   f"call in progress on it ({exc}); after {self.failed}")
+                err.errno = self.failed.errno if self.failed is not None else None
+                raise err from None
             log.debug("closing metadata after a failed write: %s", exc)
         del old
         try:
@@ -567,13 +576,19 @@ class MetaDB:
         """
         if small == self.small_log:
             return
-        self.small_log = small
-        if self.failed is not None:
-            return  # the reopen that resumes writes opens with it
+        if self.failed is None:  # else the reopen that resumes writes opens with it
+            try:
+                self._db.set_options({k: str(v) for k, v in _LOG_OPTIONS[small].items()})
+            except Exception as exc:  # on a full disk: "Unable to persist options"
+                raise storage_error("setting the metadata write buffer failed", exc) from None
+        self.small_log = small  # once set (a failure is tried again at the next look)
+
+    def memtable_bytes(self) -> int:
+        """The memtables' size: about what a flush writes, and the log it drops."""
         try:
-            self._db.set_options({k: str(v) for k, v in _LOG_OPTIONS[small].items()})
+            return int(self._db.property_int_value("rocksdb.cur-size-all-mem-tables") or 0)
         except Exception as exc:
-            raise storage_error("setting the metadata write buffer failed", exc) from None
+            raise self._read_error(exc) from None
 
     def flush(self) -> None:
         if self.failed is not None:

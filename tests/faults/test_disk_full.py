@@ -248,6 +248,88 @@ def test_the_log_is_kept_small_below_the_threshold_and_grows_again_above(
         assert len(q) == 62_000
 
 
+def test_the_switch_and_the_flush_wait_for_what_they_need(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A review: the flag was set before SetOptions worked (a failure was never
+    # tried again, and the next tick logged "works again"); and the flush ran
+    # whatever the room, and one that failed on a full disk left RocksDB
+    # refusing every write, acks included.
+    path = os.path.join(str(tmp_path), "s")
+    with qstore.open(path, compactor=False, sync_interval=3600) as store:
+        core, meta = store.core, store.core.meta
+        q = store.create_queue("q")
+        q.push_many([b"%d" % i for i in range(5000)])
+        monkeypatch.setattr(_core, "LOG_TIGHT_FREE", 1 << 62)
+        monkeypatch.setattr(_core, "LOG_ROOMY_FREE", 1 << 62)
+        real_db = meta._db
+
+        class Full:
+            def __getattr__(self, name: str) -> object:
+                return getattr(real_db, name)
+
+            def set_options(self, options: dict[str, str]) -> None:
+                raise OSError("IO error: Unable to persist options.: IO error: "
+                              "No space left on device")
+
+        monkeypatch.setattr(meta, "_db", Full())
+        caplog.set_level(logging.INFO, logger="qstore")
+        core.space_tick()
+        assert not meta.small_log  # not switched: tried again at the next tick
+        core.space_tick()
+        assert not meta.small_log
+        monkeypatch.setattr(meta, "_db", real_db)
+        # Switched now, but no room for the flush (the memtables look larger
+        # than the free space): the log stays until there is.
+        monkeypatch.setattr(meta, "memtable_bytes", lambda: 1 << 62)
+        flushes: list[int] = []
+        real_flush = meta.flush
+        monkeypatch.setattr(meta, "flush", lambda: (flushes.append(1), real_flush()))
+        core.space_tick()
+        assert meta.small_log and flushes == []
+        q.push(b"still taken")
+        monkeypatch.setattr(meta, "memtable_bytes", lambda: 0)
+        core.space_tick()
+        assert flushes == [1]
+        core.space_tick()
+        assert flushes == [1]  # once
+    lines = [r.getMessage() for r in caplog.records]
+    failed = [m for m in lines if "keeping the metadata log small" in m]
+    assert len(failed) == 2 and "failed" in failed[0] and "works again after 2" in failed[1]
+    assert sum("the metadata log is kept small" in m for m in lines) == 1
+
+
+def test_a_reopen_waits_for_a_call_in_progress_on_the_old_handle(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    # rocksdict refuses to close a handle another thread is inside ("Already
+    # borrowed": always mode's checkpoint flushes outside the writer lock); the
+    # handle kept the store's LOCK and the reopen raised StoreLocked, not a
+    # StorageError (a review). The reopen now keeps the handle and says so.
+    path = os.path.join(str(tmp_path), "s")
+    with qstore.open(path, compactor=False) as store:
+        q = store.create_queue("q")
+        q.push(b"kept")
+        meta = store.core.meta
+        real_db = meta._db
+
+        class Busy:
+            def __getattr__(self, name: str) -> object:
+                return getattr(real_db, name)
+
+            def close(self) -> None:
+                raise RuntimeError("Already borrowed")
+
+        meta._failure("metadata write failed", OSError("IO error: No space left on device"))
+        monkeypatch.setattr(meta, "_db", Busy())
+        with pytest.raises(qstore.StorageError, match="must wait for a call in progress") as e:
+            q.push(b"refused")
+        assert e.value.errno == errno.ENOSPC
+        assert meta.failed is not None and meta._db is not real_db  # kept as it was
+        monkeypatch.setattr(meta, "_db", real_db)  # the call ended
+        kept = q.push(b"after")
+        assert [m.payload for m in q.pop_many(5)] == [b"kept", b"after"] and kept
+
+
 def test_store_on_a_disk_with_no_byte_free_opens_to_ack_and_compact(small_disk: str) -> None:
     path = os.path.join(small_disk, "s")
     store = qstore.open(path, compactor=False, segment_max_bytes=SEGMENT)
