@@ -474,7 +474,8 @@ def check(store_path: str, repair: bool, token_file: str | None) -> None:
 @main.command(epilog="Exit codes: 0 every row loaded; 1 loaded, some rows rejected (see the "
                "rejects table); 2 bad usage; 3 the store is locked by another writer, or the "
                "Spark run failed (an unreachable master, a failed job); 5 any other qstore "
-               "error (also: an earlier, killed run of the same job had loaded its rows). "
+               "error (also: a task met a full disk or an I/O error; an earlier, killed "
+               "run of the same job had loaded its rows). "
                "Nothing is loaded unless the code is 0 or 1.")
 @click.argument("sources", metavar="SOURCE...", nargs=-1, required=True)
 @click.option("--format", "fmt", type=click.Choice(["parquet", "json", "csv"]),

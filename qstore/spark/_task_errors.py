@@ -20,9 +20,10 @@ Python's own traceback format, which Spark passes on unchanged.
 
 from __future__ import annotations
 
+import errno
 import re
 
-from .._errors import Corruption
+from .._errors import Corruption, StorageError
 
 # "qstore._errors.Corruption: corruption in PATH at offset N: REASON" (Corruption's message)
 _CORRUPTION_LINE = re.compile(
@@ -38,3 +39,28 @@ def task_corruption(exc: BaseException) -> Corruption | None:
         return None
     path, offset, reason = found[-1]  # Spark reports the last attempt's failure last
     return Corruption(path, int(offset), reason)
+
+
+# A task's last traceback line for an OS error: "OSError: [Errno 28] No space left
+# on device: '/store/staging/...'" (any OSError subclass, or qstore's StorageError).
+_OS_ERROR_LINE = re.compile(
+    r"^(?:[A-Za-z_][\w.]*Error): \[Errno (?P<errno>\d+)\] (?P<text>.*?)\s*$", re.MULTILINE)
+# The errors that mean the storage failed (exit 5), not the job or its input.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
+
+
+def task_storage_error(exc: BaseException) -> StorageError | None:
+    """A :class:`~qstore.StorageError` for a task that failed the job of ``exc`` on
+    a full disk or an I/O error (``[Errno N]`` in its last traceback line), or
+    None. A store's disk that filled while the executors wrote their staging
+    files failed a backfill with exit 3, "the Spark run failed", and about 200
+    lines naming neither the file nor the filesystem (a Spark fault audit)."""
+    found = [m for m in _OS_ERROR_LINE.finditer(str(exc))
+             if int(m.group("errno")) in STORAGE_ERRNOS]
+    if not found:
+        return None
+    last = found[-1]  # Spark reports the last attempt's failure last
+    err = StorageError(f"a Spark task failed: [Errno {last.group('errno')}] "
+                       f"{last.group('text')}")
+    err.errno = int(last.group("errno"))
+    return err

@@ -50,6 +50,7 @@ from ..payload import _format as fmt
 from . import _ingest
 from ._bulk import PARTITION_COL, REASON_COL, ROW_COL, PartitionPlan
 from ._rows import LoadSpec
+from ._task_errors import task_storage_error
 
 if TYPE_CHECKING:
     from ._bulk_files import FilePart
@@ -167,7 +168,17 @@ def run_backfill(
             job = _Job(store, spark, source, fmt, queue, options, rejects_dest,
                        (payload_col, priority_col, delay_col, dedup_col, ttl_col),
                        dict(create_queue_options or {}), shared)
-            result = job.run(started)
+            try:
+                result = job.run(started)
+            except QStoreError:
+                raise
+            except Exception as exc:
+                # A full disk or an I/O error met by a task: the storage failed
+                # (exit 5, one line naming the file), not the job; nothing was loaded.
+                failed = task_storage_error(exc)
+                if failed is None:
+                    raise
+                raise failed from None
         finally:
             with _running_lock:
                 _running.discard(key)

@@ -569,6 +569,33 @@ def test_a_damaged_source_file_is_named_in_the_error(spark: Any, tmp_path: Path)
         assert s.queue("q").stats().total == 0
 
 
+def test_a_store_disk_filled_by_the_executors_is_a_storage_error(spark: Any,
+                                                                 tmp_path: Path) -> None:
+    # The store's disk filled while the executors wrote their staging files: exit 3
+    # ("the Spark run failed") and about 200 lines naming neither the file nor the
+    # filesystem (a Spark fault audit). Now a StorageError (exit 5), ENOSPC.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({done.stderr.strip()})")
+    try:
+        src = write_parquet(tmp_path / "src" / "big.parquet",
+                            payload=[b"%06d" % i + b"x" * 1000 for i in range(12_000)])
+        store = disk / "store"
+        with qstore.open(store, compactor=False) as s:
+            s.create_queue("q").push(b"before")
+        with pytest.raises(StorageError) as failed:
+            run_backfill(str(src), into=store, queue="q", spark=spark)
+        assert failed.value.errno == errno.ENOSPC
+        assert "No space left on device" in str(failed.value)
+        assert "\n" not in str(failed.value)  # one line, not the task's traceback
+        assert check_consistent(store)["q"][0] == 1  # nothing loaded
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 # -- crash safety -------------------------------------------------------------------
 
 
