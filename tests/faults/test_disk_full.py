@@ -73,6 +73,31 @@ def _push_until_full(q: qstore.Queue, body: bytes, kept: dict[int, bytes]) -> qs
     raise AssertionError("the disk never filled up")
 
 
+def _filled(small_disk: str, mode: str,
+            body: bytes) -> tuple[str, qstore.Store, qstore.Queue, dict[int, bytes]]:
+    """A store on ``small_disk`` filled by pushes of ``body`` until one failed with
+    ENOSPC: its path, the store, its queue and what every push that returned put."""
+    path = os.path.join(small_disk, "s")
+    store = qstore.open(path, durability=mode, compactor=False, segment_max_bytes=SEGMENT)
+    q = store.create_queue("q")
+    kept: dict[int, bytes] = {}
+    exc = _push_until_full(q, body, kept)
+    assert exc.errno == errno.ENOSPC
+    return path, store, q, kept
+
+
+def _pushes_work_then_reopen(store: qstore.Store, path: str, mode: str,
+                             kept: dict[int, bytes]) -> None:
+    """Space is back: pushes work, everything is there, and after close and reopen."""
+    q = store.queue("q")
+    for i in range(100):
+        kept[q.push(b"after %d" % i)] = b"after %d" % i
+    _assert_intact(store, kept)
+    store.close()
+    with qstore.open(path, durability=mode, compactor=False) as again:
+        _assert_intact(again, kept)
+
+
 def _twice(op: Callable[[], T]) -> T:
     """``op()``; once more if it found the disk full. The first metadata write that
     fails stops RocksDB; the next one reopens it with the space reserve's room."""
@@ -130,12 +155,7 @@ def test_metadata_full_then_space_freed_writes_work_again(small_disk: str, mode:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_payload_full_then_ack_and_compact_frees_space(small_disk: str, mode: str) -> None:
-    path = os.path.join(small_disk, "s")
-    store = qstore.open(path, durability=mode, compactor=False, segment_max_bytes=SEGMENT)
-    q = store.create_queue("q")
-    kept: dict[int, bytes] = {}
-    exc = _push_until_full(q, b"x" * 3000, kept)
-    assert exc.errno == errno.ENOSPC
+    path, store, q, kept = _filled(small_disk, mode, b"x" * 3000)
     assert len(kept) > 1000
     _assert_intact(store, kept)
 
@@ -147,12 +167,7 @@ def test_payload_full_then_ack_and_compact_frees_space(small_disk: str, mode: st
     result = store.compact()
     assert result.bytes_freed > SEGMENT
     assert free_bytes(small_disk) > SEGMENT
-    for i in range(100):
-        kept[q.push(b"after %d" % i)] = b"after %d" % i
-    _assert_intact(store, kept)
-    store.close()
-    with qstore.open(path, durability=mode, compactor=False) as again:
-        _assert_intact(again, kept)
+    _pushes_work_then_reopen(store, path, mode, kept)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -164,12 +179,7 @@ def test_a_disk_filled_by_small_messages_drains_compacts_and_closes(
     # (that needs about the log's size free, and the reserve gives back 1 MiB):
     # no ack, pop, compaction or close went through until a file was deleted by
     # hand. Below 256 MiB free the log is now kept small, in every mode.
-    path = os.path.join(small_disk, "s")
-    store = qstore.open(path, durability=mode, compactor=False, segment_max_bytes=SEGMENT)
-    q = store.create_queue("q")
-    kept: dict[int, bytes] = {}
-    exc = _push_until_full(q, b"s" * 40, kept)
-    assert exc.errno == errno.ENOSPC
+    path, store, q, kept = _filled(small_disk, mode, b"s" * 40)
     assert len(kept) > 50_000
     if q.stats().ready == len(kept) + 1:
         # The push that raised was written and synced, then the write of the
@@ -193,12 +203,7 @@ def test_a_disk_filled_by_small_messages_drains_compacts_and_closes(
         if rounds % 10 == 0 or not kept:
             freed += _twice(store.compact).bytes_freed
     assert freed > 4 * SEGMENT
-    for i in range(100):
-        kept[q.push(b"after %d" % i)] = b"after %d" % i
-    _assert_intact(store, kept)
-    store.close()
-    with qstore.open(path, durability=mode, compactor=False) as again:
-        _assert_intact(again, kept)
+    _pushes_work_then_reopen(store, path, mode, kept)
 
 
 def test_the_log_is_kept_small_below_the_threshold_and_grows_again_above(
