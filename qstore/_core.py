@@ -167,6 +167,7 @@ JOURNAL_MIN_FREE = 128 * 1024 * 1024
 LOG_TIGHT_FREE = 256 * 1024 * 1024
 LOG_ROOMY_FREE = 512 * 1024 * 1024
 FLUSH_MARGIN = 1024 * 1024  # free space a flush leaves beside twice the memtables
+SPACE_TICK_WAIT = 0.05  # seconds a background look waits for the writer lock
 
 LOST_METADATA = "metadata is missing or empty next to existing payload segments"
 
@@ -560,14 +561,19 @@ class Core(HotPaths):
         """:meth:`watch_space` for a background thread, under the writer lock: a
         failure (on a full disk) is logged once per episode and tried again at
         the next tick; "works again" only once an attempt did."""
-        with self.lock:  # three threads tick: the sync thread, the sweeper, the compactor
-            try:
-                tried = self.watch_space()
-            except StorageError as exc:
-                self._space_retries.failed(exc)
-            else:
-                if tried:
-                    self._space_retries.worked()
+        # Three threads tick: the sync thread, the sweeper, the compactor. Each waits
+        # for the lock a little only, and skips this look when it is busy: a close
+        # joins these threads, and one from a signal handler may hold the lock.
+        got = False
+        try:
+            got = self.lock.acquire(timeout=SPACE_TICK_WAIT)
+            if got and self.watch_space():
+                self._space_retries.worked()
+        except StorageError as exc:
+            self._space_retries.failed(exc)
+        finally:
+            if got:
+                self.lock.release()
 
     # -- opening --------------------------------------------------------------
 
