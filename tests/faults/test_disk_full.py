@@ -340,7 +340,12 @@ def test_store_on_a_disk_with_no_byte_free_opens_to_ack_and_compact(small_disk: 
     store = qstore.open(path, compactor=False, segment_max_bytes=SEGMENT)
     q = store.create_queue("q")
     kept: dict[int, bytes] = {}
-    _push_until_full(q, b"x" * 3000, kept)
+    # Half the disk, then a filler takes the rest: pushing until full, the
+    # reserve went or stayed by which write failed first (the payload's, or
+    # RocksDB's log, which below 256 MiB free starts a new file every 256 KiB).
+    for i in range(25):
+        bodies = [b"%d-%d-" % (i, j) + b"x" * 3000 for j in range(100)]
+        kept.update(zip(q.push_many(bodies), bodies, strict=True))
     store.close()
     _fill(os.path.join(small_disk, "filler"))
     assert free_bytes(small_disk) == 0
