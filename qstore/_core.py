@@ -418,6 +418,7 @@ class Core(HotPaths):
             log, "keeping the metadata log small on a nearly full disk",
             config.sync_interval if config.durability != "none" else config.sweep_interval)
         self._log_flush_due = False  # the log grown before it was kept small: flush it
+        self._mark_failing = False  # the last write of the durable mark failed
         if not config.readonly:
             os.makedirs(path, exist_ok=True)
             self._writer_key = _claim_writer(path)
@@ -1166,7 +1167,22 @@ class Core(HotPaths):
             journaled = self._journaled
             for i in range(covered):
                 batch.delete(journaled[i][2])
-            self.meta.write(batch)
+            try:
+                self.meta.write(batch)
+            except StorageError as exc:
+                # What this sync covered is durable: the mark is a saving, and its
+                # failure (a full disk) must not fail those operations. It did:
+                # in always mode a push raised although its batch was written and
+                # synced, so a retry would push it twice (a disk-full test). The
+                # mark stays where it was (a later sync moves it), the journal
+                # keys stay (an open writes equal bytes over), and the failed
+                # write makes the next one reopen the database.
+                if not self._mark_failing:
+                    log.warning("the durable mark was not moved after a sync (what the "
+                                "sync covered is durable): %s", exc)
+                self._mark_failing = True
+                return
+            self._mark_failing = False
             self._synced_mark = synced
             del journaled[:covered]
 

@@ -111,3 +111,34 @@ def test_a_damaged_final_record_synced_in_always_mode_is_kept_as_damage(
         [dead] = q.dead_letters(10)
         assert dead.id == last and dead.dead_reason == "damaged payload: record checksum mismatch"
         assert any(f"message {last} moved to the dead letters" in m for m in caplog.messages)
+
+
+def test_a_failed_write_of_the_durable_mark_does_not_fail_what_the_sync_covered(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # On a full disk, a push's batch was written and synced, then the write of the
+    # durable mark after the sync failed, and the push raised: its message was in
+    # the store all the same, so a retry pushed it twice (a disk-full test). The
+    # mark is a saving: what the sync covered returns, and the next write reopens.
+    big = b"b" * (1 << 20) + b"x"  # past the journal's limit: the segment is synced
+    with qstore.open(str(tmp_path / "s"), durability="always", compactor=False) as store:
+        q = store.create_queue("q")
+        q.push(big + b"1")
+        meta = store.core.meta
+        real = meta.write
+        writes: list[int] = []
+
+        def write(batch: Any, *, sync: bool = False) -> None:
+            writes.append(1)
+            if len(writes) == 2:  # the push's batch, then the mark's
+                raise meta._failure("metadata write failed",
+                                    OSError("IO error: No space left on device"))
+            real(batch, sync=sync)
+
+        monkeypatch.setattr(meta, "write", write)
+        q.push(big + b"2")  # returns: durable
+        monkeypatch.undo()
+        assert len(writes) == 2 and meta.failed is not None
+        assert "the durable mark was not moved" in caplog.text
+        q.push(big + b"3")  # the next write reopens the database
+        assert meta.failed is None
+        assert [m.payload[-1:] for m in q.pop_many(5)] == [b"1", b"2", b"3"]
