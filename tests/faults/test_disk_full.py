@@ -100,6 +100,20 @@ def _pushes_work_then_reopen(store: qstore.Store, path: str, mode: str,
         _assert_intact(again, kept)
 
 
+def _pushed(small_disk: str, batches: int,
+            size: int) -> tuple[str, qstore.Store, qstore.Queue, dict[int, bytes]]:
+    """A store on ``small_disk`` given ``batches`` push_many of 100 bodies of about
+    ``size`` bytes: its path, the store, its queue, and id -> body of each."""
+    path = os.path.join(small_disk, "s")
+    store = qstore.open(path, compactor=False, segment_max_bytes=SEGMENT)
+    q = store.create_queue("q")
+    kept: dict[int, bytes] = {}
+    for i in range(batches):
+        bodies = [b"%d-%d-" % (i, j) + b"x" * size for j in range(100)]
+        kept.update(zip(q.push_many(bodies), bodies, strict=True))
+    return path, store, q, kept
+
+
 def _twice(op: Callable[[], T]) -> T:
     """``op()``; once more if it found the disk full. The first metadata write that
     fails stops RocksDB; the next one reopens it with the space reserve's room."""
@@ -331,16 +345,10 @@ def test_a_reopen_waits_for_a_call_in_progress_on_the_old_handle(
 
 
 def test_store_on_a_disk_with_no_byte_free_opens_to_ack_and_compact(small_disk: str) -> None:
-    path = os.path.join(small_disk, "s")
-    store = qstore.open(path, compactor=False, segment_max_bytes=SEGMENT)
-    q = store.create_queue("q")
-    kept: dict[int, bytes] = {}
     # Half the disk, then a filler takes the rest: pushing until full, the
     # reserve went or stayed by which write failed first (the payload's, or
     # RocksDB's log, which below 256 MiB free starts a new file every 256 KiB).
-    for i in range(25):
-        bodies = [b"%d-%d-" % (i, j) + b"x" * 3000 for j in range(100)]
-        kept.update(zip(q.push_many(bodies), bodies, strict=True))
+    path, store, q, kept = _pushed(small_disk, 25, 3000)
     store.close()
     _fill(os.path.join(small_disk, "filler"))
     assert free_bytes(small_disk) == 0
@@ -391,13 +399,7 @@ def test_pushes_on_a_full_disk_leave_the_reserve_to_acks_and_compaction(small_di
     # took the room the released reserve gave the metadata database: from
     # then on every ack, pop and compaction failed until a file was deleted
     # by hand (a fault audit). Pushes are now refused until the reserve is back.
-    path = os.path.join(small_disk, "s")
-    store = qstore.open(path, compactor=False, segment_max_bytes=SEGMENT)
-    q = store.create_queue("q")
-    kept: dict[int, bytes] = {}
-    for i in range(20):
-        bodies = [b"%d-%d-" % (i, j) + b"x" * 2000 for j in range(100)]
-        kept.update(zip(q.push_many(bodies), bodies, strict=True))
+    path, store, q, kept = _pushed(small_disk, 20, 2000)
     filler = os.path.join(small_disk, "filler")
     _fill(filler)
     refused, acked = _churn(q, kept, b"a")
