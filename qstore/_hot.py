@@ -32,6 +32,7 @@ import contextlib
 import errno
 import logging
 import os
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any
@@ -404,11 +405,12 @@ class HotPaths:
             q.time_floor_us = deadline_us
 
     def deliver_many(self, q: QueueState, ready_keys: Sequence[bytes],
-                     recs: Sequence[records.MessageRecord], deadline_us: int) -> None:
+                     recs: Sequence[records.MessageRecord], deadline_us: int) -> list[int]:
         """ready -> in_flight for several messages: the hot path of ``Queue.pop_many``
         (lock held). What :func:`states.deliver` for each plus :meth:`commit`
         would write (a test compares the two byte for byte). The records stay
-        decoded in the record cache, for the acks.
+        decoded in the record cache, for the acks. Returns the messages' ids,
+        in order (read from the keys in one call: a call per key cost more).
         """
         batch = new_batch()
         put = batch.put
@@ -418,15 +420,15 @@ class HotPaths:
         # In key order, one table after the other (module docstring): the ready
         # keys as popped (the index's order), then the new in-flight keys and
         # the records by id.
-        delivered = []
+        ids = [rkey[-8:] for rkey in ready_keys]  # every index key ends with the id
         for rkey, rec in zip(ready_keys, recs, strict=True):
             rec.state = _INFLIGHT
             rec.attempts += 1
             rec.deliveries += 1
             rec.when_us = deadline_us
             delete(rkey)
-            delivered.append((rkey[-8:], rec))  # every index key ends with the id
-        delivered.sort()  # by id: the ids are distinct, no record is compared
+        # By id: the ids are distinct, no record is compared.
+        delivered = sorted(zip(ids, recs, strict=True))
         mkeys = []
         for id_bytes, _ in delivered:
             put(inflight + id_bytes, b"")
@@ -448,6 +450,7 @@ class HotPaths:
             q.next_event_us = deadline_us
         if deadline_us < q.time_floor_us:
             q.time_floor_us = deadline_us
+        return list(struct.unpack(f">{len(ids)}Q", b"".join(ids)))
 
     def remove_many(self, q: QueueState, mids: Sequence[int],
                     recs: Sequence[records.MessageRecord]) -> None:
@@ -466,9 +469,13 @@ class HotPaths:
         # dedup and expiry keys as they come.
         inflight_keys = []
         message_keys = []
+        when_us, by_when = -1, b""  # a batch pop's leases share one deadline: packed once
         for mid, rec in zip(mids, recs, strict=True):
             id_bytes = _U64(mid)
-            inflight_keys.append(inflight + _U64(rec.when_us) + id_bytes)
+            if rec.when_us != when_us:
+                when_us = rec.when_us
+                by_when = inflight + _U64(when_us)
+            inflight_keys.append(by_when + id_bytes)
             if rec.digest is not None:
                 delete(keys.dedup_key(qid, rec.digest))
             if rec.expires_us:
@@ -650,8 +657,9 @@ class HotPaths:
             if value is None:
                 missing.append(len(out))
                 out.append(mkey)
-            elif type(value) is tuple:
-                out.append(_from_push(value))
+            elif type(value) is tuple:  # _from_push, inline: a call each cost more
+                prio, fid, offset, length, enqueued_at = value
+                out.append(_MR(_READY, prio, fid, offset, length, 0, 0, enqueued_at, 0, None))
             elif type(value) is bytes:
                 out.append(decode(value))
             else:

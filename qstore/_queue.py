@@ -154,6 +154,22 @@ def _popped(qid: int, mid: int, name: str, rec: records.MessageRecord, payload: 
     return Message._leased(fields, (qid, mid, rec.deliveries))
 
 
+def _popped_many(qid: int, mids: Sequence[int], name: str,
+                 recs: Sequence[records.MessageRecord], payloads: Sequence[bytes],
+                 deadline: float) -> list[Message]:
+    """:func:`_popped` of each message of a batch pop, in one loop (a call per
+    message cost about 3% of a batch pop+ack)."""
+    leased = Message._leased
+    out = []
+    for mid, rec, payload in zip(mids, recs, payloads, strict=True):
+        fields: tuple[Any, ...] = (mid, name, rec.priority, payload, rec.attempts,
+                                   rec.enqueued_at, deadline, None, "in_flight")
+        if rec.expires_us:  # as in _popped
+            fields += (rec.expires_us / 1e6, None)
+        out.append(leased(fields, (qid, mid, rec.deliveries)))
+    return out
+
+
 class Queue:
     """A handle on one queue of a store. Get it from ``store.queue(name)``."""
 
@@ -489,11 +505,8 @@ class Queue:
                         out = [_popped(qid, mid, name, rec, payload, deadline)]
                     elif q.hot_paths:
                         payloads = core.payload.read_many(recs)  # all read before anything changes
-                        core.deliver_many(q, ready_keys, recs, when)
-                        out = [_popped(qid, keys.trailing_id(rkey), name, rec, payload,
-                                       deadline)
-                               for rkey, rec, payload in zip(ready_keys, recs, payloads,
-                                                             strict=True)]
+                        mids = core.deliver_many(q, ready_keys, recs, when)
+                        out = _popped_many(qid, mids, name, recs, payloads, deadline)
                     else:
                         txn = Txn()
                         out = []
@@ -605,13 +618,15 @@ class Queue:
                     _refuse_receiptless(item)
         if q.deleted:
             raise QueueNotFound(q.name)
+        live = self._core.live_leases(q, leases, now_us)
+        if None not in live:  # all plainly live, so none named twice (a record is handed over once)
+            return [lease[1] for lease in leases], live  # type: ignore[index, return-value]
         mids: list[int] = []
         recs: list[records.MessageRecord] = []
         seen: set[int] = set()
         # In item order: the first item that is wrong (a lease not live, or a
         # message named again) raises, whatever comes after it.
-        for item, lease, rec in zip(items, leases, self._core.live_leases(q, leases, now_us),
-                                    strict=True):
+        for item, lease, rec in zip(items, leases, live, strict=True):
             if rec is None:
                 mid, rec = self._leased(item, now_us)
             else:

@@ -177,9 +177,6 @@ class SegmentReader:
         """:meth:`read` of each of ``refs`` (all in this segment), in order."""
         frame_size = fmt.FRAME_SIZE
         view = self._whole
-        if refs and max(r.offset + r.length for r in refs) + frame_size > len(view):
-            self.remap()
-            view = self._whole
         bound = len(view) if limit is None else min(limit, len(view))
         out: list[bytes] = []
         append = out.append
@@ -198,6 +195,10 @@ class SegmentReader:
                     if crc32(body, seed) == crc:
                         append(body.tobytes())
                         continue
+            if end > len(view):  # written since the map was made: map it again
+                self.remap()
+                view = self._whole
+                bound = len(view) if limit is None else min(limit, len(view))
             problem = frame_problem(view, offset, length, bound)
             if problem is not None:
                 raise Corruption(self.path, offset, problem)

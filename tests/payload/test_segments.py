@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from qstore._errors import Corruption, PayloadTooLarge
 from qstore.payload import PayloadRef, SegmentSet, _writer
 from qstore.payload import _format as fmt
+from qstore.payload._reader import SegmentReader
 
 LIMIT = 600  # max_payload_bytes of the round-trip tests: above their smallest segments
 
@@ -204,6 +205,23 @@ def test_record_that_exactly_fills_the_segment_stays_in_it_and_the_next_one_rota
     assert [r.file_id for r in (first, fill, nxt)] == [1, 1, 2]
     assert [r.file_id for r in (first2, fill2)] == [3, 3]
     assert file_size(segs, 1) == file_size(segs, 3) == segs.segment_max_bytes
+    segs.close()
+
+
+def test_a_reader_of_another_writer_maps_the_grown_file_again_in_read_many(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As a read-only view's reader: the writer that grows the file is not its own.
+    monkeypatch.setattr(_writer, "GROW_STEP", 64)
+    segs = open_set(tmp_path, segment_max_bytes=1 << 20)
+    first = segs.append(b"a" * 40)
+    reader = SegmentReader(segs._path(first.file_id), first.file_id)
+    mapped = reader.mapped_size
+    later = segs.append_many([b"b" * 300, b"c" * 200])
+    assert later[-1].offset + fmt.FRAME_SIZE + later[-1].length > mapped  # past its map
+    assert reader.read_many([later[1], first, later[0]]) == [b"c" * 200, b"a" * 40, b"b" * 300]
+    assert reader.mapped_size > mapped
+    reader.close()
     segs.close()
 
 

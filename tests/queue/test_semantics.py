@@ -315,6 +315,21 @@ def test_ack_many_that_fails_changes_nothing_and_the_good_leases_still_ack(
     assert_consistent(store, q)
 
 
+def test_ack_many_refuses_one_popped_message_named_twice(store: qstore.Store) -> None:
+    # Both items are live leases this process popped: the first hands its record
+    # over, so the second must still be found out as the same message.
+    q = store.create_queue("q")
+    q.push_many([b"a", b"b"])
+    popped = q.pop_many(2)
+    before = dump(store)
+    with pytest.raises(qstore.InvalidArgument, match=f"message {popped[1].id} appears twice"):
+        q.ack_many([popped[1], popped[0], popped[1]])
+    assert dump(store) == before
+    assert q.ack_many(popped) == 2
+    assert counts(q) == Counts(0, 0, 0, 0, 0)
+    assert_consistent(store, q)
+
+
 def test_nack_and_extend_take_the_receipt_string(store: qstore.Store, clock: Any) -> None:
     q = store.create_queue("q")
     mid = q.push(b"x")
