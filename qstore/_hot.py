@@ -183,8 +183,9 @@ class HotPaths:
             self.ready.notify_all(q.name)
         return mid
 
-    def check_push_space(self) -> None:
+    def check_push_space(self, what: str = "pushes") -> None:
         """Refuse a push while the disk is nearly full (:attr:`space_low`; lock held).
+        ``what`` names what is refused in the error (a backfill's load too).
 
         Once the reserve was released so that the metadata database could
         reopen, its room is for the acks and the compaction that free space.
@@ -197,7 +198,7 @@ class HotPaths:
             self.space_low = False
             log.warning("free space is back: pushes are taken again")
             return
-        err = StorageError(f"the disk of {self.path} is nearly full: pushes are refused "
+        err = StorageError(f"the disk of {self.path} is nearly full: {what} are refused "
                            "until space is back (ack, delete or compact to free it)")
         err.errno = errno.ENOSPC
         raise err

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -107,3 +109,36 @@ def wait_blocks(clock: FakeClock, n: int, timeout: float = 30.0) -> None:
     with clock._blocked:
         assert clock._blocked.wait_for(lambda: clock._blocks >= n, timeout), \
             f"{clock._blocks} of {n} waits blocked on the clock"
+
+
+@pytest.fixture
+def small_disk(tmp_path: object) -> Iterator[str]:
+    """A 16 MiB tmpfs (a real full disk for the fault tests), unmounted at the end
+    whatever happened."""
+    where = os.path.join(str(tmp_path), "disk")
+    os.mkdir(where)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", where],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({done.stderr.strip()}): "
+                    "the real disk-full tests need root")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", where], check=False)
+
+
+def fill_disk(path: str) -> None:
+    """A file at ``path`` that takes every free byte left on its disk (down to single bytes)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for chunk in (1 << 20, 1 << 16, 4096, 1):
+            data = b"f" * chunk
+            while True:
+                try:
+                    os.write(fd, data)
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC
+                    break
+    finally:
+        os.close(fd)

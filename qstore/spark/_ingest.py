@@ -187,6 +187,16 @@ def new_job_dir(store: Store, job_id: str) -> str:
     return path
 
 
+def refuse_if_space_low(store: Store) -> None:
+    """Refuse a backfill while the store refuses pushes for want of space
+    (``Core.check_push_space``): its segments would take the room the space
+    reserve keeps for the acks and compaction that free the disk."""
+    core = store.core
+    with core.writing:
+        if core.space_low:
+            core.check_push_space("backfills")
+
+
 def reserve_ids(store: Store, n: int) -> int:
     """Reserve ``n`` consecutive message ids; durable before this returns. Returns the first."""
     return store.core.reserve_ids(n)

@@ -335,6 +335,7 @@ class _Job:
                         "directory is marked %s now", job_id, rows, _ingest.SUCCESS_FILE)
         for leftover in _ingest.clean_staging(store):
             log.warning("removed staging/%s, left by a backfill that did not finish", leftover)
+        _ingest.refuse_if_space_low(store)
         staging = _ingest.new_job_dir(store, self.job_id)
         try:
             spec = LoadSpec(

@@ -14,8 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
@@ -25,42 +24,11 @@ from qstore import _core
 from qstore._reserve import RESERVE_BYTES, RESERVE_NAME, free_bytes
 from qstore.meta import MetaDB
 from qstore.meta._db import OPEN_MARGIN, SMALL_WRITE_BUFFER_BYTES, space_to_open
+from tests.conftest import fill_disk
 
 T = TypeVar("T")
 MODES = ["always", "interval", "none"]
 SEGMENT = 1024 * 1024
-
-
-@pytest.fixture
-def small_disk(tmp_path: object) -> Iterator[str]:
-    """A 16 MiB tmpfs, unmounted at the end whatever happened."""
-    where = os.path.join(str(tmp_path), "disk")
-    os.mkdir(where)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", where],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here ({done.stderr.strip()}): "
-                    "the real disk-full tests need root")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", where], check=False)
-
-
-def _fill(path: str) -> None:
-    """A file that takes every free byte left (down to single bytes)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        for chunk in (1 << 20, 1 << 16, 4096, 1):
-            data = b"f" * chunk
-            while True:
-                try:
-                    os.write(fd, data)
-                except OSError as exc:
-                    assert exc.errno == errno.ENOSPC
-                    break
-    finally:
-        os.close(fd)
 
 
 def _push_until_full(q: qstore.Queue, body: bytes, kept: dict[int, bytes]) -> qstore.StorageError:
@@ -146,7 +114,7 @@ def test_metadata_full_then_space_freed_writes_work_again(small_disk: str, mode:
     # The reserve would be handed to RocksDB: take it away first so that this
     # test sees the plain error path (the next test covers the reserve).
     os.unlink(os.path.join(path, RESERVE_NAME))
-    _fill(filler)
+    fill_disk(filler)
     # The active segment's preallocated blocks take small payloads: RocksDB fails first.
     exc = _push_until_full(q, b"small ", kept)
     assert exc.errno == errno.ENOSPC
@@ -350,7 +318,7 @@ def test_store_on_a_disk_with_no_byte_free_opens_to_ack_and_compact(small_disk: 
     # RocksDB's log, which below 256 MiB free starts a new file every 256 KiB).
     path, store, q, kept = _pushed(small_disk, 25, 3000)
     store.close()
-    _fill(os.path.join(small_disk, "filler"))
+    fill_disk(os.path.join(small_disk, "filler"))
     assert free_bytes(small_disk) == 0
     assert os.path.exists(os.path.join(path, RESERVE_NAME))
 
@@ -401,7 +369,7 @@ def test_pushes_on_a_full_disk_leave_the_reserve_to_acks_and_compaction(small_di
     # by hand (a fault audit). Pushes are now refused until the reserve is back.
     path, store, q, kept = _pushed(small_disk, 20, 2000)
     filler = os.path.join(small_disk, "filler")
-    _fill(filler)
+    fill_disk(filler)
     refused, acked = _churn(q, kept, b"a")
     # Once pushes were refused, acks kept going: the reserve's room was theirs.
     assert refused > 50 and acked > 500, (refused, acked)
@@ -431,7 +399,7 @@ def _full_without_reserve(small_disk: str) -> tuple[str, qstore.Store, dict[int,
     q = store.create_queue("q")
     kept: dict[int, bytes] = {q.push(b"first"): b"first"}
     os.unlink(os.path.join(path, RESERVE_NAME))
-    _fill(os.path.join(small_disk, "filler"))
+    fill_disk(os.path.join(small_disk, "filler"))
     _push_until_full(q, b"small ", kept)
     return path, store, kept
 
@@ -468,7 +436,7 @@ def test_background_sync_logs_one_line_per_failure_episode(
     kept: dict[int, bytes] = {}
     os.unlink(os.path.join(path, RESERVE_NAME))
     filler = os.path.join(small_disk, "filler")
-    _fill(filler)
+    fill_disk(filler)
     _push_until_full(q, b"small ", kept)
     syncer = store.core.syncer
     with caplog.at_level(logging.WARNING, logger="qstore"):
@@ -510,7 +478,7 @@ def test_reads_work_while_full_even_when_something_fell_due(small_disk: str) -> 
     kept[delayed] = b"later"
     os.unlink(os.path.join(path, RESERVE_NAME))
     filler = os.path.join(small_disk, "filler")
-    _fill(filler)
+    fill_disk(filler)
     _push_until_full(q, b"small ", kept)
     with pytest.raises(qstore.StorageError):
         q.push(b"still full")  # the database now refuses every write

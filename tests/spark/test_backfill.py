@@ -30,7 +30,7 @@ from qstore.spark._bulk import PartitionLoader, PartitionPlan
 from qstore.spark._rows import LoadSpec
 from qstore.spark.audit import run_audit
 from qstore.spark.backfill import run_backfill
-from tests.conftest import FakeClock
+from tests.conftest import FakeClock, fill_disk
 
 pytestmark = pytest.mark.spark
 
@@ -91,6 +91,35 @@ def test_parquet_rows_pop_by_priority_then_source_order(spark: Any, tmp_path: Pa
     # Ids follow source row order.
     assert [mid for mid, _, _ in got] == [result.first_id + i for i in expected]
     assert not os.listdir(store / "staging")
+
+
+def test_a_backfill_is_refused_while_the_disk_refuses_pushes(spark: Any, small_disk: str,
+                                                            tmp_path: Path) -> None:
+    # Its segments would take the room the released space reserve keeps for the
+    # acks and compaction that free the disk (docs/faults.md): refused as a push is.
+    path = os.path.join(small_disk, "s")
+    with qstore.open(path, compactor=False) as store:
+        store.create_queue("q").push(b"first")
+    filler = os.path.join(small_disk, "filler")
+    fill_disk(filler)
+    src = write_parquet(tmp_path / "src" / "part.parquet", payload=[b"a", b"b", b"c"])
+    store = qstore.open(path, compactor=False)  # releases the reserve: pushes refused
+    try:
+        with pytest.raises(StorageError, match="backfills are refused until space is back"
+                           ) as refused:
+            run_backfill(str(src), into=store, queue="q", spark=spark)
+        assert refused.value.errno == errno.ENOSPC
+        assert store.queue("q").stats().ready == 1
+        staging = os.path.join(path, "staging")
+        assert not os.path.isdir(staging) or not os.listdir(staging)  # nothing written
+        os.unlink(filler)  # space is back: the same backfill loads
+        result = run_backfill(str(src), into=store, queue="q", spark=spark)
+        assert result.loaded == 3
+        assert sorted(m.payload for m in store.queue("q").pop_many(10)) == [
+            b"a", b"b", b"c", b"first"]
+    finally:
+        store.close()
+    check_consistent(path)
 
 
 @pytest.mark.parametrize("kind", ["dictionary", "fixed-size", "binary-view", "string-view"])
