@@ -23,7 +23,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import _wire as wire
-from .._errors import InvalidArgument, LeaseExpired, MessageNotFound, QueueNotFound
+from .._errors import (
+    InvalidArgument,
+    LeaseExpired,
+    MessageNotFound,
+    QStoreError,
+    QueueNotFound,
+)
 from .._queue import MAX_SECONDS, Queue
 from .._store import Store
 
@@ -120,6 +126,10 @@ class Leases:
         self.book = book
         # receipt -> (queue name, message id, lease deadline)
         self.held: dict[str, tuple[str, int, float]] = {}
+        # What release gave back: leases, and of them, messages that went to the
+        # dead letters (their last attempt); the server logs both.
+        self.given_back = 0
+        self.buried = 0
 
     def hold(self, queue: str, fields: tuple[Any, ...]) -> tuple[Any, ...]:
         """Hold the receipt of a popped message given as its wire fields (encoded
@@ -148,12 +158,16 @@ class Leases:
         """Nack up to ``most`` of the leases still held (store thread); returns how
         many it took off the table (the caller repeats until none is held)."""
         taken = list(itertools.islice(self.held, most))
-        self.give_back(store, taken)
+        given, buried = self.give_back(store, taken)
+        self.given_back += given
+        self.buried += buried
         return len(taken)
 
-    def give_back(self, store: Store, receipts: Iterable[str]) -> None:
-        """Take ``receipts`` (those still held) off the table and nack them."""
+    def give_back(self, store: Store, receipts: Iterable[str]) -> tuple[int, int]:
+        """Take ``receipts`` (those still held) off the table and nack them; how many
+        were given back, and how many of those went to the dead letters."""
         held = self.held
+        given = buried = 0
         for receipt in receipts:
             lease = held.get(receipt)
             if lease is None:
@@ -165,7 +179,13 @@ class Leases:
             # this one held until its deadline.
             with contextlib.suppress(LeaseExpired, MessageNotFound, QueueNotFound,
                                      InvalidArgument):
-                store.queue(lease[0]).nack(receipt)
+                q = store.queue(lease[0])
+                q.nack(receipt)
+                given += 1
+                with contextlib.suppress(QStoreError):  # a damaged body: not counted
+                    if q.get(lease[1]).state == "dead":  # that was its last attempt
+                        buried += 1
+        return given, buried
 
 
 def _wait(args: dict[str, Any]) -> float:

@@ -50,6 +50,7 @@ from ._metrics import Metrics
 from ._ops import (
     PARK,
     LeaseBook,
+    Leases,
     ack_group,
     group_key,
     pop_group,
@@ -447,6 +448,7 @@ class Server:
                     log.exception("giving back the leases of a closed connection failed")
                     break
                 await asyncio.sleep(0)  # let other connections' requests run
+            _log_given_back(leases)
         conn.leases.forget()  # kept leases, or those a failed release left
         self._conns.discard(conn)
         if self.metrics:
@@ -1089,6 +1091,19 @@ def _layered(reqs: list[_Request]) -> list[_Request]:
 
 def _nothing() -> None:
     return None
+
+
+def _log_given_back(leases: Leases) -> None:
+    """Say what a closed connection's leases became: ready again, or, for a message
+    on its last attempt, a dead letter. Before, those went to the dead letters
+    with no word anywhere (an observability audit)."""
+    if leases.buried:
+        log.warning("leases of a closed connection given back: %d ready again, %d moved to "
+                    "the dead letters (that was their last attempt)",
+                    leases.given_back - leases.buried, leases.buried)
+    elif leases.given_back:
+        log.info("leases of a closed connection given back: %d ready again",
+                 leases.given_back)
 
 
 def _error_frame(exc: BaseException) -> bytes:

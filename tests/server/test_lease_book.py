@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ from qstore.server._ops import LeaseBook, Leases, queue_op
 from qstore.server._waiting import Waiter, WaitingPops
 
 from ..conftest import FakeClock
+from ._support import serving
 
 
 def test_a_message_delivered_again_voids_its_earlier_receipt(tmp_path: Any) -> None:
@@ -219,3 +222,37 @@ def test_the_leases_held_gauge_counts_only_leases_not_run_out(tmp_path: Any) -> 
         assert book.live() == 1  # extended past the advance
         queue_op(store, conn, "ack", {"queue": "q", "receipt": long[7]})
         assert book.live() == 0
+
+
+def test_a_closed_connections_leases_given_back_are_logged_dead_letters_as_a_warning(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # A message on its last attempt that a dead consumer held goes to the dead
+    # letters when its lease is given back: that used to happen with no word
+    # anywhere (an observability audit).
+    said = threading.Event()
+
+    class Told(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "leases of a closed connection" in record.getMessage():
+                said.set()
+
+    told = Told()
+    server_log = logging.getLogger("qstore.server")
+    server_log.addHandler(told)
+    caplog.set_level(logging.INFO, "qstore.server")
+    try:
+        with serving(str(tmp_path / "s")) as address, qstore.connect(address) as watcher:
+            watcher.create_queue("last", max_attempts=1).push(b"a")
+            watcher.create_queue("more", max_attempts=5).push(b"b")
+            with qstore.connect(address) as consumer:
+                assert consumer.queue("last").pop(lease=3600.0) is not None
+                assert consumer.queue("more").pop(lease=3600.0) is not None
+            assert said.wait(30)
+            assert watcher.queue("last").stats().dead == 1
+            assert watcher.queue("more").stats().ready == 1
+    finally:
+        server_log.removeHandler(told)
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records
+             if "leases of a closed connection" in r.getMessage()]
+    assert lines == [(logging.WARNING, "leases of a closed connection given back: 1 ready "
+                      "again, 1 moved to the dead letters (that was their last attempt)")]
