@@ -6,7 +6,8 @@ also a STORE path that holds no store (nothing is created: only ``push --create`
 ``serve`` and ``backfill`` create stores); 3 the
 store is locked by another writer, or a Spark run (``audit``, ``backfill``) failed:
 an unreachable master, a failed job; 4 no such queue or message; 5 any other
-qstore error (corruption, storage failure).
+qstore error (corruption, storage failure); 141 the reader of the output went
+away (a broken pipe: ``qstore check STORE | head -1``).
 """
 
 from __future__ import annotations
@@ -48,9 +49,26 @@ else:  # loaded by the commands that use them (qstore/_lazy.py)
     embedded = lazy("qstore._store")
     server = lazy("qstore.server")
 
-out = Console()
-err = Console(stderr=True)
 EXIT_SPARK_FAILED = 3  # a Spark run failed (contract section 5); nothing was changed
+EXIT_BROKEN_PIPE = 141  # the output's reader went away: 128 + SIGPIPE, as a shell reports it
+
+
+def _reader_gone() -> None:
+    """The reader of stdout went away: nothing more reaches it, stdout must not fail
+    again at exit, and the exit code says so (:data:`EXIT_BROKEN_PIPE`). Both rich
+    and click made that exit 1, which says "found something" (check findings)."""
+    with suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(EXIT_BROKEN_PIPE)
+
+
+class _Out(Console):
+    def on_broken_pipe(self) -> None:
+        _reader_gone()
+
+
+out = _Out()
+err = Console(stderr=True)
 
 
 def _error(message: str) -> None:
@@ -159,7 +177,17 @@ def _parse_priority(store: Any, queue: str, text: str | None) -> int | str | Non
         raise click.BadParameter(f"queue {queue!r} takes int priorities, not {text!r}") from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the command; a reader of its output that went away (``qstore check S |
+        head -1``) ends it with :data:`EXIT_BROKEN_PIPE`, as SIGPIPE ends a shell tool."""
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:  # a write that did not go through rich (``out``)
+            _reader_gone()
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="qstore")
 def main() -> None:
     """qstore: a durable, embedded priority work queue.
@@ -167,7 +195,8 @@ def main() -> None:
     Exit codes: 0 ok, 1 found something (audit/check findings, empty queue),
     2 bad usage (also: STORE is not a store; only push --create, serve and
     backfill create one), 3 store locked, 4 no such queue/message, 5 other
-    error (a store that cannot be read, corruption, storage failure).
+    error (a store that cannot be read, corruption, storage failure), 141 the
+    output's reader went away (a broken pipe).
     """
 
 
@@ -212,7 +241,7 @@ def stats(store_path: str, as_json: bool, token_file: str | None) -> None:
             "garbage_ratio": st.garbage_ratio,
         }, indent=1))
         return
-    print_stats(st)
+    print_stats(st, out)
 
 
 @main.command()
@@ -272,18 +301,34 @@ def pop(store_path: str, queue: str, count: int, lease: float, ack: bool, raw: b
     with _target(store_path, token_file, keep_leases=not ack) as store:
         q = store.queue(queue)
         msgs = q.pop_many(count, lease=lease)
-        if ack and msgs:
-            q.ack_many(msgs)
+        if msgs:
+            # Written out first, then acked: a reader that went away (``qstore pop
+            # S q | consumer`` whose consumer died) took nothing. They go back at
+            # once; acked first, they were gone for good.
+            try:
+                _print_popped(msgs, raw=raw, receipts=not ack)
+            except OSError:
+                for m in msgs:
+                    with suppress(errors.QStoreError):  # else its lease runs out
+                        q.nack(m)
+                raise
+            if ack:
+                q.ack_many(msgs)
     if not msgs:
         err.print("queue is empty")
         sys.exit(EXIT_FOUND)
+
+
+def _print_popped(msgs: list[Any], *, raw: bool, receipts: bool) -> None:
+    """What ``qstore pop`` prints, flushed (a failed write raises here)."""
     for m in msgs:
         if raw:
             sys.stdout.buffer.write(m.payload)
         else:
-            receipt = "" if ack else f"\treceipt={m.receipt}"
+            receipt = f"\treceipt={m.receipt}" if receipts else ""
             click.echo(f"{m.id}\tprio={m.priority}\tattempts={m.attempts}{receipt}\t"
                        f"{_show_payload(m.payload)}")
+    sys.stdout.flush()
 
 
 @main.command()

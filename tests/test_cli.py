@@ -174,6 +174,43 @@ def test_compact_reports_what_it_freed(runner: CliRunner, store_path: str) -> No
         assert store.stats().garbage_ratio == 0.0
 
 
+def _into_a_closed_pipe(*args: str) -> int:
+    """Run ``qstore ARGS`` with its stdout a pipe nobody reads (closed first, as
+    ``qstore ... | head -0`` would); its exit code."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "qstore.cli", *args], stdout=write,
+                              stderr=subprocess.DEVNULL, check=False)
+    finally:
+        os.close(write)
+    return done.returncode
+
+
+@pytest.mark.parametrize("args", [[], ["-n", "3"], ["--raw"], ["--no-ack", "-n", "2"]])
+def test_pop_into_a_pipe_nobody_reads_gives_the_messages_back(store_path: str,
+                                                              args: list[str]) -> None:
+    # They were acked before they were written: `qstore pop S q | consumer` whose
+    # consumer had died took them for good. Now written first, then acked, and
+    # given back when the write fails; exit 141 (a broken pipe), not 1 ("empty").
+    with qstore.open(store_path, compactor=False) as store:
+        store.create_queue("q").push_many([b"a", b"b", b"c"])
+    assert _into_a_closed_pipe("pop", store_path, "q", *args) == 141
+    with qstore.open(store_path, compactor=False) as store:
+        st = store.queue("q").stats()
+        assert (st.ready, st.in_flight) == (3, 0)
+
+
+@pytest.mark.parametrize("command", ["check", "stats", "queues"])
+def test_a_reader_that_went_away_is_exit_141_not_a_finding(store_path: str,
+                                                          command: str) -> None:
+    # rich and click both made a broken pipe exit 1: `qstore check S | head -1`
+    # under pipefail said the store had findings.
+    with qstore.open(store_path, compactor=False) as store:
+        store.create_queue("q").push(b"x")
+    assert _into_a_closed_pipe(command, store_path) == 141
+
+
 def test_writer_locked_store_exits_3(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = str(tmp_path / "s")
     with qstore.open(path, compactor=False) as store:
