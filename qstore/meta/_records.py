@@ -70,6 +70,16 @@ def unpack(data: bytes, what: str, versions: tuple[int, ...] = _V1) -> list[Any]
     return value
 
 
+def record_version(data: bytes) -> object:
+    """The version a record says it is (its first field), or None if it does not
+    decode as a record: for errors about records this build cannot read."""
+    try:
+        value = msgpack.unpackb(data, use_list=True, raw=False)
+    except Exception:  # msgpack raises several unrelated types for bad input
+        return None
+    return value[0] if isinstance(value, list) and value else None
+
+
 def store_format(raw: bytes | None) -> int:
     """The store format the ``M"format"`` record ``raw`` names (:data:`STORE_FORMAT`
     when there is none, or it does not decode: the checks judge the rest)."""

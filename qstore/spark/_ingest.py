@@ -65,11 +65,17 @@ JOB_FORMAT = 1  # never change the meaning of 1
 SUCCESS_FILE = "_SUCCESS"
 CRASH_ENV = "QSTORE_BACKFILL_CRASH_AT"
 # The job marker M backfill/<job> (docs/meta-schema.md): [version, rows, rejects_dir,
-# fingerprint]. Version 1 as the ingestion writes it; version 2 once a later job has
+# fingerprint]. Version 3 as the ingestion writes it; version 2 once a later job has
 # settled it (written the _SUCCESS, reported it) and keeps it to refuse a rerun.
-MARKER_UNSETTLED = records.RECORD_VERSION  # never change the meaning of 1
-MARKER_SETTLED = records.RECORD_VERSION_2  # never change the meaning of 2
-MARKER_VERSIONS = (MARKER_UNSETTLED, MARKER_SETTLED)
+# Version 1 is what builds before version 2 wrote: read as unsettled, never written.
+# Those builds settle and delete every version 1 marker, another job's too, so a
+# version 1 marker of this build's left one of its jobs without the marker that
+# refuses its rerun (its rows loaded twice; a cross-version audit): they refuse a
+# version 3 one instead ("unsupported backfill job record version").
+MARKER_OLD_UNSETTLED = 1  # never change the meaning of 1
+MARKER_SETTLED = 2  # never change the meaning of 2
+MARKER_UNSETTLED = 3  # never change the meaning of 3
+MARKER_VERSIONS = (MARKER_OLD_UNSETTLED, MARKER_SETTLED, MARKER_UNSETTLED)
 STEPS = ("reserved", "staged", "rejects_published", "moving", "moved", "ingested", "cleaned")
 # Test hook: called with the name of each step as it completes. None in normal use.
 step_hook: Callable[[str], None] | None = None
@@ -132,8 +138,8 @@ def settle_loaded(store: Store, fingerprint: str | None) -> list[tuple[str, int]
         deletes: list[bytes] = []
         for key, raw in found:
             job_id = key[len(keys.BACKFILL_JOB):].decode("ascii", "replace")
-            version, rows, dest, mark = records.unpack(raw, "backfill job", MARKER_VERSIONS)
-            if version == MARKER_UNSETTLED:
+            version, rows, dest, mark = _marker(job_id, raw)
+            if version != MARKER_SETTLED:
                 if isinstance(dest, str) and os.path.isdir(dest):
                     _write_success(dest)
                 settled.append((job_id, rows))
@@ -142,7 +148,7 @@ def settle_loaded(store: Store, fingerprint: str | None) -> list[tuple[str, int]
                 deletes.append(key)
             elif mark is None:
                 deletes.append(key)
-            elif version == MARKER_UNSETTLED:
+            elif version != MARKER_SETTLED:
                 puts.append((key, records.pack([MARKER_SETTLED, rows, dest, mark])))
         if puts or deletes:
             core.write_synced(puts, deletes=deletes)
@@ -154,6 +160,29 @@ def settle_loaded(store: Store, fingerprint: str | None) -> list[tuple[str, int]
             + (f" (its rejects: {dest}, now marked {SUCCESS_FILE})" if dest else "")
             + "; run it again to load them a second time")
     return settled
+
+
+def _marker(job_id: str, raw: bytes) -> list[Any]:
+    """The decoded marker of backfill ``job_id``; a version this build does not know
+    is refused, saying why and what to do (it said "unsupported backfill job
+    record version" and the record, cut at 80 characters)."""
+    version = records.record_version(raw)
+    if type(version) is int and version > max(MARKER_VERSIONS):
+        raise StorageError(
+            f"the store holds the marker of backfill {job_id} (record M backfill/{job_id}, "
+            f"version {version}), written by a newer qstore: this one cannot tell whether "
+            "that job's rows are loaded, so it backfills nothing into this store; run "
+            "backfills with the newer qstore")
+    try:
+        value = records.unpack(raw, "backfill job", MARKER_VERSIONS)
+        if len(value) != 4:
+            raise ValueError(f"{len(value)} fields")
+    except StorageError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise StorageError(f"the marker of backfill {job_id} (record M backfill/{job_id}) "
+                           f"is damaged: {exc!r:.100}") from None
+    return value
 
 
 def _write_success(dest_dir: str) -> None:

@@ -776,6 +776,9 @@ def test_a_rerun_after_a_kill_is_refused_even_when_another_job_ran_between(
     assert _commit_in_child(work, staging, "ingested", mark_a) == -signal.SIGKILL
     (rejects_a,) = (work / "rejects").iterdir()
     assert not (rejects_a / "_SUCCESS").exists()
+    # Version 3: builds before version 2 settle and delete every version 1 marker
+    # (this one too, then the rerun below loaded twice); they refuse a version 3.
+    assert [m[0] for m in _markers(work).values()] == [_ingest.MARKER_UNSETTLED] == [3]
 
     assert run_backfill(str(src_b), into=work, queue="q", priority_col="p",
                         spark=spark).loaded == 5
@@ -799,8 +802,8 @@ def test_settling_keeps_other_jobs_markers_once_settled_until_their_rerun(
     rejects = tmp_path / "rejects-a"
     rejects.mkdir()
     with qstore.open(tmp_path / "store", compactor=False) as s:
-        s.core.write_synced([
-            (keys.backfill_job_key("a"), records.pack([1, 7, str(rejects), "job-a"])),
+        s.core.write_synced([  # "a" as this build writes it, "df" as builds before 2 did
+            (keys.backfill_job_key("a"), records.pack([3, 7, str(rejects), "job-a"])),
             (keys.backfill_job_key("df"), records.pack([1, 3, None, None])),
         ])
         assert sorted(_ingest.settle_loaded(s, "job-b")) == [("a", 7), ("df", 3)]
@@ -813,6 +816,19 @@ def test_settling_keeps_other_jobs_markers_once_settled_until_their_rerun(
         assert _ingest.settle_loaded(s, "job-a") == []  # refused once
         assert s.check().ok
     assert _markers(tmp_path / "store") == {}
+
+
+def test_a_marker_of_a_newer_build_refuses_the_backfill_saying_why(tmp_path: Path) -> None:
+    # It said "unsupported backfill job record version: [9, 7, ..." cut at 80
+    # characters, naming neither the job nor what to do (a cross-version audit).
+    with qstore.open(tmp_path / "store", compactor=False) as s:
+        s.core.write_synced([(keys.backfill_job_key("j1"), records.pack([9, 7, None, "x"]))])
+        with pytest.raises(StorageError, match=r"marker of backfill j1 .*version 9.*newer qstore"
+                           r".*cannot tell whether that job's rows are loaded"):
+            _ingest.settle_loaded(s, "job-b")
+        s.core.write_synced([(keys.backfill_job_key("j1"), b"\xc1")])  # not a record at all
+        with pytest.raises(StorageError, match="marker of backfill j1 .* is damaged"):
+            _ingest.settle_loaded(s, "job-b")  # was msgpack's FormatError, a traceback
 
 
 def _segment_files(store: Path) -> list[str]:
