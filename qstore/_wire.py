@@ -104,6 +104,23 @@ def encode_message(m: Message) -> tuple[Any, ...]:
     return m._fields()
 
 
+# A newer server may add fields within one protocol version: map keys and
+# trailing array fields this client does not know are ignored (docs/protocol.md,
+# "Versioning"). A client that built its values from every field it got broke
+# on the first one added (a cross-version audit: stats() and a TTL message's pop
+# raised TypeError in a client of the first weeks).
+
+def _known(cls: Any, v: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``v`` that are fields of dataclass ``cls``."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+    return v if v.keys() <= names else {k: x for k, x in v.items() if k in names}
+
+
+_FIELD_NAMES: dict[Any, frozenset[str]] = {}
+
+
 def decode_message(v: list[Any]) -> Message:
     if len(v) > 9:
         return Message(*v[:9], expires_at=v[9], dead_reason=v[10])
@@ -118,7 +135,7 @@ def decode_stats(v: dict[str, Any]) -> QueueStats:
     rate = v.get("rate")
     if isinstance(rate, list):  # msgpack has no tuple
         v = {**v, "rate": tuple(rate)}
-    return QueueStats(**v)
+    return QueueStats(**_known(QueueStats, v))
 
 
 def encode_store_stats(s: StoreStats) -> dict[str, Any]:
@@ -128,7 +145,7 @@ def encode_store_stats(s: StoreStats) -> dict[str, Any]:
 
 def decode_store_stats(v: dict[str, Any]) -> StoreStats:
     return StoreStats(tuple(decode_stats(q) for q in v["queues"]),
-                      tuple(SegmentStats(**g) for g in v["segments"]))
+                      tuple(SegmentStats(**_known(SegmentStats, g)) for g in v["segments"]))
 
 
 def encode_compaction(r: CompactionResult) -> dict[str, Any]:
@@ -137,7 +154,7 @@ def encode_compaction(r: CompactionResult) -> dict[str, Any]:
 
 def decode_compaction(v: dict[str, Any]) -> CompactionResult:
     fields: dict[str, Any] = {k: tuple(x) if isinstance(x, list) else x for k, x in v.items()}
-    return CompactionResult(**fields)
+    return CompactionResult(**_known(CompactionResult, fields))
 
 
 def _findings(fs: tuple[Finding, ...]) -> list[list[Any]]:
@@ -152,7 +169,7 @@ def encode_check(r: CheckReport) -> dict[str, Any]:
 
 def decode_check(v: dict[str, Any]) -> CheckReport:
     def findings(rows: list[list[Any]]) -> tuple[Finding, ...]:
-        return tuple(Finding(*row) for row in rows)
+        return tuple(Finding(*row[:6]) for row in rows)
     return CheckReport(findings(v["findings"]), findings(v["notes"]), v["queues"],
                        v["messages"], v["segments"], v["payload_bytes"], findings(v["repairs"]))
 

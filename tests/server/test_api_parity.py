@@ -74,3 +74,30 @@ def test_messages_with_expiry_cross_the_wire() -> None:
     plain = qstore.Message(4, "q", 1, b"y", 1, 10.0, 40.0, "r", "in_flight")
     assert len(wire.encode_message(plain)) == 9
     assert wire.decode_message(wire.encode_message(plain)) == plain
+
+
+def test_values_of_a_newer_server_with_more_fields_decode() -> None:
+    # Within protocol version 1 the values grow (docs/protocol.md, "Values"): a
+    # client that built them from every field it got raised TypeError against a
+    # server newer than itself (a cross-version audit).
+    from qstore import _wire as wire
+
+    m = qstore.Message(3, "q", 1, b"x", 2, 10.0, None, None, "dead", expires_at=20.0,
+                       dead_reason="expired")
+    assert wire.decode_message([*wire.encode_message(m), "later", 7]) == m
+    stats = qstore.QueueStats("q", 1, 2, 3, 4, 5, expired=6, ttl=7.0, rate=(5, 2.0))
+    sent = {**wire.encode_stats(stats), "rate": [5, 2.0], "later": {"x": 1}}
+    assert wire.decode_stats(sent) == stats
+    store = wire.decode_store_stats({"queues": [sent], "segments": [
+        {"file_id": 1, "size": 100, "live_bytes": 50, "live_count": 2, "active": True,
+         "later": 0}]})
+    assert store.queues == (stats,) and store.segments[0].live_count == 2
+    result = wire.decode_compaction({"sealed": None, "segments_read": [1],
+                                     "segments_deleted": [1], "output": 2,
+                                     "messages_moved": 3, "bytes_copied": 4,
+                                     "bytes_freed": 5, "seconds": 0.5, "later": [1]})
+    assert (result.segments_read, result.bytes_freed) == ((1,), 5)
+    report = wire.decode_check({"findings": [["bad_crc", "q", 1, 2, 3, "d", "later"]],
+                                "notes": [], "repairs": [], "queues": 1, "messages": 1,
+                                "segments": 1, "payload_bytes": 1, "later": True})
+    assert [(f.kind, f.detail) for f in report.findings] == [("bad_crc", "d")]
