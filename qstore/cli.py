@@ -192,11 +192,12 @@ class _Commands(click.Group):
 def main() -> None:
     """qstore: a durable, embedded priority work queue.
 
-    Exit codes: 0 ok, 1 found something (audit/check findings, empty queue),
-    2 bad usage (also: STORE is not a store; only push --create, serve and
-    backfill create one), 3 store locked, 4 no such queue/message, 5 other
-    error (a store that cannot be read, corruption, storage failure), 141 the
-    output's reader went away (a broken pipe).
+    Exit codes: 0 ok, 1 found something (audit/check findings, empty queue,
+    rejected backfill rows), 2 bad usage (also: STORE is not a store; only
+    push --create, serve and backfill create one), 3 store locked by another
+    writer, or a failed Spark run (audit, backfill), 4 no such queue/message,
+    5 other error (a store that cannot be read, corruption, storage failure),
+    141 the output's reader went away (a broken pipe).
     """
 
 
@@ -637,11 +638,17 @@ def _backfill_through_server(into: str, args: dict[str, Any],
                 raise
 
 
+def _rate(rate: float) -> str:
+    """A rate for people: whole numbers, but two digits under 10 (a 4-row job's
+    0.13 msg/s printed as "0 msg/s")."""
+    return f"{rate:,.0f}" if rate >= 10 else f"{rate:.2g}"
+
+
 def _report_backfill(result: dict[str, Any]) -> None:
     r = result
     click.echo(f"loaded {r['loaded']:,} of {r['rows']:,} rows into queue {r['queue']!r} "
                f"of {r['store']} ({r['ready']:,} ready, {r['delayed']:,} delayed, "
-               f"{r['bytes']:,} bytes) in {r['seconds']:.1f}s ({r['rate']:,.0f} msg/s); "
+               f"{r['bytes']:,} bytes) in {r['seconds']:.1f}s ({_rate(r['rate'])} msg/s); "
                f"rejected {r['rejected']:,} ({r['duplicates']:,} duplicates)")
     if r["rejects_path"]:
         click.echo(f"rejects table: {r['rejects_path']}")

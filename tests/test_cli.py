@@ -440,3 +440,11 @@ def test_stats_through_a_read_only_view_names_the_active_segment(runner: CliRunn
     assert r.exit_code == 0, r.output
     viewed = [(s["file_id"], s["active"]) for s in json.loads(r.output)["segments"]]
     assert viewed == writer and [a for _, a in viewed].count(True) == 1
+
+
+def test_a_backfill_report_gives_a_small_rate_in_two_digits() -> None:
+    # A 4-row job printed "(0 msg/s)" (a docs audit).
+    from qstore.cli import _rate
+
+    assert [_rate(r) for r in (0.128, 3.0, 9.96, 10.4, 123456.7)] == [
+        "0.13", "3", "10", "10", "123,457"]

@@ -13,6 +13,7 @@ inline or through :mod:`._worker` (the store thread, for durability
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import ssl
 import sys
@@ -26,6 +27,8 @@ from ._server import Limits, Server, default_max_frame
 
 __all__ = ["LOOPS", "Limits", "Server", "default_max_frame", "loop_factory", "serve",
            "tls_context"]
+
+log = logging.getLogger("qstore.server")
 
 
 def loop_factory(loop: str = "auto") -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -98,6 +101,9 @@ def serve(store: Store, listen: str | None = None, *, token: str | None = None,
         except BaseException:
             await server.shutdown()  # the socket file goes, the store closes
             raise
+        # Once all of it serves: logged before the metrics port was taken, a server
+        # that then failed to start had said it was listening (a docs audit).
+        log.info("qstore server listening on %s", server.listening_on)
         if ready is not None:
             ready(server.listening_on)
         await stop.wait()

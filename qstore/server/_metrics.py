@@ -21,8 +21,9 @@ process-global one), served over HTTP by the library's own thread:
   not run out: what goes back to ready if their clients go away);
 - ``qstore_connections_refused_total{reason}`` (connections the server closed
   with an error: ``auth`` a wrong or missing token, ``protocol`` a bad
-  handshake or frame, ``busy`` over ``--max-connections``, ``error`` anything
-  else), ``qstore_waiting_pops`` (pops parked now),
+  handshake or frame, ``busy`` over ``--max-connections``, ``evicted`` closed
+  without a handshake to make room, ``no_handshake`` none in time, ``error``
+  anything else), ``qstore_waiting_pops`` (pops parked now),
   ``qstore_queue_expired_total{queue}`` (messages a TTL ended) and
   ``qstore_space_low`` (1 while pushes are refused on a nearly full disk).
 """

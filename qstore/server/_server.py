@@ -227,13 +227,10 @@ class Server:
         # Tells a process that finds the store locked which server owns it, and
         # where to reach it: a TCP-only server leaves no socket in the store.
         try:
-            a = self.address  # a unix path made absolute: read from anywhere
-            address = f"unix://{os.path.abspath(a.path)}" if a.kind == "unix" \
-                else self.listening_on
-            write_json_durably(self._server_file, {"address": address, "pid": os.getpid()})
+            write_json_durably(self._server_file, {"address": self.listening_on,
+                                                   "pid": os.getpid()})
         except OSError as exc:  # a full disk: serve all the same, the file only helps
             log.warning("cannot write %s: %s", self._server_file, exc)
-        log.info("qstore server listening on %s", self.listening_on)
 
     @property
     def _server_file(self) -> str:
@@ -266,6 +263,8 @@ class Server:
         if a.kind == "tcp" and self._server is not None and self._server.sockets:
             host, port = self._server.sockets[0].getsockname()[:2]
             return f"tcp://{host}:{port}"
+        if a.kind == "unix":  # absolute, as docs/server.md gives it: usable from anywhere
+            return f"unix://{os.path.abspath(a.path)}"
         return str(a)
 
     async def shutdown(self) -> None:
@@ -324,6 +323,8 @@ class Server:
             oldest = next(iter(ungreeted))
             del ungreeted[oldest]
             oldest.close()
+            self._refused("evicted", f"a connection with no handshake yet closed: "
+                          f"{self.limits.max_ungreeted} were waiting for theirs")
         ungreeted[conn] = None
         self._conns.add(conn)
         if self.metrics:
@@ -340,6 +341,8 @@ class Server:
     def _hello_late(self, conn: Connection) -> None:
         if not conn.greeted and not conn.closed:
             conn.close()
+            self._refused("no_handshake", f"no handshake within "
+                          f"{self.limits.handshake_timeout:g} s")
 
     def hello(self, conn: Connection, body: bytes | memoryview) -> None:
         hello = wire.unpack(body)

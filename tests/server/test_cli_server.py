@@ -158,6 +158,9 @@ def test_serve_on_a_taken_port_says_so_and_leaves_nothing_behind(tmp_path: Any) 
         assert r.returncode == 5, r.stderr  # an error, not "found something" (1)
         assert "Traceback" not in r.stderr
         assert "address already in use" in r.stderr.lower()
+        # It never served: no "listening" line (one came before the metrics port
+        # was taken; a docs audit).
+        assert "listening" not in r.stderr and "listening" not in r.stdout
 
     try:
         for args in (["--listen", f"tcp://127.0.0.1:{port}"], ["--metrics-port", str(port)]):
@@ -290,7 +293,10 @@ def test_serve_logs_to_stderr_with_time_and_level(tmp_path: Any) -> None:
     finally:
         srv.kill()
     stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
-    assert re.fullmatch(stamp + r" INFO qstore\.server: qstore server listening on unix://.*",
+    # unix:///PATH, absolute, as docs/server.md gives it (a relative STORE printed
+    # unix://s/qstore.sock; a docs audit)
+    assert re.fullmatch(stamp + r" INFO qstore\.server: qstore server listening on unix://"
+                        + re.escape(os.path.join(os.path.abspath(store), "qstore.sock")),
                         lines[0]), lines
     assert re.fullmatch(stamp + r" INFO qstore: qstore server stopped; closing .*",
                         lines[-1]), lines
@@ -301,3 +307,21 @@ def test_serve_logs_to_stderr_with_time_and_level(tmp_path: Any) -> None:
         assert quiet.proc.stderr.read() == b""
     finally:
         quiet.kill()
+
+
+def test_a_relative_store_is_served_at_its_absolute_address(tmp_path: Any) -> None:
+    # It printed unix://s/qstore.sock: not the unix:///PATH form docs/server.md
+    # gives, and usable only from the server's own directory (a docs audit).
+    proc = subprocess.Popen([sys.executable, "-m", "qstore.cli", "serve", "s"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env())
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().decode().strip()
+        assert address == f"listening on unix://{tmp_path}/s/qstore.sock"
+        with qstore.connect(address[len("listening on "):]) as client:  # from elsewhere
+            assert client.queues() == []
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0
+        if proc.stdout is not None:
+            proc.stdout.close()

@@ -4,6 +4,7 @@ against real server processes."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import resource
 import socket
@@ -91,6 +92,27 @@ def test_sockets_that_never_say_hello_cannot_lock_clients_out(tmp_path: Any) -> 
         finally:
             for s in silent:
                 s.close()
+        assert srv.terminate() == 0
+        assert srv.proc.stderr is not None
+        log = srv.proc.stderr.read().decode()
+    # Said once (then at most a line a minute); it was said nowhere (a docs audit).
+    assert log.count("connection closed (evicted): a connection with no handshake yet "
+                     "closed: 256 were waiting for theirs") == 1, log
+
+
+def test_a_socket_without_a_handshake_in_time_is_closed_and_said_so(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "qstore.server")
+    with serving(str(tmp_path / "s"), Limits(handshake_timeout=0.05)) as address:
+        silent = raw_socket(address)
+        try:
+            assert frames_until_closed(silent) == []  # closed by the server, unanswered
+        finally:
+            silent.close()
+        with qstore.connect(address) as client:  # a client that says hello is served
+            assert client.queues() == []
+    assert [r.getMessage() for r in caplog.records if "no_handshake" in r.getMessage()] == [
+        "connection closed (no_handshake): no handshake within 0.05 s"]
 
 
 def test_waiting_pops_over_the_limit_raise_server_busy(tmp_path: Any) -> None:
