@@ -109,6 +109,8 @@ def encode_message(m: Message) -> tuple[Any, ...]:
 # "Versioning"). A client that built its values from every field it got broke
 # on the first one added (a cross-version audit: stats() and a TTL message's pop
 # raised TypeError in a client of the first weeks).
+_FIELD_NAMES: dict[Any, frozenset[str]] = {}  # a dataclass -> its field names
+
 
 def _known(cls: Any, v: dict[str, Any]) -> dict[str, Any]:
     """The keys of ``v`` that are fields of dataclass ``cls``."""
@@ -116,9 +118,6 @@ def _known(cls: Any, v: dict[str, Any]) -> dict[str, Any]:
     if names is None:
         names = _FIELD_NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
     return v if v.keys() <= names else {k: x for k, x in v.items() if k in names}
-
-
-_FIELD_NAMES: dict[Any, frozenset[str]] = {}
 
 
 def decode_message(v: list[Any]) -> Message:
