@@ -332,6 +332,79 @@ def _print_popped(msgs: list[Any], *, raw: bool, receipts: bool) -> None:
     sys.stdout.flush()
 
 
+_RECEIPTS_HELP = """
+
+    STORE is a store directory (through its server when one runs) or a
+    server address, unix:///PATH or tcp://HOST:PORT. Receipts are as
+    `qstore pop --no-ack` prints them. Exit 4 if a message is gone (acked, or
+    its queue purged), 5 if its lease ran out (it was delivered again, or is
+    ready or dead: a later receipt, if any, is the live one).
+    """
+
+
+@main.command(help="""Ack leased messages by receipt: all of them, or none (one batch).
+    Prints how many.""" + _RECEIPTS_HELP)
+@click.argument("store_path", metavar="STORE")
+@click.argument("queue")
+@click.argument("receipts", nargs=-1, required=True)
+@server_options
+def ack(store_path: str, queue: str, receipts: tuple[str, ...], token_file: str | None) -> None:
+    with _target(store_path, token_file) as store:
+        click.echo(store.queue(queue).ack_many(list(receipts)))
+
+
+@main.command(help="""Give leased messages back by receipt, one after the other: ready again
+    (after --delay), attempts kept; one that used its last attempt goes to the
+    dead letters. An error stops at the receipt it names: those before it
+    were given back. Prints how many.""" + _RECEIPTS_HELP)
+@click.argument("store_path", metavar="STORE")
+@click.argument("queue")
+@click.argument("receipts", nargs=-1, required=True)
+@click.option("--delay", type=float, default=0.0, show_default=True,
+              help="Seconds before they are ready again.")
+@server_options
+def nack(store_path: str, queue: str, receipts: tuple[str, ...], delay: float,
+         token_file: str | None) -> None:
+    with _target(store_path, token_file) as store:
+        q = store.queue(queue)
+        for receipt in receipts:
+            q.nack(receipt, delay=delay)
+    click.echo(len(receipts))
+
+
+@main.command(help="""Extend leases by receipt, one after the other, to now + --lease seconds;
+    the receipts stay valid. Prints each message's id and new deadline (Unix
+    seconds).""" + _RECEIPTS_HELP)
+@click.argument("store_path", metavar="STORE")
+@click.argument("queue")
+@click.argument("receipts", nargs=-1, required=True)
+@click.option("--lease", type=float, default=30.0, show_default=True, help="Lease seconds.")
+@server_options
+def extend(store_path: str, queue: str, receipts: tuple[str, ...], lease: float,
+           token_file: str | None) -> None:
+    with _target(store_path, token_file) as store:
+        q = store.queue(queue)
+        for receipt in receipts:
+            m = q.extend(receipt, lease=lease)
+            click.echo(f"{m.id}\tlease_deadline={m.lease_deadline:.6f}")
+
+
+@main.command()
+@click.argument("store_path", metavar="STORE")
+@click.argument("queue")
+@click.option("-n", "count", type=click.IntRange(1), default=100, show_default=True)
+@server_options
+def redrive(store_path: str, queue: str, count: int, token_file: str | None) -> None:
+    """Move up to N dead letters of QUEUE back to ready, oldest first, attempts
+    reset to 0. Prints how many.
+
+    STORE is a store directory (through its server when one runs) or a
+    server address, unix:///PATH or tcp://HOST:PORT.
+    """
+    with _target(store_path, token_file) as store:
+        click.echo(store.queue(queue).redrive(count))
+
+
 @main.command()
 @click.argument("store_path", metavar="STORE")
 @click.argument("queue")

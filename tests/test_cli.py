@@ -68,6 +68,40 @@ def test_pop_no_ack_leaves_message_in_flight(runner: CliRunner, store_path: str)
         assert store.queue("jobs").stats().in_flight == 1
 
 
+def test_ack_nack_extend_and_redrive_take_receipts_and_say_what_failed(
+        runner: CliRunner, store_path: str) -> None:
+    # The command line had no ack: a --no-ack receipt was for code only. (The
+    # commands run on the real clock: leases of an hour, no time passes.)
+    with qstore.open(store_path, compactor=False) as store:
+        q = store.create_queue("q", max_attempts=1)
+        q.push_many([b"a", b"b", b"c"])
+        first, second, third = q.pop_many(3, lease=3600.0)
+    r = runner.invoke(main, ["ack", store_path, "q", "1-ffff-1"])
+    assert r.exit_code == 4 and "not found" in r.output  # no such message
+    r = runner.invoke(main, ["ack", store_path, "q", first.receipt, "1-ffff-1"])
+    assert r.exit_code == 4  # all or none: the first is still leased
+    r = runner.invoke(main, ["ack", store_path, "q", "garbage"])
+    assert r.exit_code == 2 and "malformed receipt" in r.output
+    r = runner.invoke(main, ["extend", store_path, "q", first.receipt, "--lease", "7200"])
+    assert r.exit_code == 0 and r.output.startswith(f"{first.id}\tlease_deadline=")
+    assert float(r.output.split("=")[1]) > first.lease_deadline + 3000
+    assert runner.invoke(main, ["ack", store_path, "q", first.receipt]).output == "1\n"
+    r = runner.invoke(main, ["nack", store_path, "q", second.receipt, third.receipt])
+    assert r.exit_code == 0 and r.output == "2\n"  # their last attempt: dead letters
+    r = runner.invoke(main, ["nack", store_path, "q", second.receipt])  # not leased now
+    assert r.exit_code == 5 and "expired or was superseded" in r.output
+    assert runner.invoke(main, ["redrive", store_path, "q", "-n", "1"]).output == "1\n"
+    with qstore.open(store_path, compactor=False) as store:
+        q = store.queue("q")
+        assert (q.stats().ready, q.stats().dead) == (1, 1)
+        got = q.pop(lease=3600.0)
+        assert got is not None and (got.payload, got.attempts) == (b"b", 1)  # oldest first
+    r = runner.invoke(main, ["nack", store_path, "q", got.receipt, "--delay", "3600"])
+    assert r.exit_code == 0
+    with qstore.open(store_path, compactor=False) as store:
+        assert store.queue("q").stats().dead == 2  # attempts kept: still its last one
+
+
 def test_pop_raw_writes_one_body_and_refuses_several(runner: CliRunner,
                                                       store_path: str) -> None:
     for body in ("one", "two"):

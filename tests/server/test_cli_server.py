@@ -53,6 +53,31 @@ def test_commands_on_a_served_store_go_through_the_server(server: ServerProcess,
     assert _run("check", dest).exit_code == 0
 
 
+def test_receipts_from_pop_no_ack_are_acked_nacked_and_extended_through_the_server(
+        server: ServerProcess) -> None:
+    # The command line had no ack: a --no-ack receipt was for code only.
+    store = server.store
+    with qstore.connect(store) as client:
+        client.create_queue("jobs", max_attempts=1).push_many([b"a", b"b", b"c"])
+    r = _run("pop", store, "jobs", "-n", "3", "--no-ack", "--lease", "600")
+    assert r.exit_code == 0, r.output
+    receipts = [field[len("receipt="):] for line in r.output.splitlines()
+                for field in line.split("\t") if field.startswith("receipt=")]
+    assert len(receipts) == 3
+    r = _run("extend", store, "jobs", receipts[0], "--lease", "900")
+    assert r.exit_code == 0 and "lease_deadline=" in r.output, r.output
+    assert _run("ack", store, "jobs", receipts[0], receipts[1]).output.strip() == "2"
+    assert _run("ack", store, "jobs", receipts[0]).exit_code == 4  # gone
+    assert _run("nack", store, "jobs", receipts[2]).output.strip() == "1"  # its last attempt
+    with qstore.connect(store) as client:
+        assert client.queue("jobs").stats().dead == 1
+    assert _run("redrive", store, "jobs").output.strip() == "1"
+    with qstore.connect(store) as client:
+        st = client.queue("jobs").stats()
+        assert (st.ready, st.in_flight, st.dead) == (1, 0, 0)
+        assert client.queue("jobs").pop().payload == b"c"
+
+
 def test_a_served_store_opened_embedded_names_its_server(server: ServerProcess) -> None:
     # (A backfill goes through the server: tests/spark/test_backfill_served.py.)
     store = server.store
