@@ -36,6 +36,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any, cast
 
@@ -249,6 +250,10 @@ class MetaDB:
         self._scratch: str | None = None  # a read-only open's private copy (see _open)
         self._opens = 1  # this handle's open count (see write_mark)
         self.small_log = False  # see keep_log_small
+        # RocksDB iterators alive on this handle (see _iter and reopen), and the
+        # lock that makes counting them and closing the handle one step.
+        self._iterators = 0
+        self._iterators_lock = threading.Lock()
         self._db = self._open(create=not readonly)
         self._wopts = WriteOptions()
         self._wopts_sync = WriteOptions()
@@ -290,22 +295,33 @@ class MetaDB:
         the old handle, if it could not be closed, keeps serving reads.
         """
         old = self._db
-        try:
-            old.close()
-        except Exception as exc:  # the error state itself; closing still releases it
-            if "Already borrowed" in str(exc):
-                # Another thread is inside a call on it (always mode's checkpoint
-                # flushes outside the writer lock): the handle stays open, and its
-                # LOCK with it, so an open now would fail as StoreLocked (a review).
-                # Keep it; the next write tries again.
-                err = StorageError(f"reopening the metadata database must wait for a "
-                                   f"call in progress on it ({exc}); after {self.failed}")
-                err.errno = self.failed.errno if self.failed is not None else None
-                raise err from None
-            log.debug("closing metadata after a failed write: %s", exc)
+        with self._iterators_lock:  # no iterator is made until the old handle is closed
+            if self._iterators:
+                # An iterator keeps the database, and its LOCK, alive past close(): the
+                # open would fail as StoreLocked, "locked by another writer", for as
+                # long as the compactor's scan of every message ran, and leave no
+                # handle for reads either (a race audit). Keep it; the next write
+                # tries again.
+                raise self._must_wait(f"{self._iterators} scan(s) in progress on it")
+            try:
+                old.close()
+            except Exception as exc:  # the error state itself; closing still releases it
+                if "Already borrowed" in str(exc):
+                    # Another thread is inside a call on it (always mode's checkpoint
+                    # flushes outside the writer lock): the handle stays open, and its
+                    # LOCK with it, so an open now would fail as StoreLocked (a review).
+                    # Keep it; the next write tries again.
+                    raise self._must_wait(f"a call in progress on it ({exc})") from None
+                log.debug("closing metadata after a failed write: %s", exc)
         del old
         try:
             self._db = self._open(create=False)
+        except StoreLocked as exc:  # ours all the same (the store's writer lock is ours)
+            error = StorageError(f"cannot reopen the metadata database: its LOCK is still "
+                                 f"held in this process ({exc}); after {self.failed}")
+            self.failed = error
+            self._db = _Unavailable(error)  # type: ignore[assignment]
+            raise error from None
         except StorageError as exc:
             self.failed = exc
             self._db = _Unavailable(exc)  # type: ignore[assignment]
@@ -313,6 +329,12 @@ class MetaDB:
         finally:
             self._opens += 1
         self.failed = None
+
+    def _must_wait(self, why: str) -> StorageError:
+        err = StorageError(f"reopening the metadata database must wait for {why}; "
+                           f"after {self.failed}")
+        err.errno = self.failed.errno if self.failed is not None else None
+        return err
 
     def _open_copy(self, path: str) -> Rdict:
         try:
@@ -388,10 +410,19 @@ class MetaDB:
             raise self._failure("metadata sync failed", exc) from None
 
     def _iter(self, ro: ReadOptions) -> RdictIter:
-        try:
-            return self._db.iter(ro)
-        except Exception as exc:  # the database is unavailable (closed, a failed reopen)
-            raise StorageError(f"metadata read failed: {exc}") from None
+        """A new iterator, counted until its caller calls :meth:`_dropped` (after
+        ``del`` of it): :meth:`reopen` must not close the handle under one."""
+        with self._iterators_lock:
+            try:
+                it = self._db.iter(ro)
+            except Exception as exc:  # the database is unavailable (closed, a failed reopen)
+                raise StorageError(f"metadata read failed: {exc}") from None
+            self._iterators += 1
+        return it
+
+    def _dropped(self) -> None:
+        with self._iterators_lock:
+            self._iterators -= 1
 
     def scan(self, lo: bytes, hi: bytes,
              limit: int | None = None) -> Generator[tuple[bytes, bytes], None, None]:
@@ -409,6 +440,7 @@ class MetaDB:
             self._status(it)
         finally:
             del it
+            self._dropped()
 
     def items(self, lo: bytes, hi: bytes) -> Generator[tuple[bytes, bytes], None, None]:
         """(key, value) for lo <= key < hi in order, through rocksdict's own item iterator.
@@ -455,25 +487,31 @@ class MetaDB:
         ro = ReadOptions()
         ro.set_iterate_upper_bound(hi)
         it = self._iter(ro)
-        it.seek(lo)
-        keys: list[bytes] = []
-        while it.valid() and (limit is None or len(keys) < limit):
-            keys.append(it.key())
-            it.next()
-        self._status(it)
-        del it
-        return keys
+        try:
+            it.seek(lo)
+            keys: list[bytes] = []
+            while it.valid() and (limit is None or len(keys) < limit):
+                keys.append(it.key())
+                it.next()
+            self._status(it)
+            return keys
+        finally:
+            del it
+            self._dropped()
 
     def first_key(self, lo: bytes, hi: bytes) -> bytes | None:
         ro = ReadOptions()
         ro.set_iterate_upper_bound(hi)
         it = self._iter(ro)
-        it.seek(lo)
-        key: bytes | None = it.key() if it.valid() else None
-        if key is None:
-            self._status(it)
-        del it
-        return key
+        try:
+            it.seek(lo)
+            key: bytes | None = it.key() if it.valid() else None
+            if key is None:
+                self._status(it)
+            return key
+        finally:
+            del it
+            self._dropped()
 
     def last_key(self, lo: bytes, hi: bytes) -> bytes | None:
         """The largest key in [lo, hi), or None."""
@@ -491,6 +529,7 @@ class MetaDB:
             return None
         finally:
             del it
+            self._dropped()
 
     def _status(self, it: Any) -> None:
         """Raise if iterator ``it`` stopped on an error (a damaged block ends an

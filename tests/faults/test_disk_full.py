@@ -22,7 +22,7 @@ import pytest
 import qstore
 from qstore import _core
 from qstore._reserve import RESERVE_BYTES, RESERVE_NAME, free_bytes
-from qstore.meta import MetaDB
+from qstore.meta import MetaDB, keys
 from qstore.meta._db import OPEN_MARGIN, SMALL_WRITE_BUFFER_BYTES, space_to_open
 from tests.conftest import fill_disk
 
@@ -310,6 +310,33 @@ def test_a_reopen_waits_for_a_call_in_progress_on_the_old_handle(
         monkeypatch.setattr(meta, "_db", real_db)  # the call ended
         kept = q.push(b"after")
         assert [m.payload for m in q.pop_many(5)] == [b"kept", b"after"] and kept
+
+
+def test_a_reopen_waits_for_a_scan_in_progress_and_reads_go_on(tmp_path: object) -> None:
+    # An iterator keeps RocksDB's LOCK past close(): a write that reopened the
+    # database after a failed one, while the compactor walked every message
+    # outside the writer lock, raised StoreLocked ("locked by another writer")
+    # from its own process, and left no handle, so stats() raised it too, for
+    # as long as the scan ran (a race audit).
+    path = os.path.join(str(tmp_path), "s")
+    with qstore.open(path, compactor=False) as store:
+        q = store.create_queue("q")
+        q.push_many([b"a", b"b", b"c"])
+        meta = store.core.meta
+        scan = meta.scan(keys.MESSAGE, keys.prefix_end(keys.MESSAGE))  # as _compact does
+        assert next(scan)[0].startswith(keys.MESSAGE)
+        meta._failure("metadata write failed", OSError("IO error: No space left on device"))
+        with pytest.raises(qstore.StorageError, match=r"must wait for 1 scan\(s\) in progress"
+                           ) as e:
+            q.push(b"refused")
+        assert not isinstance(e.value, qstore.StoreLocked) and e.value.errno == errno.ENOSPC
+        assert q.stats().ready == 3  # reads go on, on the handle kept
+        assert len(list(scan)) == 2  # the scan itself goes on too, to its end
+        del scan
+        kept = q.push(b"after")  # this write reopens
+        assert [m.payload for m in q.pop_many(5)] == [b"a", b"b", b"c", b"after"] and kept
+    with qstore.open(path, compactor=False) as again:
+        assert again.check().ok
 
 
 def test_store_on_a_disk_with_no_byte_free_opens_to_ack_and_compact(small_disk: str) -> None:
