@@ -128,3 +128,40 @@ def test_the_info_log_rolls_while_the_database_stays_open(tmp_path: Path,
         db.close()
     assert 1 < len(logs) <= 5, logs  # rolled, and the old ones kept to four
     assert sum(logs.values()) < 6 * 32 * 1024, logs
+
+
+def test_a_view_opened_while_its_writer_flushed_is_opened_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # RocksDB reads the MANIFEST, then the log files: a flush in between removes
+    # a log whose writes are in a table that MANIFEST does not list, and the
+    # view got the later logs' writes without it (counters ahead of indexes,
+    # about 1 view in 100 under load on a nearly full disk; a race audit). Such
+    # an open is made again; here a new file appears during each chosen open.
+    from qstore.meta import _db as db_module
+
+    writer = _db(tmp_path, [b"k1"])
+    real = db_module.Rdict
+    opens: list[int] = []
+    changing = {"opens": 1}
+
+    def open_during_a_flush(path: str, *args: object, **kwargs: object) -> object:
+        db = real(path, *args, **kwargs)
+        opens.append(1)
+        if len(opens) <= changing["opens"]:
+            batch = new_batch()
+            batch.put(b"k%d" % (len(opens) + 1), b"v")
+            writer.write(batch)
+            writer.flush()  # a new table file, as the writer's flush makes
+        return db
+
+    monkeypatch.setattr(db_module, "Rdict", open_during_a_flush)
+    view = MetaDB(str(tmp_path / "meta"), readonly=True, store_path=str(tmp_path))
+    assert len(opens) == 2  # the open that met the flush was made again
+    assert [k for k, _ in view.scan(b"k", b"l")] == [b"k1", b"k2"]  # and sees it
+    view.close()
+    opens.clear()
+    changing["opens"] = 10_000  # a writer that flushes during every try
+    with pytest.raises(StorageError, match=r"flushed during each of 20 tries"):
+        MetaDB(str(tmp_path / "meta"), readonly=True, store_path=str(tmp_path))
+    assert len(opens) == db_module.VIEW_OPEN_TRIES
+    writer.close()
