@@ -55,7 +55,11 @@ class SegmentFiles:
         for fid, reader in (pinned or {}).items():
             if fid not in self.sizes:
                 self._readers[fid] = reader
-                self.sizes[fid] = reader.mapped_size
+                # Its size now, not its map's: the view pinned it before it opened
+                # its metadata, and the writer appended meanwhile. A fresh active
+                # segment pinned at its 24-byte header was "truncated" against the
+                # data end its S record gave (a race audit).
+                self.sizes[fid] = reader.file_size()
                 self._borrowed.add(fid)
 
     def path(self, file_id: int) -> str:

@@ -139,6 +139,33 @@ def test_a_view_opens_again_when_its_open_raced_the_writer(store_path: str,
     assert failures == []
 
 
+def test_a_views_check_sizes_a_pinned_segment_the_writer_appended_to_since(
+        store_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A view pins the segment files, then opens its metadata. Pinned while the
+    # writer's fresh active segment held only its header, the segment's S record
+    # (read after pushes made it longer) gave a data end past the size the check
+    # took, its map's: segment_truncated from a healthy store (a race audit).
+    store = qstore.open(store_path, compactor=False)
+    try:
+        q = store.create_queue("q")
+        q.push_many([b"a" * 100] * 10)
+        store.core.payload.seal()  # a fresh active segment: a header only
+        real = _core.MetaDB
+
+        def pushes_then_meta(*args: Any, **kwargs: Any) -> Any:
+            q.push_many([b"b" * 1000] * 50)  # after the pins, before the metadata
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(_core, "MetaDB", pushes_then_meta)
+        with qstore.open(store_path, readonly=True) as view:
+            monkeypatch.setattr(_core, "MetaDB", real)
+            assert view.queue("q").stats().ready == 60
+            report = view.check()
+            assert report.ok, report.summary()
+    finally:
+        store.close()
+
+
 def test_a_views_check_takes_the_writers_fresh_active_segment_for_no_orphan(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # A view does not know the writer's active segment; its check took the
