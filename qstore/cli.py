@@ -299,20 +299,26 @@ def pop(store_path: str, queue: str, count: int, lease: float, ack: bool, raw: b
     if raw and count > 1:
         # Raw bodies back to back would lose where one ends, and acked ones are gone.
         raise click.UsageError("--raw writes one message's bytes: use it with -n 1")
+    if sys.stdout is None:  # started with stdout closed (>&-): nowhere to write them
+        raise click.UsageError("stdout is closed: nowhere to write the messages")
     with _target(store_path, token_file, keep_leases=not ack) as store:
         q = store.queue(queue)
         msgs = q.pop_many(count, lease=lease)
         if msgs:
             # Written out first, then acked: a reader that went away (``qstore pop
             # S q | consumer`` whose consumer died) took nothing. They go back at
-            # once; acked first, they were gone for good.
+            # once (a nack: the attempt counts); acked first, they were gone for good.
             try:
                 _print_popped(msgs, raw=raw, receipts=not ack)
-            except OSError:
+            except OSError as exc:
                 for m in msgs:
                     with suppress(errors.QStoreError):  # else its lease runs out
                         q.nack(m)
-                raise
+                if isinstance(exc, BrokenPipeError):
+                    raise
+                _error(f"cannot write the messages out ({exc.strerror or exc}): "
+                       f"{len(msgs)} given back")
+                sys.exit(errors.EXIT_ERROR)
             if ack:
                 q.ack_many(msgs)
     if not msgs:

@@ -235,6 +235,26 @@ def test_pop_into_a_pipe_nobody_reads_gives_the_messages_back(store_path: str,
         assert (st.ready, st.in_flight) == (3, 0)
 
 
+def test_pop_into_a_full_device_or_a_closed_stdout_loses_nothing(store_path: str) -> None:
+    # A write that failed otherwise than by a broken pipe exited 1 ("empty")
+    # with a traceback; with stdout closed the messages stayed leased until
+    # their lease ran out (an AttributeError on None; a crash-point audit).
+    with qstore.open(store_path, compactor=False) as store:
+        store.create_queue("q").push_many([b"a", b"b"])
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run([sys.executable, "-m", "qstore.cli", "pop", store_path, "q",
+                               "-n", "2"], stdout=full, stderr=subprocess.PIPE, text=True)
+    assert done.returncode == 5 and "2 given back" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = subprocess.run([sys.executable, "-m", "qstore.cli", "pop", store_path, "q"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: os.close(1))
+    assert done.returncode == 2 and "stdout is closed" in done.stderr
+    with qstore.open(store_path, compactor=False) as store:
+        st = store.queue("q").stats()
+        assert (st.ready, st.in_flight) == (2, 0)
+
+
 @pytest.mark.parametrize("command", ["check", "stats", "queues"])
 def test_a_reader_that_went_away_is_exit_141_not_a_finding(store_path: str,
                                                           command: str) -> None:
