@@ -600,7 +600,7 @@ def check(store_path: str, repair: bool, token_file: str | None) -> None:
                "rejects table); 2 bad usage; 3 the store is locked by another writer, or the "
                "Spark run failed (an unreachable master, a failed job); 5 any other qstore "
                "error (also: a task met a full disk or an I/O error; an earlier, killed "
-               "run of the same job had loaded its rows). "
+               "run of the same job had loaded its rows: --again loads them again). "
                "Nothing is loaded unless the code is 0 or 1.")
 @click.argument("sources", metavar="SOURCE...", nargs=-1, required=True)
 @click.option("--format", "fmt", type=click.Choice(["parquet", "json", "csv"]),
@@ -626,13 +626,16 @@ def check(store_path: str, repair: bool, token_file: str | None) -> None:
               help="If the queue is created (default 5).")
 @click.option("--dedup/--no-dedup", default=None,
               help="If the queue is created (default: --dedup when --dedup-col is given).")
+@click.option("--again", is_flag=True,
+              help="Load a job that an earlier, killed run had loaded (it is refused "
+                   "otherwise, exit 5): its rows a second time.")
 @server_options
 def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
              priority_col: str | None, delay_col: str | None, dedup_col: str | None,
              ttl_col: str | None, into: str, master: str | None, rejects: str | None,
              order: str | None,
              priority_type: str | None, max_attempts: int | None, dedup: bool | None,
-             token_file: str | None) -> None:
+             again: bool, token_file: str | None) -> None:
     """Bulk-load messages from Parquet/JSON/CSV SOURCEs into a store with Spark.
 
     The queue options (--order, --priority-type, --max-attempts, --dedup) are
@@ -652,10 +655,13 @@ def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
     options = {k: v for k, v in given.items() if v is not None}  # unset: never sent
     if is_address(into) or server_answers(into):
         # The server runs the job (the Spark driver in its process) on its own store.
-        args = {"sources": list(sources), "queue": queue, "fmt": fmt,
-                "payload_col": payload_col, "priority_col": priority_col,
-                "delay_col": delay_col, "dedup_col": dedup_col, "ttl_col": ttl_col,
-                "master": master, "rejects": rejects, "create_queue_options": options or None}
+        args: dict[str, Any] = {"sources": list(sources), "queue": queue, "fmt": fmt,
+                                "payload_col": payload_col, "priority_col": priority_col,
+                                "delay_col": delay_col, "dedup_col": dedup_col,
+                                "ttl_col": ttl_col, "master": master, "rejects": rejects,
+                                "create_queue_options": options or None}
+        if again:  # only when given: a server from before it refuses the argument
+            args["again"] = True
         _report_backfill(_backfill_through_server(into, args, token_file))
         return
     from pyspark.sql import SparkSession
@@ -671,7 +677,7 @@ def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
                 fmt=fmt, payload_col=payload_col, priority_col=priority_col,
                 delay_col=delay_col, dedup_col=dedup_col, ttl_col=ttl_col, master=master,
                 rejects=rejects,
-                create_queue_options=options or None)
+                create_queue_options=options or None, again=again)
     except Exception as exc:  # a failed Spark run: reported, and the store is unchanged
         logging.getLogger("qstore.backfill").exception("backfill failed; nothing was loaded")
         _error(f"backfill failed, nothing was loaded: {exc}")

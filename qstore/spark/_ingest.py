@@ -114,7 +114,8 @@ class AlreadyLoaded(QStoreError):
     """The job was loaded by an earlier run that crashed after its commit."""
 
 
-def settle_loaded(store: Store, fingerprint: str | None) -> list[tuple[str, int]]:
+def settle_loaded(store: Store, fingerprint: str | None,
+                  again: bool = False) -> list[tuple[str, int]]:
     """Finish what jobs that crashed after their ingestion left, and refuse a rerun of one.
 
     Each marker not settled yet gets its rejects directory's ``_SUCCESS`` and is
@@ -123,10 +124,13 @@ def settle_loaded(store: Store, fingerprint: str | None) -> list[tuple[str, int]
     run in between, and a rerun of the killed job must still be refused then.
     A marker without one (a DataFrame source) is deleted: no run can be that
     job. Returns (job id, rows loaded) of each marker settled now. Raises
-    :class:`AlreadyLoaded` (after settling, and deleting that job's marker) if
-    one is the job ``fingerprint`` names: its rows are in the store, and a rerun
-    after a crash would load them twice (it is refused once: a second run loads
-    them again)."""
+    :class:`AlreadyLoaded` (after settling) if one is the job ``fingerprint``
+    names: its rows are in the store, and a rerun after a crash would load them
+    twice. That marker is kept: the refusal changes nothing of it, so a run
+    killed while refusing, before its message was seen, leaves the next run
+    refused too (when the refusal deleted it, that next run loaded the rows a
+    second time; a crash-point audit). With ``again`` the marker is deleted and
+    the job goes on: the rows are loaded a second time, as asked."""
     core = store.core
     with core.settling:
         core.check_writable()
@@ -143,9 +147,12 @@ def settle_loaded(store: Store, fingerprint: str | None) -> list[tuple[str, int]
                 if isinstance(dest, str) and os.path.isdir(dest):
                     _write_success(dest)
                 settled.append((job_id, rows))
-            if fingerprint is not None and mark == fingerprint:
-                same = (job_id, rows, dest)
+            if fingerprint is not None and mark == fingerprint and again:
                 deletes.append(key)
+            elif fingerprint is not None and mark == fingerprint:
+                same = (job_id, rows, dest)
+                if version != MARKER_SETTLED:
+                    puts.append((key, records.pack([MARKER_SETTLED, rows, dest, mark])))
             elif mark is None:
                 deletes.append(key)
             elif version != MARKER_SETTLED:
@@ -158,7 +165,7 @@ def settle_loaded(store: Store, fingerprint: str | None) -> list[tuple[str, int]
             f"nothing loaded: an earlier run of this backfill (job {job_id}: the same sources, "
             f"queue and columns) loaded its {rows} rows before it was killed"
             + (f" (its rejects: {dest}, now marked {SUCCESS_FILE})" if dest else "")
-            + "; run it again to load them a second time")
+            + "; to load them a second time, run it again with --again (again=True)")
     return settled
 
 

@@ -117,6 +117,7 @@ def run_backfill(
     spark: Any = None,
     create_queue_options: dict[str, Any] | None = None,
     rejects: str | os.PathLike[str] | None = None,
+    again: bool = False,
 ) -> BackfillResult:
     """Load every row of ``source`` into queue ``queue`` of the store at ``into``.
 
@@ -136,6 +137,11 @@ def run_backfill(
     Parquet directory ``rejects`` (default ``<into>/rejects/<job id>/``, only
     when there are any), which must be new or empty.
 
+    A job an earlier run loaded before it was killed (the same sources,
+    format, queue and columns) is refused, ``AlreadyLoaded``, nothing loaded,
+    for as long as its marker stays in the store; ``again=True`` loads its
+    rows a second time (docs/backfill.md).
+
     ``spark`` is the session to use; otherwise one is built (or the active one
     reused) for ``master``, default ``local[2]``. Raises ``StoreLocked`` if
     another process has the store open read-write: the store stays locked by
@@ -148,6 +154,8 @@ def run_backfill(
     (if one does, nothing is loaded). One backfill at a time per store.
     """
     started = time.perf_counter()
+    if type(again) is not bool:
+        raise InvalidArgument(f"again must be a bool, not {again!r}")
     options = _check_args(queue, fmt, payload_col, priority_col, delay_col, dedup_col,
                           ttl_col, master, spark, create_queue_options)
     rejects_dest = None if rejects is None else os.path.abspath(os.fspath(rejects))
@@ -167,7 +175,7 @@ def run_backfill(
                 spark = backfill_session(master)
             job = _Job(store, spark, source, fmt, queue, options, rejects_dest,
                        (payload_col, priority_col, delay_col, dedup_col, ttl_col),
-                       dict(create_queue_options or {}), shared)
+                       dict(create_queue_options or {}), shared, again)
             try:
                 result = job.run(started)
             except QStoreError:
@@ -231,7 +239,8 @@ def serve_backfill(store: Store, args: dict[str, Any]) -> dict[str, Any]:
 
 # The keyword arguments of run_backfill a client may send (besides ``sources``).
 SERVED_ARGS = frozenset({"queue", "fmt", "payload_col", "priority_col", "delay_col",
-                         "dedup_col", "ttl_col", "master", "rejects", "create_queue_options"})
+                         "dedup_col", "ttl_col", "master", "rejects", "create_queue_options",
+                         "again"})
 
 
 def backfill_session(master: str | None) -> Any:
@@ -286,8 +295,10 @@ class _Job:
     def __init__(self, store: Store, spark: Any, source: Any, fmt: str, queue: str,
                  options: dict[str, Any], rejects_dest: str | None,
                  columns: tuple[str, str | None, str | None, str | None, str | None],
-                 explicit_options: dict[str, Any], shared: bool = False) -> None:
+                 explicit_options: dict[str, Any], shared: bool = False,
+                 again: bool = False) -> None:
         self.store = store
+        self.again = again  # load a job an earlier, killed run had loaded
         # Others may push meanwhile (a server's store): the digests the job loads
         # are checked again at the commit.
         self.shared = shared
@@ -330,7 +341,7 @@ class _Job:
         ptype, dedup = self._queue_kind()
         self._check_schema(ptype, dedup)
         q = self._target_queue()
-        for job_id, rows in _ingest.settle_loaded(store, self.fingerprint):
+        for job_id, rows in _ingest.settle_loaded(store, self.fingerprint, self.again):
             log.warning("backfill %s had loaded its %d rows before it was killed; its rejects "
                         "directory is marked %s now", job_id, rows, _ingest.SUCCESS_FILE)
         for leftover in _ingest.clean_staging(store):

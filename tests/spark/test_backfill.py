@@ -711,7 +711,8 @@ def test_kill_at_every_step_leaves_none_or_all_of_the_rows(spark: Any, tmp_path:
     # A crash after the ingestion, before _SUCCESS: the rejects directory looked
     # like one of a job that loaded nothing, and a rerun loaded every row twice
     # (Spark audit). The ingestion wrote the job's marker with the rows: the
-    # rerun marks the directory and refuses, once.
+    # rerun marks the directory and refuses, and so does each rerun after it
+    # until one is given again=True.
     work = tmp_path / "after-ingested-rerun"
     shutil.copytree(tmp_path / "image-staged", work)
     mark = _ingest.job_fingerprint(str(src), "parquet", "q", ("payload", "p", None, None, None))
@@ -723,8 +724,14 @@ def test_kill_at_every_step_leaves_none_or_all_of_the_rows(spark: Any, tmp_path:
         run_backfill(str(src), into=work, queue="q", priority_col="p", spark=spark)
     assert (rejects / "_SUCCESS").exists()
     assert check_consistent(work)["q"][0] == len(old | loaded)  # nothing loaded twice
-    assert run_backfill(str(src), into=work, queue="q", priority_col="p",
-                        spark=spark).loaded == 60  # refused once: asked again, it loads
+    # A refusal changes no marker: a run killed while refusing, before anyone saw
+    # it, left the next run to load the rows twice (a crash-point audit).
+    refused = backfill_cli(src, "--queue", "q", "--priority-col", "p", "--into", work)
+    assert refused.exit_code == 5 and "run it again with --again" in refused.output
+    assert check_consistent(work)["q"][0] == len(old | loaded)
+    again = backfill_cli(src, "--queue", "q", "--priority-col", "p", "--into", work,
+                         "--again")  # asked to, it loads them a second time (1 reject: exit 1)
+    assert again.exit_code == 1 and "loaded 60 of 61 rows" in again.output, again.output
     with qstore.open(work, compactor=False) as s:  # a job that finished leaves no marker
         assert s.core.meta.scan_keys(keys.BACKFILL_JOB, keys.prefix_end(keys.BACKFILL_JOB)) == []
 
@@ -787,7 +794,7 @@ def test_a_rerun_after_a_kill_is_refused_even_when_another_job_ran_between(
     check_consistent(work)  # a kept marker is no finding
     with pytest.raises(_ingest.AlreadyLoaded, match="loaded its 20 rows"):
         run_backfill(str(src_a), into=work, queue="q", priority_col="p", spark=spark)
-    assert _markers(work) == {}
+    assert [m[0] for m in _markers(work).values()] == [_ingest.MARKER_SETTLED]  # kept
     assert check_consistent(work)["q"][0] == 25
     bodies = [b for _, _, b in drain(work, "q")]
     assert sorted(bodies) == sorted([b"a%d" % i for i in range(20)]
@@ -797,8 +804,9 @@ def test_a_rerun_after_a_kill_is_refused_even_when_another_job_ran_between(
 def test_settling_keeps_other_jobs_markers_once_settled_until_their_rerun(
         tmp_path: Path) -> None:
     """The marker's lifetime: a later job settles it once (``_SUCCESS``, reported,
-    version 2) and keeps it while the job it names has not run again; the rerun
-    deletes it and is refused; a marker naming no job (a DataFrame) goes at once."""
+    version 2) and keeps it while the job it names has not run with ``again``;
+    a rerun without it is refused and changes nothing; a marker naming no job
+    (a DataFrame) goes at once."""
     rejects = tmp_path / "rejects-a"
     rejects.mkdir()
     with qstore.open(tmp_path / "store", compactor=False) as s:
@@ -811,9 +819,10 @@ def test_settling_keeps_other_jobs_markers_once_settled_until_their_rerun(
         (rejects / "_SUCCESS").unlink()
         assert _ingest.settle_loaded(s, None) == []  # settled: not again
         assert not (rejects / "_SUCCESS").exists()
-        with pytest.raises(_ingest.AlreadyLoaded, match="job a: .* its 7 rows"):
-            _ingest.settle_loaded(s, "job-a")
-        assert _ingest.settle_loaded(s, "job-a") == []  # refused once
+        for _ in range(2):  # refused each time: a refusal changes nothing
+            with pytest.raises(_ingest.AlreadyLoaded, match="job a: .* its 7 rows"):
+                _ingest.settle_loaded(s, "job-a")
+        assert _ingest.settle_loaded(s, "job-a", again=True) == []  # asked to: it goes
         assert s.check().ok
     assert _markers(tmp_path / "store") == {}
 
