@@ -82,6 +82,9 @@ class Syncer:
         # always mode: the WAL sync alone makes journaled appends durable (see above)
         self.journal = mode == "always"
         self.payload_needed = False  # unjournaled payload bytes await a sync
+        # Held from taking payload_needed until the payload sync it stands for is
+        # done (sync_now): a sync that finds the flag taken waits here for that one.
+        self._payload_lock = threading.Lock()
         # Called after each successful sync, before any waiter returns: the core
         # records the new durable mark (M synced) there. See sync_now.
         self.on_synced: Callable[[], None] | None = None
@@ -143,7 +146,20 @@ class Syncer:
         self._dirty = False
         started = time.perf_counter()
         payload = self._payload
-        needed, self.payload_needed = self.payload_needed, False
+        with self._payload_lock:
+            needed, self.payload_needed = self.payload_needed, False
+            self._sync_now(payload, needed)
+        self.syncs += 1
+        self.sync_seconds += time.perf_counter() - started
+        if self.on_synced is not None:
+            self.on_synced()
+
+    def _sync_now(self, payload: SegmentSet, needed: bool) -> None:
+        """:meth:`sync_now`'s syncs, ``_payload_lock`` held: a caller that took
+        ``payload_needed`` (the compactor calls sync_now beside the group commit)
+        syncs the payload before any other sync returns. Without the lock, a
+        group commit that found the flag taken synced only the log and let its
+        waiters return while that fdatasync still ran (a race audit)."""
         try:
             if self.journal and not needed:
                 self._meta.sync_wal()  # journaled: the checkpoint syncs the segment later
@@ -168,10 +184,6 @@ class Syncer:
             if isinstance(exc, OSError):
                 raise StorageError(f"sync failed: {exc}") from exc
             raise
-        self.syncs += 1
-        self.sync_seconds += time.perf_counter() - started
-        if self.on_synced is not None:
-            self.on_synced()
 
     def start(self) -> None:
         if self.mode in ("interval", "always"):

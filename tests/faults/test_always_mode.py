@@ -63,6 +63,48 @@ def test_a_sync_finding_the_compactors_fdatasync_in_progress_waits_for_it(
         store.close()
 
 
+def test_a_sync_after_the_compactors_sync_now_took_the_flag_waits_for_its_fdatasync(
+        store_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The compactor calls Syncer.sync_now outside the group commit: taking the
+    # payload flag, it left a waiter's sync to the journaled branch, which synced
+    # only the log and returned while the compactor's fdatasync still ran, the
+    # waiter's unjournaled bytes not yet durable (found by reading, in a race
+    # audit).
+    store = qstore.open(store_path, durability="always", compactor=False)
+    try:
+        q = store.create_queue("q")
+        core = store.core
+        entered, release = threading.Event(), threading.Event()
+        order: list[str] = []
+        real = calls.fdatasync
+
+        def gated(fd: int) -> Any:
+            if threading.current_thread().name.startswith("qstore-fdatasync") \
+                    and not release.is_set():
+                entered.set()
+                assert release.wait(60)
+                order.append("compactor fdatasync done")
+            return real(fd)
+
+        monkeypatch.setattr(calls, "fdatasync", gated)
+        core.payload.append(b"must be durable when the push returns")
+        core.syncer.payload_needed = True  # bytes no journal key covers
+        compactor = threading.Thread(target=core.syncer.sync_now, name="compactor")
+        compactor.start()
+        assert entered.wait(60) and not core.syncer.payload_needed  # it took the flag
+        waiter = threading.Thread(target=lambda: (core.syncer.sync_now(),
+                                                  order.append("waiter returned")))
+        waiter.start()
+        waiter.join(0.5)  # the broken code returns here at once; the fixed one waits
+        release.set()
+        compactor.join(60)
+        waiter.join(60)
+        assert order == ["compactor fdatasync done", "waiter returned"]
+        assert q.push(b"x") >= 1
+    finally:
+        store.close()
+
+
 # -- case 4, second half: the durable mark covers what was synced before a push returned
 
 ALWAYS_CHILD = textwrap.dedent("""
