@@ -263,7 +263,10 @@ class MetaDB:
         # RocksDB iterators alive on this handle (see _iter and reopen), and the
         # lock that makes counting them and closing the handle one step.
         self._iterators = 0
-        self._iterators_lock = threading.Lock()
+        # Reentrant: a scan generator dropped in a reference cycle is finalized by
+        # the garbage collector, which may run inside _iter or reopen, in the
+        # thread that holds the lock (its finally calls _dropped).
+        self._iterators_lock = threading.RLock()
         self._db = self._open(create=not readonly)
         self._wopts = WriteOptions()
         self._wopts_sync = WriteOptions()
