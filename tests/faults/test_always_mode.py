@@ -24,8 +24,15 @@ import qstore
 from qstore._fs import calls
 
 
+@pytest.mark.parametrize("compactor_calls", ["payload.sync", "syncer.sync_now"])
 def test_a_sync_finding_the_compactors_fdatasync_in_progress_waits_for_it(
-        store_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        store_path: str, monkeypatch: pytest.MonkeyPatch, compactor_calls: str) -> None:
+    # Bytes no journal key covers are written (the flag set, the payload
+    # needed), then the compactor blocks in its fdatasync before the waiter
+    # syncs: whether it synced the segment itself (it cleared the unsynced flag)
+    # or called Syncer.sync_now, which takes the payload flag: then the waiter's
+    # sync took the journaled path, synced only the log and returned first (a
+    # race audit, found by reading).
     store = qstore.open(store_path, durability="always", compactor=False)
     try:
         q = store.create_queue("q")
@@ -35,51 +42,8 @@ def test_a_sync_finding_the_compactors_fdatasync_in_progress_waits_for_it(
         real = calls.fdatasync
 
         def gated(fd: int) -> Any:
-            if threading.current_thread().name == "compactor":
-                entered.set()
-                assert release.wait(60)
-                order.append("compactor fdatasync done")
-            return real(fd)
-
-        monkeypatch.setattr(calls, "fdatasync", gated)
-        # Bytes no journal key covers are written (the flag set, the payload
-        # needed), then the compactor takes the flag and blocks in its fdatasync
-        # before the waiter syncs.
-        core.payload.append(b"must be durable when the push returns")
-        core.syncer.payload_needed = True
-        compactor = threading.Thread(target=core.payload.sync, name="compactor")
-        compactor.start()
-        assert entered.wait(60) and not core.payload.unsynced
-        waiter = threading.Thread(target=lambda: (core.syncer.sync_now(),
-                                                  order.append("waiter returned")))
-        waiter.start()
-        waiter.join(0.5)  # the broken code returns here at once; the fixed one waits
-        release.set()
-        compactor.join(60)
-        waiter.join(60)
-        assert order == ["compactor fdatasync done", "waiter returned"]
-        assert q.push(b"x") >= 1
-    finally:
-        store.close()
-
-
-def test_a_sync_after_the_compactors_sync_now_took_the_flag_waits_for_its_fdatasync(
-        store_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The compactor calls Syncer.sync_now outside the group commit: taking the
-    # payload flag, it left a waiter's sync to the journaled branch, which synced
-    # only the log and returned while the compactor's fdatasync still ran, the
-    # waiter's unjournaled bytes not yet durable (found by reading, in a race
-    # audit).
-    store = qstore.open(store_path, durability="always", compactor=False)
-    try:
-        q = store.create_queue("q")
-        core = store.core
-        entered, release = threading.Event(), threading.Event()
-        order: list[str] = []
-        real = calls.fdatasync
-
-        def gated(fd: int) -> Any:
-            if threading.current_thread().name.startswith("qstore-fdatasync") \
+            # The compactor's own thread, or sync_now's pool thread working for it.
+            if threading.current_thread().name.startswith(("compactor", "qstore-fdatasync")) \
                     and not release.is_set():
                 entered.set()
                 assert release.wait(60)
@@ -88,10 +52,15 @@ def test_a_sync_after_the_compactors_sync_now_took_the_flag_waits_for_its_fdatas
 
         monkeypatch.setattr(calls, "fdatasync", gated)
         core.payload.append(b"must be durable when the push returns")
-        core.syncer.payload_needed = True  # bytes no journal key covers
-        compactor = threading.Thread(target=core.syncer.sync_now, name="compactor")
+        core.syncer.payload_needed = True
+        target = core.payload.sync if compactor_calls == "payload.sync" else core.syncer.sync_now
+        compactor = threading.Thread(target=target, name="compactor")
         compactor.start()
-        assert entered.wait(60) and not core.syncer.payload_needed  # it took the flag
+        assert entered.wait(60)
+        if compactor_calls == "payload.sync":
+            assert not core.payload.unsynced
+        else:
+            assert not core.syncer.payload_needed  # it took the flag
         waiter = threading.Thread(target=lambda: (core.syncer.sync_now(),
                                                   order.append("waiter returned")))
         waiter.start()
