@@ -37,6 +37,7 @@ import shutil
 import struct
 import tempfile
 import threading
+import weakref
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any, cast
 
@@ -153,6 +154,15 @@ def space_to_open(path: str) -> int:
 LINKED_SUFFIXES = (".sst", ".log", ".blob")  # large, only read: linked, never copied
 
 
+class _Live:
+    """A RocksDB iterator (``it``) a MetaDB counts as in use while this lives."""
+
+    __slots__ = ("it", "__weakref__")
+
+    def __init__(self, it: RdictIter) -> None:
+        self.it = it
+
+
 # Read-only opens of a directory whose writer flushed meanwhile, before one gives up.
 VIEW_OPEN_TRIES = 20
 
@@ -262,11 +272,8 @@ class MetaDB:
         self.small_log = False  # see keep_log_small
         # RocksDB iterators alive on this handle (see _iter and reopen), and the
         # lock that makes counting them and closing the handle one step.
-        self._iterators = 0
-        # Reentrant: a scan generator dropped in a reference cycle is finalized by
-        # the garbage collector, which may run inside _iter or reopen, in the
-        # thread that holds the lock (its finally calls _dropped).
-        self._iterators_lock = threading.RLock()
+        self._iterators: weakref.WeakSet[_Live] = weakref.WeakSet()
+        self._iterators_lock = threading.Lock()
         self._db = self._open(create=not readonly)
         self._wopts = WriteOptions()
         self._wopts_sync = WriteOptions()
@@ -336,13 +343,13 @@ class MetaDB:
         """
         old = self._db
         with self._iterators_lock:  # no iterator is made until the old handle is closed
-            if self._iterators:
+            if len(self._iterators):
                 # An iterator keeps the database, and its LOCK, alive past close(): the
                 # open would fail as StoreLocked, "locked by another writer", for as
                 # long as the compactor's scan of every message ran, and leave no
                 # handle for reads either (a race audit). Keep it; the next write
                 # tries again.
-                raise self._must_wait(f"{self._iterators} scan(s) in progress on it")
+                raise self._must_wait(f"{len(self._iterators)} scan(s) in progress on it")
             try:
                 old.close()
             except Exception as exc:  # the error state itself; closing still releases it
@@ -449,27 +456,27 @@ class MetaDB:
         except Exception as exc:
             raise self._failure("metadata sync failed", exc) from None
 
-    def _iter(self, ro: ReadOptions) -> RdictIter:
-        """A new iterator, counted until its caller calls :meth:`_dropped` (after
-        ``del`` of it): :meth:`reopen` must not close the handle under one."""
+    def _iter(self, ro: ReadOptions) -> _Live:
+        """A new iterator (``.it``), counted while the returned holder lives:
+        :meth:`reopen` must not close the handle under one. The caller keeps the
+        holder as long as it uses the iterator. Counted by a weak set, not by the
+        callers' ``finally``: an interrupt between a call's return and the next
+        line's ``try`` left a count that refused every reopen for good (a review)."""
         with self._iterators_lock:
             try:
-                it = self._db.iter(ro)
+                live = _Live(self._db.iter(ro))
             except Exception as exc:  # the database is unavailable (closed, a failed reopen)
                 raise StorageError(f"metadata read failed: {exc}") from None
-            self._iterators += 1
-        return it
-
-    def _dropped(self) -> None:
-        with self._iterators_lock:
-            self._iterators -= 1
+            self._iterators.add(live)
+        return live
 
     def scan(self, lo: bytes, hi: bytes,
              limit: int | None = None) -> Generator[tuple[bytes, bytes], None, None]:
         """(key, value) for lo <= key < hi in order, from a point-in-time iterator."""
         ro = ReadOptions()
         ro.set_iterate_upper_bound(hi)  # NOT set_iterate_lower_bound: it sets the upper one
-        it = self._iter(ro)
+        live = self._iter(ro)
+        it = live.it
         try:
             it.seek(lo)
             n = 0
@@ -479,8 +486,7 @@ class MetaDB:
                 n += 1
             self._status(it)
         finally:
-            del it
-            self._dropped()
+            del it, live
 
     def items(self, lo: bytes, hi: bytes) -> Generator[tuple[bytes, bytes], None, None]:
         """(key, value) for lo <= key < hi in order, through rocksdict's own item iterator.
@@ -526,7 +532,8 @@ class MetaDB:
     def scan_keys(self, lo: bytes, hi: bytes, limit: int | None = None) -> list[bytes]:
         ro = ReadOptions()
         ro.set_iterate_upper_bound(hi)
-        it = self._iter(ro)
+        live = self._iter(ro)
+        it = live.it
         try:
             it.seek(lo)
             keys: list[bytes] = []
@@ -536,13 +543,13 @@ class MetaDB:
             self._status(it)
             return keys
         finally:
-            del it
-            self._dropped()
+            del it, live
 
     def first_key(self, lo: bytes, hi: bytes) -> bytes | None:
         ro = ReadOptions()
         ro.set_iterate_upper_bound(hi)
-        it = self._iter(ro)
+        live = self._iter(ro)
+        it = live.it
         try:
             it.seek(lo)
             key: bytes | None = it.key() if it.valid() else None
@@ -550,12 +557,12 @@ class MetaDB:
                 self._status(it)
             return key
         finally:
-            del it
-            self._dropped()
+            del it, live
 
     def last_key(self, lo: bytes, hi: bytes) -> bytes | None:
         """The largest key in [lo, hi), or None."""
-        it = self._iter(ReadOptions())
+        live = self._iter(ReadOptions())
+        it = live.it
         try:
             it.seek_for_prev(hi)
             while it.valid():
@@ -568,8 +575,7 @@ class MetaDB:
             self._status(it)
             return None
         finally:
-            del it
-            self._dropped()
+            del it, live
 
     def _status(self, it: Any) -> None:
         """Raise if iterator ``it`` stopped on an error (a damaged block ends an

@@ -169,3 +169,24 @@ def test_a_view_opened_while_its_writer_flushed_is_opened_again(
         MetaDB(str(tmp_path / "meta"), readonly=True, store_path=str(tmp_path))
     assert len(opens) == db_module.VIEW_OPEN_TRIES
     writer.close()
+
+
+def test_an_iterator_is_counted_for_as_long_as_it_lives_whatever_cut_its_caller(
+        tmp_path: Path) -> None:
+    # Counted from _iter's return to its caller's `finally`, an interrupt between
+    # the two (where CPython delivers a signal) left a count that refused every
+    # reopen after a failed write, for good (a review). The count now follows the
+    # iterator's life.
+    from rocksdict import ReadOptions
+
+    db = _db(tmp_path, [b"a", b"b"])
+    held = db._iter(ReadOptions())  # as if its caller were cut short right here
+    assert len(db._iterators) == 1
+    db._failure("metadata write failed", OSError("IO error: No space left on device"))
+    with pytest.raises(StorageError, match="must wait for 1 scan"):
+        db.reopen()
+    del held  # the caller's frame goes, and the iterator with it
+    assert len(db._iterators) == 0
+    db.reopen()
+    assert db.failed is None and db.first_key(b"a", b"z") == b"a"
+    db.close()
