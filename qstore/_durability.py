@@ -148,7 +148,12 @@ class Syncer:
         payload = self._payload
         with self._payload_lock:
             needed, self.payload_needed = self.payload_needed, False
-            self._sync_now(payload, needed)
+            try:  # no call between taking the flag and this: no interrupt point
+                self._sync_now(payload, needed)
+            except BaseException:
+                if needed:
+                    self.payload_needed = True  # still not known to be on disk
+                raise
         self.syncs += 1
         self.sync_seconds += time.perf_counter() - started
         if self.on_synced is not None:
@@ -178,12 +183,8 @@ class Syncer:
                 # it: sync() waits for that one and retries a failure. Returning
                 # before it would report bytes durable that are not (issue case 5).
                 payload.sync()
-        except BaseException as exc:
-            if needed:
-                self.payload_needed = True  # still not known to be on disk
-            if isinstance(exc, OSError):
-                raise StorageError(f"sync failed: {exc}") from exc
-            raise
+        except OSError as exc:
+            raise StorageError(f"sync failed: {exc}") from exc
 
     def start(self) -> None:
         if self.mode in ("interval", "always"):

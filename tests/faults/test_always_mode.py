@@ -74,6 +74,32 @@ def test_a_sync_finding_the_compactors_fdatasync_in_progress_waits_for_it(
         store.close()
 
 
+def test_a_sync_cut_short_as_it_starts_keeps_the_payload_flag(
+        store_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An interrupt at the call that runs the syncs, right after the flag was
+    # taken, lost it: the next sync took the journaled path and synced only the
+    # log while unjournaled bytes were not on disk (a review of the lock that
+    # made taking and syncing one step).
+    store = qstore.open(store_path, durability="always", compactor=False)
+    try:
+        syncer = store.core.syncer
+        store.core.payload.append(b"no journal key covers this")
+        syncer.payload_needed = True
+
+        def cut(*args: Any) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(syncer, "_sync_now", cut)
+        with pytest.raises(KeyboardInterrupt):
+            syncer.sync_now()
+        assert syncer.payload_needed  # kept: still not known to be on disk
+        monkeypatch.undo()
+        syncer.sync_now()
+        assert not syncer.payload_needed and not store.core.payload.unsynced
+    finally:
+        store.close()
+
+
 # -- case 4, second half: the durable mark covers what was synced before a push returned
 
 ALWAYS_CHILD = textwrap.dedent("""
