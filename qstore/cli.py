@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 from rich.console import Console
@@ -53,7 +53,7 @@ EXIT_SPARK_FAILED = 3  # a Spark run failed (contract section 5); nothing was ch
 EXIT_BROKEN_PIPE = 141  # the output's reader went away: 128 + SIGPIPE, as a shell reports it
 
 
-def _reader_gone() -> None:
+def _reader_gone() -> NoReturn:
     """The reader of stdout went away: nothing more reaches it, stdout must not fail
     again at exit, and the exit code says so (:data:`EXIT_BROKEN_PIPE`). Both rich
     and click made that exit 1, which says "found something" (check findings)."""
@@ -177,13 +177,30 @@ def _parse_priority(store: Any, queue: str, text: str | None) -> int | str | Non
         raise click.BadParameter(f"queue {queue!r} takes int priorities, not {text!r}") from None
 
 
+class _Command(click.Command):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """``--help`` prints while the arguments are parsed, before any command runs."""
+        try:
+            return super().parse_args(ctx, args)
+        except BrokenPipeError:
+            _reader_gone()
+
+
 class _Commands(click.Group):
+    command_class = _Command
+
     def invoke(self, ctx: click.Context) -> Any:
         """Run the command; a reader of its output that went away (``qstore check S |
         head -1``) ends it with :data:`EXIT_BROKEN_PIPE`, as SIGPIPE ends a shell tool."""
         try:
             return super().invoke(ctx)
         except BrokenPipeError:  # a write that did not go through rich (``out``)
+            _reader_gone()
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except BrokenPipeError:  # qstore --help, qstore --version
             _reader_gone()
 
 

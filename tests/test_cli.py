@@ -265,6 +265,12 @@ def test_a_reader_that_went_away_is_exit_141_not_a_finding(store_path: str,
     assert _into_a_closed_pipe(command, store_path) == 141
 
 
+@pytest.mark.parametrize("args", [["--help"], ["pop", "--help"], ["--version"]])
+def test_help_into_a_closed_pipe_is_exit_141_too(args: list[str]) -> None:
+    # printed while the arguments are parsed, before any command runs (a review)
+    assert _into_a_closed_pipe(*args) == 141
+
+
 def test_writer_locked_store_exits_3(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = str(tmp_path / "s")
     with qstore.open(path, compactor=False) as store:

@@ -31,7 +31,7 @@ SYNCED_KEY = META + b"synced"
 # M backfill/<job id>: a bulk load whose rows are in (written by its ingestion,
 # with them). Deleted by the job itself once its rejects directory has _SUCCESS;
 # one a crash left is settled by the next backfill and kept until a rerun of that
-# job, refused once, deletes it (docs/backfill.md).
+# job given `again` deletes it (reruns without it are refused; docs/backfill.md).
 BACKFILL_JOB = META + b"backfill/"
 
 

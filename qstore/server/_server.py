@@ -736,10 +736,18 @@ class Server:
         """Nack the popped messages (wire fields) of an answer that cannot be sent."""
         receipts = [f[7] for f in fields]
         leases, store = conn.leases, self.store
+
+        def give_back() -> None:
+            given, buried = leases.give_back(store, receipts)
+            if buried:  # said, as for a closed connection's (_log_given_back)
+                log.warning("popped messages whose answer could not be sent given back: %d "
+                            "ready again, %d moved to the dead letters (that was their last "
+                            "attempt)", given - buried, buried)
+
         if self._inline_now():
-            leases.give_back(store, receipts)
+            give_back()
         else:
-            self._submit(lambda: leases.give_back(store, receipts))
+            self._submit(give_back)
 
     def _reply_error(self, conn: Connection, rid: int, op: str, started: float,
                      exc: BaseException) -> None:

@@ -338,6 +338,8 @@ class _Job:
         self.spark.dataSource.register(BackfillLoadSource)
         self.spark.dataSource.register(BackfillFilesSource)
         store = self.store
+        # First: refused, it writes nothing (no queue created, no marker settled).
+        _ingest.refuse_if_space_low(store)
         ptype, dedup = self._queue_kind()
         self._check_schema(ptype, dedup)
         q = self._target_queue()
@@ -346,7 +348,6 @@ class _Job:
                         "directory is marked %s now", job_id, rows, _ingest.SUCCESS_FILE)
         for leftover in _ingest.clean_staging(store):
             log.warning("removed staging/%s, left by a backfill that did not finish", leftover)
-        _ingest.refuse_if_space_low(store)
         staging = _ingest.new_job_dir(store, self.job_id)
         try:
             spec = LoadSpec(

@@ -256,3 +256,24 @@ def test_a_closed_connections_leases_given_back_are_logged_dead_letters_as_a_war
              if "leases of a closed connection" in r.getMessage()]
     assert lines == [(logging.WARNING, "leases of a closed connection given back: 1 ready "
                       "again, 1 moved to the dead letters (that was their last attempt)")]
+
+
+def test_giving_back_leases_reads_no_body_to_tell_dead_letters(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # It asked get(), which copied each whole body to learn its state: 50 times
+    # slower for 16 MiB messages, on the event loop (a review).
+    with qstore.open(str(tmp_path / "s")) as store:
+        store.create_queue("last", max_attempts=1).push(b"a" * 1000)
+        store.create_queue("more", max_attempts=5).push(b"b" * 1000)
+        leases = Leases(LeaseBook())
+        got = [queue_op(store, leases, "pop", {"queue": name, "lease": 600.0})
+               for name in ("last", "more")]
+
+        def no_body(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("a body was read")
+
+        monkeypatch.setattr(qstore.Queue, "get", no_body)
+        assert leases.give_back(store, [m[7] for m in got]) == (2, 1)
+        monkeypatch.undo()
+        assert store.queue("last").stats().dead == 1
+        assert store.queue("more").stats().ready == 1

@@ -105,11 +105,12 @@ def test_a_backfill_is_refused_while_the_disk_refuses_pushes(spark: Any, small_d
     src = write_parquet(tmp_path / "src" / "part.parquet", payload=[b"a", b"b", b"c"])
     store = qstore.open(path, compactor=False)  # releases the reserve: pushes refused
     try:
-        with pytest.raises(StorageError, match="backfills are refused until space is back"
-                           ) as refused:
-            run_backfill(str(src), into=store, queue="q", spark=spark)
-        assert refused.value.errno == errno.ENOSPC
-        assert store.queue("q").stats().ready == 1
+        for queue in ("q", "fresh"):  # refused before anything: no queue is created
+            with pytest.raises(StorageError, match="backfills are refused until space is "
+                               "back") as refused:
+                run_backfill(str(src), into=store, queue=queue, spark=spark)
+            assert refused.value.errno == errno.ENOSPC
+        assert store.queues() == ["q"] and store.queue("q").stats().ready == 1
         staging = os.path.join(path, "staging")
         assert not os.path.isdir(staging) or not os.listdir(staging)  # nothing written
         os.unlink(filler)  # space is back: the same backfill loads
@@ -762,7 +763,7 @@ def test_a_rerun_after_a_kill_is_refused_even_when_another_job_ran_between(
     """Job A killed after its ingestion, then another job B, then A again (an audit):
     B's start deleted A's marker with its own, so the rerun of A loaded every row a
     second time and succeeded. B settles A (its rejects get ``_SUCCESS``) and keeps
-    its marker: the rerun is refused once, and each row is in the store once."""
+    its marker: the rerun is refused, and each row is in the store once."""
     src_a = write_parquet(tmp_path / "a.parquet", payload=[b"a%d" % i for i in range(20)]
                           + [None], p=list(range(21)))
     src_b = write_parquet(tmp_path / "b.parquet", payload=[b"b%d" % i for i in range(5)],
