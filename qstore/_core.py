@@ -247,6 +247,18 @@ def require_store(path: str) -> None:
         raise StorageError(f"cannot read the store at {path!r}: {current!r} is not a file")
 
 
+def _let_go(lock: Any, depth: int) -> None:
+    """Release ``lock`` if this thread took it once more than ``depth`` (its count
+    before the acquire): an ``__enter__`` left by an exception. A KeyboardInterrupt
+    is raised as ``acquire()`` returns when SIGINT came while the main thread
+    waited for the lock: it left the writer lock taken, and every other thread of
+    the process waited on it for good (an interrupt audit: after the first or
+    third interrupt of three pushing threads). An acquire the interrupt cut
+    before it took the lock leaves the count as it was: nothing is released."""
+    if lock._recursion_count() > depth:
+        lock.release()
+
+
 class Settling:
     """The writer lock, taken as ``with core.lock`` would, for sections with no checks
     to make first (passes, inspections that promote, compaction, snapshots); an
@@ -263,19 +275,19 @@ class Settling:
     def __enter__(self) -> None:
         core = self._core
         lock = core.lock
-        if lock._is_owned():  # type: ignore[attr-defined]  # nested: the outer mark stands
+        depth = lock._recursion_count()  # type: ignore[attr-defined]
+        try:
             lock.acquire()
-            return
-        lock.acquire()
-        if core.meta.failed is not None and not core.closed and not core.readonly:
-            try:
-                core.resume()
-            except StorageError:
-                pass  # still failing: the section's writes raise, its reads go on
-            except BaseException:
-                lock.release()
-                raise
-        core.write_mark = core.meta.writes
+            if depth:  # nested: the outer mark stands
+                return
+            if core.meta.failed is not None and not core.closed and not core.readonly:
+                # Still failing: the section's writes raise, its reads go on.
+                with contextlib.suppress(StorageError):
+                    core.resume()
+            core.write_mark = core.meta.writes
+        except BaseException:
+            _let_go(lock, depth)
+            raise
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
@@ -296,15 +308,17 @@ class Writing(Settling):
 
     def __enter__(self) -> None:
         core = self._core
-        core.lock.acquire()
-        if core.closed or core.readonly or core.meta.failed is not None:
-            try:
+        lock = core.lock
+        depth = lock._recursion_count()  # type: ignore[attr-defined]
+        try:
+            lock.acquire()
+            if core.closed or core.readonly or core.meta.failed is not None:
                 core.check_writable()
                 core.resume()  # after a failed metadata write
-            except BaseException:
-                core.lock.release()
-                raise
-        core.write_mark = core.meta.writes
+            core.write_mark = core.meta.writes
+        except BaseException:
+            _let_go(lock, depth)
+            raise
 
 
 class GroupWriting(Writing):

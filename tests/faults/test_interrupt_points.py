@@ -113,6 +113,36 @@ def test_an_interrupt_in_the_group_commit_leaves_no_lock_held(store_path: str,
         assert done and not store.core.syncer._cv_lock._is_owned()
 
 
+@pytest.mark.parametrize("mode", ["interval", "always"])
+@pytest.mark.parametrize("section", ["writing", "settling"])
+def test_an_interrupt_as_the_writer_lock_is_taken_leaves_it_free(
+        store_path: str, mode: str, section: str) -> None:
+    # SIGINT while the main thread waits for the writer lock is raised as
+    # acquire() returns, in the section's __enter__: the lock stayed taken and
+    # every other thread of the process waited on it for good (an interrupt
+    # audit: after the first interrupt, with three threads pushing).
+    with qstore.open(store_path, durability=mode, compactor=False) as store:
+        q = store.create_queue("q")
+        q.push(b"warm-up")
+        core = store.core
+        with interrupted_at(lambda f, e, a: e == "c_return"
+                            and getattr(a, "__name__", "") == "acquire"
+                            and _in(f, "__enter__", "_core.py")) as hit, \
+                pytest.raises(KeyboardInterrupt):
+            if section == "writing":
+                q.push(b"interrupted")
+            else:
+                with core.settling:
+                    pass
+        assert hit and core.lock._recursion_count() == 0  # type: ignore[attr-defined]
+        done: list[int] = []
+        t = threading.Thread(target=lambda: done.append(q.push(b"another thread")),
+                             daemon=True)
+        t.start()
+        t.join(30)
+        assert done and [m.payload for m in q.pop_many(5)] == [b"warm-up", b"another thread"]
+
+
 def test_a_client_interrupted_while_decoding_a_pop_gives_its_leases_back(
         tmp_path: Any) -> None:
     # The answer was read, so the link stayed open: the server kept the leases to
