@@ -72,3 +72,30 @@ def test_a_store_of_many_segments_works_under_a_small_soft_file_limit(tmp_path: 
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         assert r.stdout.split() == [str(segments), str(messages), "True"]
+
+
+def test_remove_paths_takes_trees_by_name_and_closes_no_descriptor(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # shutil.rmtree works through directory descriptors and marks one closed only
+    # after os.close returned: an interrupt in between closed that number again,
+    # another thread's file by then (an interrupt audit: EBADF in other threads
+    # after cut snapshots). The removal now goes by names.
+    tree = tmp_path / "snap"
+    (tree / "meta" / "deep").mkdir(parents=True)
+    (tree / "meta" / "deep" / "f").write_bytes(b"x")
+    (tree / "a").write_bytes(b"y")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "kept").write_bytes(b"z")
+    (tree / "link").symlink_to(outside)  # a link to a directory: the link goes, not its files
+    lone = tmp_path / "file"
+    lone.write_bytes(b"w")
+
+    def no_close(fd: int) -> None:
+        raise AssertionError("a descriptor was closed in Python code")
+
+    monkeypatch.setattr(os, "close", no_close)
+    assert _fs.remove_paths([str(tree), str(lone), str(tmp_path / "missing")]) == []
+    monkeypatch.undo()
+    assert not tree.exists() and not lone.exists()
+    assert (outside / "kept").read_bytes() == b"z"
