@@ -48,7 +48,18 @@ def create_segment_file(path: str, file_id: int, *, durable: bool = True) -> Non
     if os.path.exists(path):  # ids are never reused; never clobber a segment
         raise FileExistsError(errno.EEXIST, "segment file exists", path)
     tmp = path + NEW_SUFFIX if durable else path
-    fd = fcalls.open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fd = fcalls.open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        raise
+    except BaseException:
+        # With O_EXCL a file there now is the one this call made: an interrupt as
+        # the open returned left it (a header-less .new file for every cut
+        # rotation, until the next open; an interrupt audit). Its descriptor,
+        # never handed back, is not.
+        with contextlib.suppress(OSError):
+            fcalls.unlink(tmp)
+        raise
     try:
         try:
             write_at(fd, [fmt.encode_header(file_id)], 0)  # a short write is finished
