@@ -50,7 +50,6 @@ from ._metrics import Metrics
 from ._ops import (
     PARK,
     LeaseBook,
-    Leases,
     ack_group,
     group_key,
     pop_group,
@@ -451,7 +450,7 @@ class Server:
                     log.exception("giving back the leases of a closed connection failed")
                     break
                 await asyncio.sleep(0)  # let other connections' requests run
-            _log_given_back(leases)
+            _log_given_back("leases of a closed connection", leases.given_back, leases.buried)
         conn.leases.forget()  # kept leases, or those a failed release left
         self._conns.discard(conn)
         if self.metrics:
@@ -739,10 +738,9 @@ class Server:
 
         def give_back() -> None:
             given, buried = leases.give_back(store, receipts)
-            if buried:  # said, as for a closed connection's (_log_given_back)
-                log.warning("popped messages whose answer could not be sent given back: %d "
-                            "ready again, %d moved to the dead letters (that was their last "
-                            "attempt)", given - buried, buried)
+            if buried:  # only then: an answer too big to send says so itself
+                _log_given_back("popped messages whose answer could not be sent", given,
+                                buried)
 
         if self._inline_now():
             give_back()
@@ -1104,17 +1102,15 @@ def _nothing() -> None:
     return None
 
 
-def _log_given_back(leases: Leases) -> None:
-    """Say what a closed connection's leases became: ready again, or, for a message
-    on its last attempt, a dead letter. Before, those went to the dead letters
-    with no word anywhere (an observability audit)."""
-    if leases.buried:
-        log.warning("leases of a closed connection given back: %d ready again, %d moved to "
-                    "the dead letters (that was their last attempt)",
-                    leases.given_back - leases.buried, leases.buried)
-    elif leases.given_back:
-        log.info("leases of a closed connection given back: %d ready again",
-                 leases.given_back)
+def _log_given_back(what: str, given: int, buried: int) -> None:
+    """Say what leases given back became: ready again, or, for a message on its last
+    attempt, a dead letter. Before, those went to the dead letters with no word
+    anywhere (an observability audit)."""
+    if buried:
+        log.warning("%s given back: %d ready again, %d moved to the dead letters (that was "
+                    "their last attempt)", what, given - buried, buried)
+    elif given:
+        log.info("%s given back: %d ready again", what, given)
 
 
 def _error_frame(exc: BaseException) -> bytes:

@@ -147,9 +147,10 @@ def settle_loaded(store: Store, fingerprint: str | None,
                 if isinstance(dest, str) and os.path.isdir(dest):
                     _write_success(dest)
                 settled.append((job_id, rows))
-            if fingerprint is not None and mark == fingerprint and again:
+            ours = fingerprint is not None and mark == fingerprint  # the job run now
+            if ours and again:
                 deletes.append(key)
-            elif fingerprint is not None and mark == fingerprint:
+            elif ours:
                 same = (job_id, rows, dest)
                 if version != MARKER_SETTLED:
                     puts.append((key, records.pack([MARKER_SETTLED, rows, dest, mark])))
