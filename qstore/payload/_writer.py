@@ -34,6 +34,21 @@ __all__ = ["GROW_STEP", "NEW_SUFFIX", "SegmentWriter", "create_segment_file", "r
 NEW_SUFFIX = ".new"  # a segment being created: never listed as a segment (see below)
 
 
+def _close_descriptors_of(path: str) -> None:
+    """Close this process's descriptors on ``path``, a file only the caller opened.
+
+    For an open cut by an interrupt as it returned: the descriptor exists but
+    was never handed back. Found by name in ``/proc/self/fd`` (Linux; elsewhere
+    nothing is closed and the descriptor leaks until the process ends).
+    """
+    target = os.path.realpath(path)
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                if os.readlink(f"/proc/self/fd/{name}") == target:
+                    os.close(int(name))
+
+
 def create_segment_file(path: str, file_id: int, *, durable: bool = True) -> None:
     """Create a new segment holding only its header.
 
@@ -55,8 +70,9 @@ def create_segment_file(path: str, file_id: int, *, durable: bool = True) -> Non
     except BaseException:
         # With O_EXCL a file there now is the one this call made: an interrupt as
         # the open returned left it (a header-less .new file for every cut
-        # rotation, until the next open; an interrupt audit). Its descriptor,
-        # never handed back, is not.
+        # rotation, until the next open; an interrupt audit), and a descriptor
+        # on it that was never handed back.
+        _close_descriptors_of(tmp)
         with contextlib.suppress(OSError):
             fcalls.unlink(tmp)
         raise

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import pytest
@@ -143,7 +143,15 @@ def test_an_interrupt_as_the_writer_lock_is_taken_leaves_it_free(
         assert done and [m.payload for m in q.pop_many(5)] == [b"warm-up", b"another thread"]
 
 
-def test_an_interrupt_as_a_new_segment_file_is_opened_leaves_no_file(
+def _open_files() -> list[str]:
+    links = []
+    for name in os.listdir("/proc/self/fd"):
+        with suppress(OSError):  # closed since the listing
+            links.append(os.readlink(f"/proc/self/fd/{name}"))
+    return links
+
+
+def test_an_interrupt_as_a_new_segment_file_is_opened_leaves_no_file_or_descriptor(
         store_path: str) -> None:
     # Raised as the open returned, before the try that cleans up: every cut
     # rotation left a header-less .seg.new until the next open (an interrupt
@@ -160,6 +168,8 @@ def test_an_interrupt_as_a_new_segment_file_is_opened_leaves_no_file(
         assert hit
         payload = os.path.join(store_path, "payload")
         assert [n for n in os.listdir(payload) if n.endswith(".new")] == []
+        # Nor a descriptor on it, never handed back (the descriptor leaked).
+        assert [link for link in _open_files() if ".seg.new" in link] == []
         q.push(b"after")
         assert store.check().ok
 
