@@ -210,6 +210,28 @@ def test_an_answer_over_the_frame_format_is_an_error_and_its_messages_go_back(
         assert [m.payload for m in got] == [b"x" * 20_000] * 2
 
 
+def test_an_unsent_answer_s_messages_on_their_last_attempt_become_dead_letters_and_it_is_logged(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Giving back a pop whose answer cannot be sent counts the attempt, as a
+    # dropped connection's would: on a max_attempts=1 queue the messages become
+    # dead letters, and that is logged (it was a path no test reached).
+    monkeypatch.setattr(_wire, "MAX_BODY", 64 * 1024)
+    monkeypatch.setattr(_wire, "BIG_BODY", 16 * 1024)
+    caplog.set_level(logging.INFO, logger="qstore.server")
+    with serving(str(tmp_path / "s")) as address, qstore.connect(address, timeout=30) as c:
+        q = c.create_queue("q", max_attempts=1)
+        for _ in range(5):
+            q.push(b"x" * 20_000)
+        with pytest.raises(qstore.InvalidArgument, match="over the 65536-byte limit"):
+            q.pop_many(5)
+        st = q.stats()
+        assert (st.ready, st.in_flight, st.dead) == (0, 0, 5)
+        given_back = [r for r in caplog.records if "could not be sent" in r.getMessage()]
+        assert [(r.levelname, r.getMessage()) for r in given_back] == [(
+            "WARNING", "popped messages whose answer could not be sent given back: 0 ready "
+            "again, 5 moved to the dead letters (that was their last attempt)")]
+
+
 def test_connections_are_capped_where_the_descriptor_limit_leaves_the_store_room(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # Under a limit of 1,024 open files (hard and soft), 999 idle connections
