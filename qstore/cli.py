@@ -95,8 +95,11 @@ def _exit_codes() -> Iterator[None]:
                    f"{exc.address}: give commands that address (with --token-file if it "
                    "needs a token) instead of the store's path")
             sys.exit(exit_code(exc))
+        # A server of a qstore from before STORE/qstore.server, on an address other
+        # than the store's socket, is told from an embedding process by nothing.
         _error(f"store {exc.path!r} is locked by another writer (a "
-               "process that opened it with qstore.open): read-only commands (stats, "
+               "process that opened it with qstore.open, or an older qstore server "
+               "listening elsewhere than the store's socket): read-only commands (stats, "
                "peek, queues, check, snapshot) still work; to change it while that process runs, "
                "let a server own the store (qstore serve) and have both go through it")
         sys.exit(exit_code(exc))

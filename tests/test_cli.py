@@ -282,6 +282,10 @@ def test_writer_locked_store_exits_3(tmp_path) -> None:  # type: ignore[no-untyp
         assert "locked" in said and path in r.stderr.replace("\n", "")
         # What a command line user can do, not Python's readonly=True.
         assert "readonly=True" not in said and "qstore serve" in said
+        # Which writers those may be: an embedding process, or a server too old to
+        # name itself in STORE/qstore.server (one on a custom socket was called
+        # an embedding process; a cross-version audit).
+        assert "qstore.open" in said and "older qstore server" in said
         # Inspection is read-only and works while the writer holds the store.
         r = subprocess.run([sys.executable, "-m", "qstore.cli", "queues", path],
                            capture_output=True, text=True)
