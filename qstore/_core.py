@@ -41,6 +41,7 @@ from ._errors import (
     StoreClosed,
     StoreLocked,
 )
+from ._fs import fsync_dir, make_dirs_durably
 from ._heads import ReadyHeads
 from ._hot import JOURNAL_FLUSH_BYTES, HotPaths
 from ._migrate import mark_current_format, migrate_dedup
@@ -434,7 +435,7 @@ class Core(HotPaths):
         self._log_flush_due = False  # the log grown before it was kept small: flush it
         self._mark_failing = False  # the last write of the durable mark failed
         if not config.readonly:
-            os.makedirs(path, exist_ok=True)
+            make_dirs_durably(path)
             self._writer_key = _claim_writer(path)
         else:
             require_store(path)  # a read-only open creates nothing
@@ -443,8 +444,11 @@ class Core(HotPaths):
         else:
             try:
                 self._make_room("opening the store")
+                new_meta = not os.path.isdir(os.path.join(path, "meta"))
                 self.meta = MetaDB(os.path.join(path, "meta"), readonly=False,
                                    store_path=path)
+                if new_meta:  # RocksDB syncs what is in meta/, not its entry here
+                    fsync_dir(path)
             except BaseException:
                 _release_writer(self._writer_key)
                 raise

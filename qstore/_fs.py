@@ -4,7 +4,9 @@
   ``pwritev`` per ``IOV_MAX`` buffers, and a short write (signals, huge
   batches) is finished rather than lost.
 - :func:`fsync_file` and :func:`fsync_dir` make a file's data, or a
-  directory's entries (a create, rename or unlink), durable.
+  directory's entries (a create, rename or unlink), durable;
+  :func:`make_dirs_durably` creates directories that a power loss cannot take
+  back (each one's entry in its parent fsynced).
 - :func:`write_file_durably` (and :func:`write_json_durably`) replaces a
   small file atomically: write a temporary file, fsync it, rename it over the
   old one, fsync the directory.
@@ -187,6 +189,31 @@ def fsync_dir(path: str) -> None:
         calls.fsync(fd)
     finally:
         calls.close_fd(fd)
+
+
+def make_dirs_durably(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, each directory it creates made durable
+    in its parent (the parent fsynced after the mkdir).
+
+    A directory's entry lives in its parent: fsyncs of the directory itself and
+    of the files in it do not make it durable, so a power loss could take back a
+    new store or snapshot whose every file had been synced (a power-loss audit).
+    """
+    missing = []
+    here = os.path.abspath(path)
+    while not os.path.isdir(here):
+        missing.append(here)
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise
+        fsync_dir(os.path.dirname(directory))
 
 
 def write_file_durably(path: str, data: bytes | memoryview) -> None:

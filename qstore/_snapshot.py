@@ -22,7 +22,7 @@ from typing import Any
 from ._address import checked_path
 from ._core import SNAPSHOT_MANIFEST, SNAPSHOT_UNFINISHED, Core
 from ._errors import Corruption, InvalidArgument, StorageError
-from ._fs import calls, fsync_dir, remove_paths, write_json_durably
+from ._fs import calls, fsync_dir, make_dirs_durably, remove_paths, write_json_durably
 from .payload._format import segment_name
 
 log = logging.getLogger("qstore.snapshot")
@@ -77,11 +77,11 @@ def _write(core: Core, dest: str) -> None:
         # The marker before anything else, durable before the first hard link: a
         # kill at any point leaves a directory that is empty or marked, never one
         # that looks like a store (its segments are the live store's files).
-        os.makedirs(dest, exist_ok=True)
+        make_dirs_durably(dest)
         with open(os.path.join(dest, UNFINISHED), "wb"):
             pass
         fsync_dir(dest)
-        os.makedirs(os.path.join(dest, "payload"), exist_ok=True)
+        os.makedirs(os.path.join(dest, "payload"), exist_ok=True)  # made durable below
     except OSError as exc:
         raise _storage_error(f"cannot create the snapshot directory {dest!r}", exc) from exc
     with core.settling:
@@ -90,6 +90,14 @@ def _write(core: Core, dest: str) -> None:
             # The S record of the segment pushes defer catches up, so the snapshot's
             # records defer none of its messages (a view's may: readers count them).
             core.settle_segments()
+            # Every payload byte the checkpoint's records name, durable before them:
+            # the linked segments are the store's files, and in interval or none
+            # mode their last appends may not have been synced yet. A power loss
+            # then left a snapshot, returned and durable, whose records named
+            # bytes it did not have: damaged for good (a power-loss audit). The
+            # sync also keeps the live store's payload ahead of the metadata the
+            # checkpoint's flush makes durable.
+            core.syncer.sync_now()
         created = core.clock()
         if core.readonly:  # a view: its memtable holds what the writer had not flushed
             core.meta.export(os.path.join(dest, "meta"))

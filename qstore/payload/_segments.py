@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from .._errors import Corruption, PayloadTooLarge, StorageError
 from .._fs import calls as fcalls
-from .._fs import fsync_dir, make_room_for_files, write_file_durably
+from .._fs import fsync_dir, make_dirs_durably, make_room_for_files, write_file_durably
 from . import _format as fmt
 from ._format import Located, PayloadRef
 from ._reader import ScanError, SegmentReader, frame_problem, frames_intact, is_zero_from
@@ -123,7 +123,7 @@ class SegmentSet:
         self._writer: SegmentWriter | None = None
         self._synced = (0, 0)
         if not readonly:
-            os.makedirs(directory, exist_ok=True)
+            make_dirs_durably(directory)
             self._remove_unfinished_creates()
             create_views_lock(directory)
         ids = self._list_ids()
