@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import mmap as _mmap
 import os
@@ -201,7 +202,7 @@ def make_dirs_durably(path: str) -> None:
     """
     missing = []
     here = os.path.abspath(path)
-    while not os.path.isdir(here):
+    while not os.path.exists(here):  # a file on the way: the mkdir says ENOTDIR
         missing.append(here)
         parent = os.path.dirname(here)
         if parent == here:
@@ -214,6 +215,8 @@ def make_dirs_durably(path: str) -> None:
             if not os.path.isdir(directory):
                 raise
         fsync_dir(os.path.dirname(directory))
+    if not missing and not os.path.isdir(path):
+        raise FileExistsError(errno.EEXIST, "File exists", path)
 
 
 def write_file_durably(path: str, data: bytes | memoryview) -> None:
