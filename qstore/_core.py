@@ -41,7 +41,7 @@ from ._errors import (
     StoreClosed,
     StoreLocked,
 )
-from ._fs import fsync_dir, make_dirs_durably
+from ._fs import fsync_dir, fsync_file, make_dirs_durably
 from ._heads import ReadyHeads
 from ._hot import JOURNAL_FLUSH_BYTES, HotPaths
 from ._migrate import mark_current_format, migrate_dedup
@@ -391,12 +391,14 @@ class Core(HotPaths):
         self.forked_from: int | None = None  # set in a forked child: see _after_fork_in_child
         self._records = {}  # the record cache (see _hot.py)
         # The payload journal (durability="always", _durability.py): whether
-        # batches carry their bodies now (set by _journal_policy), (file_id,
-        # record end, J key) of those written and not yet covered by a segment
-        # sync, in append order, and the bytes journaled since the last flush.
+        # batches carry their bodies now (set by _journal_policy), and the bytes
+        # journaled since the last flush. _awaiting_sync: (file_id, record end,
+        # key) of the keys a segment sync up to that record makes needless, in
+        # append order: the journal's J keys and the pending batches' M batch/
+        # keys (meta/_keys.py), deleted with the durable mark (_record_synced_mark).
         self.always = config.durability == "always" and not config.readonly
         self.journaling = False
-        self._journaled: list[tuple[int, int, bytes]] = []
+        self._awaiting_sync: list[tuple[int, int, bytes]] = []
         self._journal_bytes = 0
         # The segment whose S record single pushes defer (_seg_accounts.py);
         # S records found deferring at open (file id -> covered id).
@@ -826,13 +828,23 @@ class Core(HotPaths):
         self._load_queues()
         self.segments = self._load_segments()
         self.space_low = not self.space_ok()
+        # The journal and pending batch keys the database holds, for the syncs to
+        # delete (an interrupted push may have written some it did not note).
+        awaiting = self._pending_batches()
         if self.always:
-            # The journal keys the database holds, for the checkpoints to delete
-            # (an interrupted push may have written some it did not note).
-            self._journaled = [
+            awaiting.extend(
                 (fid, offset + FRAME_SIZE + len(body), key)
                 for key, body in self.meta.scan(keys.JOURNAL, keys.prefix_end(keys.JOURNAL))
-                for fid, offset in (keys.journal_parts(key),)]
+                for fid, offset in (keys.journal_parts(key),))
+        self._awaiting_sync = sorted(awaiting)
+
+    def _pending_batches(self) -> list[tuple[int, int, bytes]]:
+        """(end file id, end offset, key) of the pending batch keys in the database."""
+        found = []
+        for key, value in self.meta.scan(keys.PENDING_BATCH, keys.prefix_end(keys.PENDING_BATCH)):
+            _, _, fid, end = records.unpack(value, "pending batch")
+            found.append((fid, end, key))
+        return found
 
     def settle_if_written(self) -> None:
         """:meth:`settle`, if a metadata write started since the writer lock was taken."""
@@ -991,7 +1003,10 @@ class Core(HotPaths):
         operation returns only after the sync that covers its bytes); in the
         other modes a power loss may also take operations that had returned.
         Without this, those messages would fail every read with Corruption.
+        A batch push is atomic: one whose sync never came (its pending batch
+        key is still here) and that lost any message loses them all.
         """
+        lost: set[tuple[int, int]] = set()  # (qid, id)
         files = set(self.payload.file_ids())
         for fid, (_, _, end) in list(self.segments.items()):
             if fid not in files:
@@ -1020,20 +1035,61 @@ class Core(HotPaths):
             if cut >= end:
                 continue
             txn = Txn()
-            lost = 0
+            dropped = 0
             for key, value in self.meta.scan(keys.MESSAGE, keys.prefix_end(keys.MESSAGE)):
                 rec = records.MessageRecord.decode(value)
                 if rec.file_id != fid or rec.offset + FRAME_SIZE + rec.length <= cut:
                     continue
                 states.remove(txn, self._state_of_key(key), keys.trailing_id(key), rec)
-                lost += 1
+                lost.add(keys.QID_ID.unpack_from(key, 1))
+                dropped += 1
             self.segments[fid][2] = cut
             txn.set_end(fid, cut)
             self.commit(txn)
             self.syncer.sync_now()
             log.error("segment %s ends at %d but the metadata referred up to %d (a power loss "
                       "before those bytes were synced): %d message(s) dropped", fid, cut,
-                      end, lost)
+                      end, dropped)
+        self._settle_pending_batches(lost)
+
+    def _settle_pending_batches(self, lost: set[tuple[int, int]]) -> None:
+        """At open, the pending batch keys a stop left: drop the rest of each batch
+        that lost a message (``lost``: (qid, id) dropped for lost bytes), make the
+        segments of all of them durable, and delete the keys (their batches are
+        whole, or gone, from here on)."""
+        found = [(key, records.unpack(value, "pending batch")) for key, value
+                 in self.meta.scan(keys.PENDING_BATCH, keys.prefix_end(keys.PENDING_BATCH))]
+        if not found:
+            return
+        txn = Txn()
+        dropped: list[str] = []
+        qstates = {q.qid: q for q in self.queues.values()}
+        for key, (_, last, _, _) in found:
+            qid, first = keys.pending_batch_parts(key)
+            q = qstates.get(qid)
+            if q is None or not any((qid, mid) in lost for mid in range(first, last + 1)):
+                continue
+            n = 0
+            for mid in range(first, last + 1):
+                raw = None if (qid, mid) in lost else self.meta.get(keys.message_key(qid, mid))
+                if raw is not None:  # (acked since, or dropped above: nothing to do)
+                    states.remove(txn, q, mid, records.MessageRecord.decode(raw))
+                    n += 1
+            dropped.append(f"{n} more of queue {q.name!r} (ids {first}-{last})")
+        files = set(self.payload.file_ids())
+        for fid in sorted({end_fid for _, (_, _, end_fid, _) in found} & files):
+            try:
+                fsync_file(self.payload.path_of(fid))  # a kill left them in the page cache
+            except OSError as exc:
+                raise _os_error(exc, f"syncing payload segment {fid}") from exc
+        for key, _ in found:
+            txn.delete(key)
+        self.commit(txn)
+        self.syncer.sync_now()
+        if dropped:
+            log.error("a power loss took part of %d batch push(es) before their sync: a "
+                      "batch is all or nothing, so the rest of each was dropped too: %s",
+                      len(dropped), "; ".join(dropped))
 
     def _state_of_key(self, key: bytes) -> QueueState:
         qid = keys.U32.unpack_from(key, 1)[0]
@@ -1086,7 +1142,7 @@ class Core(HotPaths):
         self.meta.write(batch)
         self._synced_mark = synced
         if txn.journal:
-            self._journaled.extend(txn.journal)
+            self._awaiting_sync.extend(txn.journal)
         if txn.forget_records:
             self._records.clear()
         cache = self._records
@@ -1176,15 +1232,15 @@ class Core(HotPaths):
         """
         with self.settling:  # an interrupt after the write reads the journal keys back
             synced = self.payload.synced_position()
-            covered = self._journal_covered(synced) if self._journaled else 0
+            covered = self._covered_by_sync(synced) if self._awaiting_sync else 0
             if synced == self._synced_mark and not covered:
                 return
             batch = new_batch()
             if synced != self._synced_mark:
                 batch.put(keys.SYNCED_KEY, records.pack([records.RECORD_VERSION, *synced]))
-            journaled = self._journaled
+            awaiting = self._awaiting_sync
             for i in range(covered):
-                batch.delete(journaled[i][2])
+                batch.delete(awaiting[i][2])
             try:
                 self.meta.write(batch)
             except StorageError as exc:
@@ -1192,8 +1248,9 @@ class Core(HotPaths):
                 # failure (a full disk) must not fail those operations. It did:
                 # in always mode a push raised although its batch was written and
                 # synced, so a retry would push it twice (a disk-full test). The
-                # mark stays where it was (a later sync moves it), the journal
-                # keys stay (an open writes equal bytes over), and the failed
+                # mark stays where it was (a later sync moves it), the keys
+                # awaiting it stay (an open writes equal journaled bytes over,
+                # and finds every message of a pending batch), and the failed
                 # write makes the next one reopen the database.
                 if not self._mark_failing:
                     log.warning("the durable mark was not moved after a sync (what the "
@@ -1202,7 +1259,7 @@ class Core(HotPaths):
                 return
             self._mark_failing = False
             self._synced_mark = synced
-            del journaled[:covered]
+            del awaiting[:covered]
 
     def _journal_policy(self) -> None:
         """At open and after each checkpoint (always mode): journal only while the
@@ -1222,12 +1279,13 @@ class Core(HotPaths):
             with self.lock:  # writers add to it under the lock
                 self._journal_bytes -= pending
 
-    def _journal_covered(self, synced: tuple[int, int]) -> int:
-        """How many of the oldest journal keys the segment sync at ``synced`` covers:
-        those of earlier segments (sealed, so synced) and those up to its offset."""
+    def _covered_by_sync(self, synced: tuple[int, int]) -> int:
+        """How many of the oldest keys awaiting a sync the segment sync at ``synced``
+        covers: those of earlier segments (sealed, so synced) and those up to its
+        offset."""
         sfid, soff = synced
         n = 0
-        for fid, end, _ in self._journaled:
+        for fid, end, _ in self._awaiting_sync:
             if fid > sfid or (fid == sfid and end > soff):
                 break
             n += 1
@@ -1537,13 +1595,13 @@ class Core(HotPaths):
             fid = self._deferred
             if fid is not None and fid in self.segments:  # whole: no push follows
                 batch.put(keys.segment_key(fid), records.encode_segment(*self.segments[fid]))
-            for _, _, key in self._journaled:  # the segment was fsynced above
+            for _, _, key in self._awaiting_sync:  # the segment was fsynced above
                 batch.delete(key)
             if self._next_id < self._id_hwm:
                 batch.put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION,
                                                          self._next_id]))
             self.meta.write(batch)
-            self._journaled.clear()
+            self._awaiting_sync.clear()
             self.meta.flush()
         except StorageError as exc:
             log.warning("closing %s: %s (the next open replays the log)", self.path, exc)

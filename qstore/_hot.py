@@ -103,7 +103,7 @@ class HotPaths:
     _synced_mark: tuple[int, int] | None
     always: bool  # durability="always"
     journaling: bool
-    _journaled: list[tuple[int, int, bytes]]
+    _awaiting_sync: list[tuple[int, int, bytes]]
     _journal_bytes: int
     # The segment whose S record single pushes leave alone (_seg_accounts.py),
     # and how many have since it was last written.
@@ -169,7 +169,7 @@ class HotPaths:
         else:
             self._deferred, self._deferred_n = fid, 0
         if journal:
-            self._journaled.extend(journal)
+            self._awaiting_sync.extend(journal)
         cache = self._records
         cache[mkey] = (prio, fid, offset, length, now)
         if len(cache) > RECORD_CACHE:
@@ -278,7 +278,7 @@ class HotPaths:
     def journal_into(self, batch: Batch, refs: Sequence[PayloadRef], bodies: Sequence[bytes]
                      ) -> list[tuple[int, int, bytes]] | None:
         """Put the payload journal's keys for the records at ``refs`` into ``batch``
-        (durability ``always``); returns their entries, for ``_journaled`` once the
+        (durability ``always``); returns their entries, for ``_awaiting_sync`` once the
         batch is written. Bodies over ``JOURNAL_MAX_BYTES`` in all, or any while
         journaling is off (a nearly full disk, see Core._journal_policy), are not
         journaled: the next sync fdatasyncs the segment instead."""
@@ -296,6 +296,26 @@ class HotPaths:
             put(key, body)
             out.append((fid, offset + FRAME_SIZE + length, key))
         return out
+
+    def pending_batch(self, put: Callable[[bytes, bytes], None], qid: int, first: int,
+                      n: int, last: PayloadRef) -> list[tuple[int, int, bytes]] | None:
+        """Put the pending batch key of a batch push of ``n`` messages with ids from
+        ``first``, whose last record is at ``last``, not carried by the journal;
+        returns its entry, for ``_awaiting_sync`` once the batch is written.
+
+        Until a sync covers the batch's last record, a power loss may keep its
+        metadata (the log synced by another write, a memtable flush) and lose
+        some of its records: recovery then drops every message of the batch,
+        not only those (meta/_keys.py). None in ``durability="none"``, which
+        syncs nothing that would delete the key: a batch there is not atomic
+        across a power loss (docs/faults.md).
+        """
+        if self.syncer.mode == "none":
+            return None
+        end = last.offset + FRAME_SIZE + last.length
+        key = keys.pending_batch_key(qid, first)
+        put(key, records.pack([records.RECORD_VERSION, first + n - 1, last.file_id, end]))
+        return [(last.file_id, end, key)]
 
     def _commit_ready(self, q: QueueState, refs: list[PayloadRef],
                       prios: Sequence[int | str], now: float,
@@ -360,9 +380,11 @@ class HotPaths:
             put(keys.segment_key(fid), self.segment_record(fid, seg))
             new_segs.append((fid, seg))
         journal = self.journal_into(batch, refs, bodies) if self.always else None
+        if journal is None and n > 1:
+            journal = self.pending_batch(batch.put, q.qid, first, n, refs[-1])
         self._write_hot(batch)
         if journal:
-            self._journaled.extend(journal)
+            self._awaiting_sync.extend(journal)
         cache = self._records
         cache.update(written)
         if len(cache) > RECORD_CACHE:

@@ -403,6 +403,9 @@ class Queue:
                     if core.always:
                         txn.journal = core.journal_into(txn.batch, refs,
                                                         [bodies[i] for i in fresh])
+                    if txn.journal is None and len(fresh) > 1:
+                        txn.journal = core.pending_batch(txn.put, qid, ids[fresh[0]],
+                                                         len(fresh), refs[-1])
                     core.commit(txn)
             for i, j in dup_of.items():
                 ids[i] = ids[j]

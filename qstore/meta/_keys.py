@@ -33,6 +33,13 @@ SYNCED_KEY = META + b"synced"
 # one a crash left is settled by the next backfill and kept until a rerun of that
 # job given `again` deletes it (reruns without it are refused; docs/backfill.md).
 BACKFILL_JOB = META + b"backfill/"
+# M batch/ qid:u32 first_id:u64 -> [1, last_id, end_file_id, end_offset]: a batch
+# push of several messages whose payload no sync has covered yet (interval mode,
+# or an always-mode batch the payload journal does not carry). Written with the
+# batch, deleted with the durable mark of the sync that covers its last record;
+# one left at an open after a power loss makes recovery drop the whole batch if
+# any of its messages lost its bytes (a batch is atomic; Core._drop_lost_tails).
+PENDING_BATCH = META + b"batch/"
 
 
 def backfill_job_key(job_id: str) -> bytes:
@@ -67,6 +74,16 @@ INT_MIN = -(2**63)
 INT_MAX = 2**63 - 1
 MAX_STR_PRIORITY_BYTES = 1024
 _FLIP = bytes(range(255, -1, -1))  # byte complement: reverses the order of prefix-free keys
+
+
+def pending_batch_key(qid: int, first_id: int) -> bytes:
+    return PENDING_BATCH + QID_ID.pack(qid, first_id)
+
+
+def pending_batch_parts(key: bytes) -> tuple[int, int]:
+    """(qid, first id) of a pending batch key."""
+    qid, first = QID_ID.unpack_from(key, len(PENDING_BATCH))
+    return qid, first
 
 
 def queue_key(name: str) -> bytes:

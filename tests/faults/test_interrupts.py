@@ -201,7 +201,7 @@ def test_an_interrupted_push_in_always_mode_leaves_its_journal_keys_tracked(
             with core.lock:  # the syncer's checkpoints change both under it
                 stored = [key for key, _ in core.meta.scan(keys.JOURNAL,
                                                            keys.prefix_end(keys.JOURNAL))]
-                assert [key for _, _, key in core._journaled] == stored
+                assert [key for _, _, key in core._awaiting_sync] == stored
             if not interrupt.fired:
                 break
         core.syncer.checkpoint()  # the segment synced: every journal key is covered now

@@ -68,7 +68,7 @@ def test_an_always_push_syncs_the_log_and_not_the_segment(
         # The checkpoint syncs the segment and deletes the keys it covers.
         store.core.syncer.checkpoint()
         assert len(fdatasyncs) == 1
-        assert _journal_keys(store) == [] and store.core._journaled == []
+        assert _journal_keys(store) == [] and store.core._awaiting_sync == []
         q.push(b"five")
         assert len(_journal_keys(store)) == 1
         # A batch over the journal's limit is synced in its segment instead (and
