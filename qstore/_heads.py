@@ -356,15 +356,24 @@ class ReadyHeads:
         lv = self.levels[self.active[0]]
         lv.frontier = key + b"\x00"
         self._pass_known(lv, 1)
+        if not lv.maybe and not lv.returns:  # drained (lv.active, inlined: a hot path)
+            del self.active[0]
 
     def _pass_known(self, lv: Level, n: int) -> None:
-        """Forget the first ``n`` known keys of ``lv``: a pop took them."""
+        """Forget the first ``n`` known keys of ``lv``: a pop took them. A level that
+        is exact has nothing past them then: drained (its caller deactivates it).
+        Left maybe-active, a level whose last key a pop took stayed in ``active``
+        for good when later pops found their keys in levels before it (a queue
+        whose priorities keep rising, in max order): one more per drain, and
+        pops walked them all (a resource audit)."""
         known = lv.known
         k0 = lv.k0 + n
         self.known_total -= n
         if k0 == len(known):
             known.clear()
             k0 = 0
+            if lv.exact:
+                lv.maybe = False
         elif k0 >= 1024 and k0 * 2 >= len(known):  # drop the dead front now and then
             del known[:k0]
             k0 = 0
