@@ -80,16 +80,16 @@ class _Link(base.LinkSettings):
 
     async def call(self, op: str, args: dict[str, Any], wait: float = 0.0) -> Any:
         proto = self._proto
-        if proto is None or proto.lost:
+        if proto is None or proto.gone:
             if self.closed:
                 raise StoreClosed(f"the client of {self.address} is closed")
             async with self._opening:
                 if self.closed:
                     raise StoreClosed(f"the client of {self.address} is closed")
                 proto = self._proto
-                if proto is None or proto.lost:
+                if proto is None or proto.gone:
                     proto = await self._open()
-            if proto.lost:  # dropped since its handshake: nothing would answer
+            if proto.gone:  # dropped since its handshake: nothing would answer
                 raise ConnectionLost(f"connection to {self.address} lost before {op} was "
                                      "sent; it did not run")
         rid = next(self._ids)
@@ -140,7 +140,7 @@ class _Link(base.LinkSettings):
 
     def _fire(self, proto: _Protocol, op: str, args: dict[str, Any]) -> None:
         """Send a request whose answer nobody waits for (it is dropped on arrival)."""
-        if not proto.lost:
+        if not proto.gone:
             proto.transport.write(base.request(next(self._ids), op, args))
 
     async def close(self) -> None:
@@ -257,6 +257,15 @@ class _Protocol(asyncio.Protocol):
         for fut in waiting.values():
             if not fut.done():
                 fut.set_exception(self._why)
+
+    @property
+    def gone(self) -> bool:
+        """Lost, or its transport is closing: a send that failed closes it at once,
+        and the protocol hears of it (``connection_lost``) a pass of the loop later.
+        Calls made in between wrote to the dead transport, and asyncio logged
+        "socket.send() raised exception." for each past the fifth (a signals
+        audit); they reconnect now, or raise ConnectionLost."""
+        return self.lost or self.transport.is_closing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
