@@ -858,8 +858,10 @@ def serve(store_path: str, listen: str | None, token_file: str | None, tls_cert:
             max_connections=max_connections, max_waiting=max_waiting)
         try:
             server.serve(store, listen, token=token, ssl_context=ctx, limits=limits,
-                         metrics_port=metrics_port, ready=ready, loop=loop)
-            logging.getLogger("qstore").info("qstore server stopped; closing %s", store_path)
+                         metrics_port=metrics_port, ready=ready, loop=loop,
+                         ignore_later_signals=True)
+            logging.getLogger("qstore").info("qstore server stopped; store %s closed",
+                                             store_path)
         except BaseException:
             store.close()
             if not listened and not was_store:

@@ -68,12 +68,19 @@ def tls_context(cert: str, key: str) -> ssl.SSLContext:
 def serve(store: Store, listen: str | None = None, *, token: str | None = None,
           ssl_context: ssl.SSLContext | None = None, limits: Limits | None = None,
           metrics_port: int | None = None,
-          ready: Callable[[str], None] | None = None, loop: str = "auto") -> None:
+          ready: Callable[[str], None] | None = None, loop: str = "auto",
+          ignore_later_signals: bool = False) -> None:
     """Serve ``store`` until SIGTERM or SIGINT; closes the store before returning.
 
     ``ready`` is called with the address clients use once the server listens;
-    ``loop`` picks the event loop (:func:`loop_factory`).
+    ``loop`` picks the event loop (:func:`loop_factory`). Signals that come
+    while the server stops do nothing; once it has stopped, SIGTERM and SIGINT
+    get the handlers they had before, or, with ``ignore_later_signals``, are
+    ignored for the rest of the process (``qstore serve``: a second Ctrl-C or
+    a supervisor's second SIGTERM as the process ends made a clean stop exit
+    130 or 143, or print a traceback; a signals audit).
     """
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     factory = loop_factory(loop)
     address: Address = parse_address(listen if listen is not None else store.path)
     metrics = Metrics(store) if metrics_port is not None else None
@@ -106,8 +113,15 @@ def serve(store: Store, listen: str | None = None, *, token: str | None = None,
         log.info("qstore server listening on %s", server.listening_on)
         if ready is not None:
             ready(server.listening_on)
-        await stop.wait()
-        await server.shutdown()
+        try:
+            await stop.wait()
+            await server.shutdown()  # a signal meanwhile sets ``stop`` again: nothing
+        finally:
+            # Taken from the loop here: closing it would put the default handlers
+            # back (a second SIGINT a KeyboardInterrupt, a SIGTERM the end).
+            for sig in before:
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)
 
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
@@ -115,4 +129,8 @@ def serve(store: Store, listen: str | None = None, *, token: str | None = None,
     finally:
         if not store.core.closed:
             store.close()
+        if not ignore_later_signals:
+            for sig, handler in before.items():
+                if handler is not None:  # None: not set from Python, nothing to restore
+                    signal.signal(sig, handler)
         sys.stdout.flush()

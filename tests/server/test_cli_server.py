@@ -323,7 +323,7 @@ def test_serve_logs_to_stderr_with_time_and_level(tmp_path: Any) -> None:
     assert re.fullmatch(stamp + r" INFO qstore\.server: qstore server listening on unix://"
                         + re.escape(os.path.join(os.path.abspath(store), "qstore.sock")),
                         lines[0]), lines
-    assert re.fullmatch(stamp + r" INFO qstore: qstore server stopped; closing .*",
+    assert re.fullmatch(stamp + r" INFO qstore: qstore server stopped; store .* closed",
                         lines[-1]), lines
     quiet = ServerProcess(store, "--log-level", "warning")
     try:

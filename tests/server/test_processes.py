@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -132,6 +133,64 @@ def test_sigterm_shuts_down_cleanly_and_the_store_opens_embedded(tmp_path: Any, 
     with qstore.open(path) as store:
         assert store.queue("t").stats().ready == 2
         assert store.check().ok
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+@pytest.mark.parametrize("signals", [(signal.SIGINT, signal.SIGINT),
+                                     (signal.SIGTERM, signal.SIGTERM),
+                                     (signal.SIGTERM, signal.SIGINT)],
+                         ids=["INT-INT", "TERM-TERM", "TERM-INT"])
+def test_signals_after_the_first_leave_a_clean_stop_clean(
+        tmp_path: Any, loop: str, signals: tuple[int, int]) -> None:
+    # Closing the event loop put the default handlers back: a second signal as
+    # the process ended (after the "stopped" line) killed it (exit 130 or 143 in
+    # a shell) or printed a KeyboardInterrupt traceback, 6 of 6 times for SIGINT
+    # (a signals audit). Once stopping, serve ignores them.
+    first, second = signals
+    srv = ServerProcess(str(tmp_path / "store"), "--loop", loop)
+    try:
+        srv.proc.send_signal(first)
+        assert srv.proc.stderr is not None
+        seen = []
+        while line := srv.proc.stderr.readline().decode():
+            seen.append(line)
+            if "qstore server stopped" in line:
+                for _ in range(2):
+                    with contextlib.suppress(ProcessLookupError):
+                        srv.proc.send_signal(second)
+                break
+        rc = srv.proc.wait(30)
+        seen += srv.proc.stderr.read().decode().splitlines(keepends=True)
+    finally:
+        srv.kill()
+    assert rc == 0, seen
+    assert any("qstore server stopped" in line for line in seen), seen
+    assert not any("Traceback" in line or "Aborted" in line for line in seen), seen
+
+
+SERVE_THEN_LOOK = """
+import os, signal, sys
+import qstore
+from qstore import server
+store = qstore.open(sys.argv[1])
+server.serve(store, ready=lambda address: os.kill(os.getpid(), signal.SIGTERM),
+             ignore_later_signals=sys.argv[2] == "ignore")
+print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+      signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+      signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+      signal.getsignal(signal.SIGTERM) == signal.SIG_IGN)
+"""
+
+
+@pytest.mark.parametrize("after", ["restore", "ignore"])
+def test_serve_in_python_puts_back_the_handlers_it_found(tmp_path: Any, after: str) -> None:
+    # A program that serves and then goes on gets its Ctrl-C back; qstore serve
+    # keeps ignoring both signals to its end.
+    r = subprocess.run([sys.executable, "-c", SERVE_THEN_LOOK, str(tmp_path / "s"), after],
+                       capture_output=True, text=True, timeout=60, env=env())
+    assert r.returncode == 0, r.stderr
+    restored = after == "restore"
+    assert r.stdout.split() == [str(restored), str(not restored)] * 2
 
 
 def test_sigterm_answers_what_the_store_thread_still_runs(tmp_path: Any) -> None:
