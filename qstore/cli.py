@@ -6,8 +6,8 @@ also a STORE path that holds no store (nothing is created: only ``push --create`
 ``serve`` and ``backfill`` create stores); 3 the
 store is locked by another writer, or a Spark run (``audit``, ``backfill``) failed:
 an unreachable master, a failed job; 4 no such queue or message; 5 any other
-qstore error (corruption, storage failure); 141 the reader of the output went
-away (a broken pipe: ``qstore check STORE | head -1``).
+qstore error (corruption, storage failure); 130 interrupted (Ctrl-C); 141 the
+reader of the output went away (a broken pipe: ``qstore check STORE | head -1``).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ else:  # loaded by the commands that use them (qstore/_lazy.py)
 
 EXIT_SPARK_FAILED = 3  # a Spark run failed (contract section 5); nothing was changed
 EXIT_BROKEN_PIPE = 141  # the output's reader went away: 128 + SIGPIPE, as a shell reports it
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports it
 
 
 def _reader_gone() -> NoReturn:
@@ -199,6 +200,12 @@ class _Commands(click.Group):
             return super().invoke(ctx)
         except BrokenPipeError:  # a write that did not go through rich (``out``)
             _reader_gone()
+        except KeyboardInterrupt:
+            # click made it "Aborted!" and exit 1, which says "found something":
+            # `qstore check S || alert` alerted on a Ctrl-C (a signals audit).
+            with suppress(OSError, ValueError):
+                click.echo("interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         try:
@@ -217,7 +224,7 @@ def main() -> None:
     push --create, serve and backfill create one), 3 store locked by another
     writer, or a failed Spark run (audit, backfill), 4 no such queue/message,
     5 other error (a store that cannot be read, corruption, storage failure),
-    141 the output's reader went away (a broken pipe).
+    130 interrupted (Ctrl-C), 141 the output's reader went away (a broken pipe).
     """
 
 
@@ -330,11 +337,13 @@ def pop(store_path: str, queue: str, count: int, lease: float, ack: bool, raw: b
             # once (a nack: the attempt counts); acked first, they were gone for good.
             try:
                 _print_popped(msgs, raw=raw, receipts=not ack)
-            except OSError as exc:
+            except (OSError, KeyboardInterrupt) as exc:
+                # Ctrl-C while they were written: given back too (on a store, they
+                # stayed leased until their lease ran out; a signals audit).
                 for m in msgs:
                     with suppress(errors.QStoreError):  # else its lease runs out
                         q.nack(m)
-                if isinstance(exc, BrokenPipeError):
+                if isinstance(exc, (BrokenPipeError, KeyboardInterrupt)):
                     raise
                 _error(f"cannot write the messages out ({exc.strerror or exc}): "
                        f"{len(msgs)} given back")

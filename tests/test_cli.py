@@ -271,6 +271,41 @@ def test_help_into_a_closed_pipe_is_exit_141_too(args: list[str]) -> None:
     assert _into_a_closed_pipe(*args) == 141
 
 
+def test_ctrl_c_exits_130_not_1(runner: CliRunner, store_path: str,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # click turned KeyboardInterrupt into "Aborted!" and exit 1, which says
+    # "found something": `qstore check S || alert` alerted on a Ctrl-C (a
+    # signals audit). 130, as a shell reports a tool SIGINT ended.
+    with qstore.open(store_path, compactor=False) as store:
+        store.create_queue("q").push(b"x")
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("qstore._check.check_path", interrupted)
+    r = runner.invoke(main, ["check", store_path])
+    assert r.exit_code == 130 and "interrupted" in r.output and "Aborted" not in r.output
+
+
+def test_pop_interrupted_while_writing_gives_the_messages_back(
+        runner: CliRunner, store_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a store they stayed leased until their lease ran out (a signals audit);
+    # through a server the closed connection gave them back. Now both: a nack.
+    with qstore.open(store_path, compactor=False) as store:
+        store.create_queue("q").push_many([b"a", b"b", b"c"])
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("qstore.cli._print_popped", interrupted)
+    r = runner.invoke(main, ["pop", store_path, "q", "-n", "3"])
+    assert r.exit_code == 130, r.output
+    with qstore.open(store_path, compactor=False) as store:
+        st = store.queue("q").stats()
+        assert (st.ready, st.in_flight) == (3, 0)
+        assert [m.attempts for m in store.queue("q").peek(3)] == [1, 1, 1]
+
+
 def test_writer_locked_store_exits_3(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = str(tmp_path / "s")
     with qstore.open(path, compactor=False) as store:
