@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 import qstore
+from qstore import cli
 from qstore.cli import main
 from tests.conftest import FakeClock
 
@@ -282,7 +283,9 @@ def test_ctrl_c_exits_130_not_1(runner: CliRunner, store_path: str,
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("qstore._check.check_path", interrupted)
+    # On the command line's lazy module (it copies the module's names when first
+    # used: patched on the module, the copy would outlive the test).
+    monkeypatch.setattr(cli._check, "check_path", interrupted)
     r = runner.invoke(main, ["check", store_path])
     assert r.exit_code == 130 and "interrupted" in r.output and "Aborted" not in r.output
 
