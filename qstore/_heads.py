@@ -188,6 +188,10 @@ class ReadyHeads:
                     lv.frontier = lv.returns[0]
                     lv.returns.clear()
                     self._forget_known(lv, lv.frontier)  # keys below the old frontier exist
+                    # ...past the new one: a seek must look. Left unset on a level
+                    # that pops had drained, the returns were invisible: pop() None
+                    # with 65,537 nacked messages ready (a review).
+                    lv.maybe = True
             else:
                 self._know(lv, key)
                 lv.maybe = True

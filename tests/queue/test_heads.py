@@ -208,6 +208,26 @@ def test_levels_drained_by_pops_leave_the_active_list(store_path: str, clock: Fa
         assert len(heads.levels) <= _heads.LEVEL_CAP
 
 
+@pytest.mark.parametrize("last", ["exact", "over"])
+def test_returns_past_the_cap_on_a_drained_level_are_found(
+        store_path: str, clock: FakeClock, monkeypatch: Any, last: str) -> None:
+    # More returns than RETURNS_CAP move the level's frontier back to the first of
+    # them and forget them; on a level pops had drained (its maybe flag cleared)
+    # nothing said to look there again: pop() returned None with every message
+    # ready (a review; 65,537 nacks at the default cap).
+    monkeypatch.setattr(_heads, "RETURNS_CAP", 8)
+    with qstore.open(store_path, clock=clock, compactor=False, sweep_interval=3600) as s:
+        q = s.create_queue("q")
+        ids = q.push_many([b"m%d" % i for i in range(9)])
+        got = q.pop_many(9 if last == "exact" else 20)
+        assert [m.id for m in got] == ids
+        for m in got:
+            q.nack(m)
+        assert q.stats().ready == 9
+        assert [m.id for m in q.peek(20)] == ids
+        assert [m.id for m in q.pop_many(20)] == ids
+
+
 def test_reopened_store_learns_levels_and_keeps_order(store_path: str, clock: FakeClock) -> None:
     with qstore.open(store_path, clock=clock, compactor=False) as s:
         q = s.create_queue("q", order="min", priority_type="str")
