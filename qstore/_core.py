@@ -1004,9 +1004,13 @@ class Core(HotPaths):
         other modes a power loss may also take operations that had returned.
         Without this, those messages would fail every read with Corruption.
         A batch push is atomic: one whose sync never came (its pending batch
-        key is still here) and that lost any message loses them all.
+        key is still here) and that lost any message loses them all. All of
+        it is one synced batch: a stop in the middle of it changes nothing,
+        and the next open finds the same (the segments were cut already).
         """
+        txn = Txn()
         lost: set[tuple[int, int]] = set()  # (qid, id)
+        cuts = []
         files = set(self.payload.file_ids())
         for fid, (_, _, end) in list(self.segments.items()):
             if fid not in files:
@@ -1034,7 +1038,6 @@ class Core(HotPaths):
             cut = max(valid, durable)
             if cut >= end:
                 continue
-            txn = Txn()
             dropped = 0
             for key, value in self.meta.scan(keys.MESSAGE, keys.prefix_end(keys.MESSAGE)):
                 rec = records.MessageRecord.decode(value)
@@ -1043,25 +1046,34 @@ class Core(HotPaths):
                 states.remove(txn, self._state_of_key(key), keys.trailing_id(key), rec)
                 lost.add(keys.QID_ID.unpack_from(key, 1))
                 dropped += 1
-            self.segments[fid][2] = cut
             txn.set_end(fid, cut)
-            self.commit(txn)
-            self.syncer.sync_now()
+            cuts.append((fid, cut, end, dropped))
+        batches = self._settle_pending_batches(txn, lost)
+        if not cuts and batches is None:
+            return
+        for fid, cut, _, _ in cuts:
+            self.segments[fid][2] = cut
+        self.commit(txn)
+        self.syncer.sync_now()
+        for fid, cut, end, dropped in cuts:
             log.error("segment %s ends at %d but the metadata referred up to %d (a power loss "
                       "before those bytes were synced): %d message(s) dropped", fid, cut,
                       end, dropped)
-        self._settle_pending_batches(lost)
+        if batches:
+            log.error("a power loss took part of %d batch push(es) before their sync: a "
+                      "batch is all or nothing, so the rest of each was dropped too: %s",
+                      len(batches), "; ".join(batches))
 
-    def _settle_pending_batches(self, lost: set[tuple[int, int]]) -> None:
-        """At open, the pending batch keys a stop left: drop the rest of each batch
-        that lost a message (``lost``: (qid, id) dropped for lost bytes), make the
-        segments of all of them durable, and delete the keys (their batches are
-        whole, or gone, from here on)."""
+    def _settle_pending_batches(self, txn: Txn, lost: set[tuple[int, int]]) -> list[str] | None:
+        """At open, the pending batch keys a stop left, into ``txn``: the rest of each
+        batch that lost a message (``lost``: (qid, id) dropped for lost bytes) is
+        dropped, and the keys deleted, once the segments they end in are fsynced
+        here (a kill left their bytes in the page cache only). Returns what was
+        dropped, one text a batch; None if there was no key."""
         found = [(key, records.unpack(value, "pending batch")) for key, value
                  in self.meta.scan(keys.PENDING_BATCH, keys.prefix_end(keys.PENDING_BATCH))]
         if not found:
-            return
-        txn = Txn()
+            return None
         dropped: list[str] = []
         qstates = {q.qid: q for q in self.queues.values()}
         for key, (_, last, _, _) in found:
@@ -1079,17 +1091,12 @@ class Core(HotPaths):
         files = set(self.payload.file_ids())
         for fid in sorted({end_fid for _, (_, _, end_fid, _) in found} & files):
             try:
-                fsync_file(self.payload.path_of(fid))  # a kill left them in the page cache
+                fsync_file(self.payload.path_of(fid))
             except OSError as exc:
                 raise _os_error(exc, f"syncing payload segment {fid}") from exc
         for key, _ in found:
             txn.delete(key)
-        self.commit(txn)
-        self.syncer.sync_now()
-        if dropped:
-            log.error("a power loss took part of %d batch push(es) before their sync: a "
-                      "batch is all or nothing, so the rest of each was dropped too: %s",
-                      len(dropped), "; ".join(dropped))
+        return dropped
 
     def _state_of_key(self, key: bytes) -> QueueState:
         qid = keys.U32.unpack_from(key, 1)[0]

@@ -166,6 +166,37 @@ def test_a_batch_that_lost_part_of_its_payload_is_dropped_whole(
         assert store.queue("q").stats().ready == 1
 
 
+KILLED_RECOVERY = textwrap.dedent("""
+    import os, signal, sys
+    import qstore
+    from qstore import _core
+    def die(*args):  # as the open settles the pending batches
+        os.kill(os.getpid(), signal.SIGKILL)
+    _core.Core._settle_pending_batches = die
+    qstore.open(sys.argv[1], compactor=False)
+""")
+
+
+def test_a_recovery_cut_short_drops_the_whole_batch_at_the_next_open(store_path: str) -> None:
+    # The open dropped the messages whose bytes were lost, in a synced batch of
+    # its own, before it looked at the pending batches: killed in between, the
+    # next open found nothing lost (the segment was cut already) and kept the
+    # rest of the batch for good (a review). One batch now, all or nothing.
+    info = _crash(store_path, "kill")
+    with open(os.path.join(store_path, "payload", f"{info['last']:010d}.seg"), "r+b") as f:
+        f.truncate(24)
+    r = subprocess.run([sys.executable, "-c", KILLED_RECOVERY, store_path],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    with qstore.open(store_path, compactor=False) as store:
+        q = store.queue("q")
+        for mid in info["batch"]:
+            with pytest.raises(qstore.MessageNotFound):
+                q.get(mid)
+        assert q.stats().ready == 1 and store.check().ok
+        assert _pending_batch_keys(store) == []
+
+
 @pytest.mark.parametrize("how", ["kill", "kill-after-sync"])
 def test_a_whole_batch_left_by_a_kill_is_kept_and_its_key_settled(store_path: str,
                                                                     how: str) -> None:
