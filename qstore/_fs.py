@@ -201,10 +201,12 @@ def make_dirs_durably(path: str) -> None:
     new store or snapshot whose every file had been synced (a power-loss audit).
     """
     missing = []
-    here = os.path.abspath(path)
+    # The path as given, not normalised: ``link/..`` is the parent of what the
+    # symlink points to, which only the kernel resolves (abspath made it ``.``).
+    here = path.rstrip(os.sep) or os.sep
     while not os.path.exists(here):  # a file on the way: the mkdir says ENOTDIR
         missing.append(here)
-        parent = os.path.dirname(here)
+        parent = os.path.dirname(here) or os.curdir
         if parent == here:
             break
         here = parent
@@ -214,7 +216,11 @@ def make_dirs_durably(path: str) -> None:
         except FileExistsError:
             if not os.path.isdir(directory):
                 raise
-        fsync_dir(os.path.dirname(directory))
+        # A parent this process may write in but not read (mode 0733) cannot be
+        # opened to fsync: the directory is made, its entry as durable as the
+        # file system makes it on its own.
+        with contextlib.suppress(PermissionError):
+            fsync_dir(os.path.dirname(directory) or os.curdir)
     if not missing and not os.path.isdir(path):
         raise FileExistsError(errno.EEXIST, "File exists", path)
 

@@ -96,7 +96,9 @@ def _write(core: Core, dest: str) -> None:
             # then left a snapshot, returned and durable, whose records named
             # bytes it did not have: damaged for good (a power-loss audit). The
             # sync also keeps the live store's payload ahead of the metadata the
-            # checkpoint's flush makes durable.
+            # checkpoint's flush makes durable. (In always mode a journaled
+            # append stays unsynced in the segment: its J key, in the checkpoint,
+            # holds the body, and a read of the snapshot falls back to it.)
             core.syncer.sync_now()
         created = core.clock()
         if core.readonly:  # a view: its memtable holds what the writer had not flushed

@@ -75,3 +75,29 @@ def test_a_snapshot_syncs_the_payload_its_records_name_first(
         assert not payload.unsynced
         fid, synced = payload.synced_position()
         assert fid == payload.active_id and synced == store.core.data_size(fid)
+
+
+def test_a_path_through_a_symlink_s_parent_opens_where_the_kernel_says(
+        tmp_path: Any, fsynced: list[str]) -> None:
+    # ``link/..`` is the parent of the symlink's target, which only the kernel
+    # knows: the walk normalised it to the link's own directory, made the store
+    # there and then failed to open it, ENOENT (a review).
+    base = os.path.realpath(tmp_path)
+    os.makedirs(os.path.join(base, "elsewhere", "target"))
+    os.makedirs(os.path.join(base, "here"))
+    os.symlink(os.path.join(base, "elsewhere", "target"), os.path.join(base, "here", "link"))
+    path = os.path.join(base, "here", "link", "..", "store")
+    with qstore.open(path, compactor=False) as store:
+        store.create_queue("q").push(b"x")
+    assert os.path.isdir(os.path.join(base, "elsewhere", "store", "meta"))
+    assert not os.path.exists(os.path.join(base, "here", "store"))
+    assert os.path.join(base, "elsewhere") in fsynced
+
+
+def test_a_relative_path_is_made_durable_in_the_working_directory(
+        tmp_path: Any, fsynced: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with qstore.open("rel/store", compactor=False) as store:
+        store.create_queue("q").push(b"x")
+    base = os.path.realpath(tmp_path)
+    assert base in fsynced and os.path.join(base, "rel") in fsynced
