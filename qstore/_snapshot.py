@@ -96,10 +96,15 @@ def _write(core: Core, dest: str) -> None:
             # then left a snapshot, returned and durable, whose records named
             # bytes it did not have: damaged for good (a power-loss audit). The
             # sync also keeps the live store's payload ahead of the metadata the
-            # checkpoint's flush makes durable. (In always mode a journaled
-            # append stays unsynced in the segment: its J key, in the checkpoint,
-            # holds the body, and a read of the snapshot falls back to it.)
-            core.syncer.sync_now()
+            # checkpoint's flush makes durable. The payload's own fdatasync (it
+            # waits for one in progress), not the syncer's: that writes the
+            # durable mark, a metadata write that made the checkpoint flush a
+            # table of its own for it.
+            try:
+                core.payload.sync()
+            except OSError as exc:
+                raise _storage_error("cannot sync the payload before the snapshot",
+                                     exc) from exc
         created = core.clock()
         if core.readonly:  # a view: its memtable holds what the writer had not flushed
             core.meta.export(os.path.join(dest, "meta"))
