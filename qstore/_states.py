@@ -24,7 +24,7 @@ in-memory state: :meth:`qstore._core.Core.commit` does both.
 
 from __future__ import annotations
 
-from ._aging import level_due_us
+from ._aging import aged_priority, level_due_us, levels_gained
 from ._txn import BYTES, STATE_COUNTER, QueueState, Txn
 from .meta import keys, records
 from .payload import PayloadRef
@@ -156,6 +156,7 @@ def expire(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> boo
         return False
     if q.rec.on_expire == "dead" and rec.state != _DEAD:
         leave(txn, q, mid, rec)
+        _age_before_expiry(q, rec)
         txn.delete(keys.expiry_key(q.qid, rec.expires_us, mid))
         rec.state, rec.when_us, rec.expires_us = _DEAD, 0, 0
         rec.reason = records.EXPIRED_REASON
@@ -166,6 +167,24 @@ def expire(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord) -> boo
     else:
         remove(txn, q, mid, rec)
     return True
+
+
+def _age_before_expiry(q: QueueState, rec: records.MessageRecord) -> None:
+    """Give a message its TTL makes a dead letter the aging levels it gained while
+    ready before the TTL ended, as passes looking all along would have.
+
+    It was ready then if it is ready now, or its delay or lease (not its last
+    attempt's: that case never gets here) ended before the TTL (a tie goes to
+    the TTL, as in the passes). Without this, a level due before the TTL was
+    kept only if a pass happened to look in between: the dead letter's
+    priority, and the pop order after a redrive with aging off, depended on
+    when a pass last looked (a features model audit)."""
+    if q.rec.aging is None or not (rec.state == _READY or rec.when_us < rec.expires_us):
+        return
+    gained = levels_gained(q.rec, rec.enqueued_at, rec.expires_us - 1)
+    if gained > rec.aged:
+        rec.priority = aged_priority(q.rec, int(rec.priority), rec.aged, gained)
+        rec.aged = gained
 
 
 def bury(txn: Txn, q: QueueState, mid: int, rec: records.MessageRecord, reason: str) -> None:

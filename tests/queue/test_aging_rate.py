@@ -219,6 +219,38 @@ def test_aging_plan_stops_at_the_first_message_not_old_enough() -> None:
     assert plan.next_us == 15_000_000
 
 
+@pytest.mark.parametrize(("how", "priority"), [
+    ("ready", 1),  # a level at 5 s, the TTL at 6 s
+    ("delayed", 1),  # ready at 5.5 s: the level due at 5 s comes at once
+    ("delayed past the TTL", 0),  # never ready: no level
+    ("lease ran out", 1),  # ready again at 2 s
+])
+@pytest.mark.parametrize("look", [True, False], ids=["passes look", "no pass"])
+def test_a_dead_letter_of_its_ttl_keeps_the_levels_it_gained_before(
+        store_path: str, clock: FakeClock, how: str, priority: int, look: bool) -> None:
+    # With on_expire="dead", a level that fell due before the TTL was kept only if
+    # a pass looked in between: the dead letter's priority (and the pop order
+    # after a redrive with aging off) depended on when a pass last looked (a
+    # features model audit, the same embedded and through a server).
+    with qstore.open(store_path, clock=clock, compactor=False, sweep_interval=3600) as s:
+        q = s.create_queue("q", aging=5, ttl=6, on_expire="dead")
+        delay = {"delayed": 5.5, "delayed past the TTL": 7.0}.get(how, 0.0)
+        mid = q.push(b"m", priority=0, delay=delay)
+        if how == "lease ran out":
+            assert q.pop(lease=2.0) is not None
+        for _ in range(20):
+            clock.advance(0.5)
+            if look:
+                q.stats()  # a pass runs whenever something is due
+        [dead] = q.dead_letters()
+        assert (dead.id, dead.priority) == (mid, priority)
+        s.configure_queue("q", aging=None)
+        later = q.push(b"later", priority=1)
+        q.redrive()
+        order = [m.id for m in q.pop_many(2)]
+        assert order == ([mid, later] if priority == 1 else [later, mid])
+
+
 def test_a_rate_limit_hands_out_tokens_over_time(store: qstore.Store, clock: FakeClock) -> None:
     q = store.create_queue("q", rate=(2, 1.0))
     q.push_many([b"m"] * 10)
