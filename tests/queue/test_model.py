@@ -174,11 +174,22 @@ class ModelQueue:
         k = max(k, 0)
         return k if self.opts.aging_cap is None else min(k, self.opts.aging_cap)
 
+    def gain_before(self, rec: Rec, t: float) -> int:
+        """Levels gained strictly before ``t`` (one due at ``t`` loses to a TTL there)."""
+        a = self.opts.aging
+        assert a is not None
+        k = max(math.ceil((Fraction(t) - Fraction(rec.enqueued_at)) / Fraction(a)) - 1, 0)
+        return k if self.opts.aging_cap is None else min(k, self.opts.aging_cap)
+
     def aged(self, rec: Rec, now: float) -> int:
         """A ready message's priority at ``now``: levels are gained, never given back
         (a longer period, a lower cap or no aging keep what was gained)."""
+        return self.aged_to(rec, self.gain(rec, now))
+
+    def aged_to(self, rec: Rec, gained: int) -> int:
+        """The priority with ``gained`` levels, or those already gained if more."""
         assert isinstance(rec.base, int)
-        k = rec.aged = max(rec.aged, self.gain(rec, now))
+        k = rec.aged = max(rec.aged, gained)
         return max(INT_MIN, rec.base - k) if self.order == "min" else min(INT_MAX, rec.base + k)
 
     def next_gain(self, rec: Rec, now: float) -> float | None:
@@ -254,6 +265,10 @@ class ModelQueue:
                     continue
                 self.expired += 1
                 if self.opts.on_expire == "dead":
+                    if self.opts.aging is not None and m.when < m.expires:
+                        # Ready before its TTL (ready now: when is 0; or its delay or
+                        # lease ended first): it keeps the levels it gained then.
+                        m.priority = self.aged_to(m, self.gain_before(m, m.expires))
                     m.state, m.when, m.receipt = "dead", 0.0, None
                     m.expires, m.reason = None, "expired"
                     m.digest, m.kept = None, m.digest
