@@ -1087,7 +1087,8 @@ class Core(HotPaths):
                 if raw is not None:  # (acked since, or dropped above: nothing to do)
                     states.remove(txn, q, mid, records.MessageRecord.decode(raw))
                     n += 1
-            dropped.append(f"{n} more of queue {q.name!r} (ids {first}-{last})")
+            if n:  # else the whole batch was lost: nothing kept to drop
+                dropped.append(f"{n} more of queue {q.name!r} (ids {first}-{last})")
         files = set(self.payload.file_ids())
         for fid in sorted({end_fid for _, (_, _, end_fid, _) in found} & files):
             try:

@@ -235,7 +235,7 @@ def write_file_durably(path: str, data: bytes | memoryview) -> None:
     finally:
         calls.close_fd(fd)
     calls.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(path) or os.curdir)  # as given: not link/.. collapsed
 
 
 def write_json_durably(path: str, value: Any) -> None:

@@ -22,7 +22,14 @@ from typing import Any
 from ._address import checked_path
 from ._core import SNAPSHOT_MANIFEST, SNAPSHOT_UNFINISHED, Core
 from ._errors import Corruption, InvalidArgument, StorageError
-from ._fs import calls, fsync_dir, make_dirs_durably, remove_paths, write_json_durably
+from ._fs import (
+    calls,
+    fsync_dir,
+    fsync_file,
+    make_dirs_durably,
+    remove_paths,
+    write_json_durably,
+)
 from .payload._format import segment_name
 
 log = logging.getLogger("qstore.snapshot")
@@ -110,7 +117,13 @@ def _write(core: Core, dest: str) -> None:
             core.meta.export(os.path.join(dest, "meta"))
         else:
             core.meta.checkpoint(os.path.join(dest, "meta"))
+            if core.syncer.on_synced is not None:
+                # Now, after the checkpoint (a write before it flushed a table of its
+                # own): the mark moves and the journal and pending batch keys the
+                # sync covered go, as after any sync (they stayed until the next).
+                core.syncer.on_synced()
         segments = []
+        linked = []
         # Damaged segments too (a header that does not read: no reader, so not in
         # file_ids): immutable files of the store like the others, linked as they
         # are, so the snapshot's check names the same damage as the store's.
@@ -120,6 +133,7 @@ def _write(core: Core, dest: str) -> None:
             target = os.path.join(dest, "payload", name)
             try:
                 calls.link(core.payload.path_of(fid), target)
+                linked.append(target)
             except OSError as exc:
                 if not (core.readonly and exc.errno == errno.ENOENT):
                     raise _storage_error(f"cannot hard-link segment {name} into {dest!r} (a "
@@ -147,6 +161,15 @@ def _write(core: Core, dest: str) -> None:
             # A view's active segment ends where its records do: the writer cuts
             # the preallocated zeros off (in the linked file too) when it closes.
             segments.append({"file_id": fid, "length": core.data_size(fid)})
+        if core.readonly and linked:
+            # A view's newest segment may be the writer's active one, whose last
+            # appends that process has not synced yet (the others were sealed,
+            # so synced): made durable here, as a writer's snapshot syncs its
+            # payload first (a review).
+            try:
+                fsync_file(linked[-1])
+            except OSError as exc:
+                raise _storage_error(f"cannot sync segment {linked[-1]!r}", exc) from exc
         active = core.payload.active_id
     manifest = {
         "format": MANIFEST_FORMAT,

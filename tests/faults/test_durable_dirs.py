@@ -20,6 +20,7 @@ import pytest
 
 import qstore
 from qstore import _fs
+from qstore.meta import keys
 
 
 @pytest.fixture
@@ -101,3 +102,54 @@ def test_a_relative_path_is_made_durable_in_the_working_directory(
         store.create_queue("q").push(b"x")
     base = os.path.realpath(tmp_path)
     assert base in fsynced and os.path.join(base, "rel") in fsynced
+
+
+def test_files_written_durably_through_a_symlink_s_parent_are_synced_where_they_are(
+        tmp_path: Any) -> None:
+    # write_file_durably fsynced os.path.abspath's parent, which collapses
+    # ``link/..`` by text: the snapshot's manifest (and the .cut file a recovery
+    # keeps) were written, then the fsync of a directory that is not there
+    # failed, ENOENT (a review).
+    base = os.path.realpath(tmp_path)
+    os.makedirs(os.path.join(base, "elsewhere", "target"))
+    os.symlink(os.path.join(base, "elsewhere", "target"), os.path.join(base, "link"))
+    with qstore.open(os.path.join(base, "s"), compactor=False) as store:
+        store.create_queue("q").push(b"x")
+        dest = store.snapshot(os.path.join(base, "link", "..", "snap"))
+    with qstore.open(os.path.join(base, "elsewhere", "snap"), readonly=True) as snap:
+        assert [m.payload for m in snap.queue("q").peek(5)] == [b"x"]
+    assert os.path.samefile(dest, os.path.join(base, "elsewhere", "snap"))
+
+
+def test_a_view_s_snapshot_syncs_the_newest_segment_it_links(tmp_path: Any,
+                                                             fsynced: list[str]) -> None:
+    # The writer's snapshot syncs its payload first; a read-only view's did not,
+    # and its newest segment is the writer's active one, whose last appends that
+    # process may not have synced (a review).
+    base = os.path.realpath(tmp_path)
+    with qstore.open(os.path.join(base, "s"), compactor=False, sync_interval=3600) as store:
+        store.create_queue("q").push_many([b"a", b"b"])
+        active = store.core.payload.active_id
+        with qstore.open(os.path.join(base, "s"), readonly=True) as view:
+            del fsynced[:]
+            dest = view.snapshot(os.path.join(base, "snap"))
+    assert os.path.join(dest, "payload", f"{active:010d}.seg") in fsynced
+
+
+def test_an_always_mode_snapshot_leaves_no_journal_keys_its_sync_covered(
+        tmp_path: Any) -> None:
+    # The snapshot's own fdatasync covered the journaled appends, but their J keys
+    # stayed until the next sync of new appends or the close (a review).
+    with qstore.open(str(tmp_path / "s"), compactor=False, durability="always") as store:
+        store.create_queue("q").push(b"journaled")
+        meta = store.core.meta
+
+        def journal() -> list[bytes]:
+            return [k for k, _ in meta.scan(keys.JOURNAL, keys.prefix_end(keys.JOURNAL))]
+
+        assert journal() != []
+        store.snapshot(str(tmp_path / "snap"))
+        assert journal() == []
+    with qstore.open(str(tmp_path / "snap"), readonly=True) as snap:
+        assert [m.payload for m in snap.queue("q").peek(5)] == [b"journaled"]
+        assert snap.check().ok
