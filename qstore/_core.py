@@ -399,6 +399,9 @@ class Core(HotPaths):
         self.always = config.durability == "always" and not config.readonly
         self.journaling = False
         self._awaiting_sync: list[tuple[int, int, bytes]] = []
+        # Keys the close deletes in its last batch, made durable by its flush (a
+        # backfill's marker: delete_at_close).
+        self._deletes_at_close: list[bytes] = []
         self._journal_bytes = 0
         # The segment whose S record single pushes defer (_seg_accounts.py);
         # S records found deferring at open (file id -> covered id).
@@ -1299,6 +1302,11 @@ class Core(HotPaths):
             n += 1
         return n
 
+    def delete_at_close(self, key: bytes) -> None:
+        """Delete ``key`` in the last batch :meth:`close` writes (durable by its flush),
+        not now. A close that cannot write it (a full disk) leaves it."""
+        self._deletes_at_close.append(key)
+
     def write_synced(self, puts: Sequence[tuple[bytes, bytes]] = (),
                      deletes: Sequence[bytes] = ()) -> None:
         """A synced batch of bookkeeping keys that carry no counters (compaction records)."""
@@ -1604,6 +1612,8 @@ class Core(HotPaths):
             if fid is not None and fid in self.segments:  # whole: no push follows
                 batch.put(keys.segment_key(fid), records.encode_segment(*self.segments[fid]))
             for _, _, key in self._awaiting_sync:  # the segment was fsynced above
+                batch.delete(key)
+            for key in self._deletes_at_close:
                 batch.delete(key)
             if self._next_id < self._id_hwm:
                 batch.put(keys.ID_HWM_KEY, records.pack([records.RECORD_VERSION,

@@ -354,13 +354,17 @@ def publish_rejects(store: Store, staging: str, job: StagedJob) -> list[str]:
 
 
 def commit_job(store: Store, staging: str, loaded_digests: list[bytes] | None = None,
-               fingerprint: str | None = None) -> StagedJob:
+               fingerprint: str | None = None, marker_at_close: bool = False) -> StagedJob:
     """Publish the staged job in ``staging`` into ``store``: all of it or, on a crash, none.
 
     ``loaded_digests``: the dedup digests the job loads, when other writers may
     have pushed since they were looked up; if a live message holds one now,
     nothing is published. ``fingerprint``: what names the job
     (:func:`job_fingerprint`), kept in its marker until the commit is done.
+    ``marker_at_close``: the marker is deleted by the store's close (the caller
+    closes it before it reports the job done), not at the end of this call: a
+    crash while the store closes then leaves the marker, and a rerun is
+    refused instead of loading the rows again (a power-loss audit).
     """
     job = StagedJob.load(staging)
     marker = keys.backfill_job_key(job.job_id)
@@ -412,7 +416,10 @@ def commit_job(store: Store, staging: str, loaded_digests: list[bytes] | None = 
     # The marker last: a crash before this leaves it, for settle_loaded.
     with store.core.settling:
         store.core.check_writable()
-        store.core.write_synced(deletes=[marker])
+        if marker_at_close:
+            store.core.delete_at_close(marker)
+        else:
+            store.core.write_synced(deletes=[marker])
     return job
 
 

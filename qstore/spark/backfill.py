@@ -379,8 +379,13 @@ class _Job:
                     job = self._write(selected, spec, staging, plans)
                     self.phases.append(("write", time.perf_counter() - t))
             t = time.perf_counter()
+            # With a store of its own, the marker goes in the store's closing batch:
+            # closing it (a sync, a flush: many syncs) came after the marker's
+            # delete, and a crash meanwhile left the rows in, no marker, and no
+            # word to the caller: a rerun loaded them twice (a power-loss audit).
             _ingest.commit_job(store, staging,
-                               self.loaded_digests if self.shared else None, self.fingerprint)
+                               self.loaded_digests if self.shared else None, self.fingerprint,
+                               marker_at_close=not self.shared)
             self.phases.append(("commit", time.perf_counter() - t))
         except BaseException:
             if os.path.isdir(staging):

@@ -630,12 +630,12 @@ def test_a_store_disk_filled_by_the_executors_is_a_storage_error(spark: Any,
 
 
 def _commit_in_child(store: Path, staging: Path, crash_at: str | None,
-                     fingerprint: str | None = None) -> int:
+                     fingerprint: str | None = None, *more: str) -> int:
     env = dict(os.environ)
     env.pop(_ingest.CRASH_ENV, None)
     if crash_at is not None:
         env[_ingest.CRASH_ENV] = crash_at
-    extra = [] if fingerprint is None else [fingerprint]
+    extra = [] if fingerprint is None else [fingerprint, *more]
     return subprocess.run([sys.executable, str(CHILD), str(store), str(staging), *extra],
                           env=env, timeout=60).returncode
 
@@ -735,6 +735,19 @@ def test_kill_at_every_step_leaves_none_or_all_of_the_rows(spark: Any, tmp_path:
     assert again.exit_code == 1 and "loaded 60 of 61 rows" in again.output, again.output
     with qstore.open(work, compactor=False) as s:  # a job that finished leaves no marker
         assert s.core.meta.scan_keys(keys.BACKFILL_JOB, keys.prefix_end(keys.BACKFILL_JOB)) == []
+
+    # Killed as the store closed, after the commit: the marker was deleted before
+    # the close (a sync, a flush: 23 syncs in a power-loss audit's run), so a
+    # crash there left the rows in, no marker and no word to the caller, and the
+    # rerun loaded every row twice. The marker goes in the closing batch now.
+    work = tmp_path / "killed-closing"
+    shutil.copytree(tmp_path / "image-staged", work)
+    code = _commit_in_child(work, work / "staging" / staging.name, None, mark,
+                            "kill-before-close")
+    assert code == -signal.SIGKILL
+    with pytest.raises(_ingest.AlreadyLoaded, match="loaded its 60 rows"):
+        run_backfill(str(src), into=work, queue="q", priority_col="p", spark=spark)
+    assert check_consistent(work)["q"][0] == len(old | loaded)
 
     # The next backfill after a crash cleans the old staging directory and loads
     # everything once (here: segments moved but never ingested, then compacted).
