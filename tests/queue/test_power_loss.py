@@ -36,6 +36,14 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def _kept_and_gone(q: qstore.Queue, kept: int, gone: list[int]) -> None:
+    """The synced message ``kept`` reads back whole; every one of ``gone`` is gone."""
+    assert q.get(kept).payload == b"A" * 100
+    for mid in gone:
+        with pytest.raises(qstore.MessageNotFound):
+            q.get(mid)
+
+
 def crashed_store(path: str) -> dict[str, int]:
     r = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True,
                        timeout=60)
@@ -59,10 +67,7 @@ def test_messages_whose_payload_never_reached_the_disk_are_dropped_on_open(
     with caplog.at_level(logging.ERROR, logger="qstore"), \
             qstore.open(store_path, compactor=False) as store:
         q = store.queue("q")
-        assert q.get(info["kept"]).payload == b"A" * 100
-        for mid in info["lost"]:
-            with pytest.raises(qstore.MessageNotFound):
-                q.get(mid)
+        _kept_and_gone(q, info["kept"], info["lost"])
         st = q.stats()
         assert (st.ready, st.bytes) == (1, 100)
         seg_stats = {s.file_id: s for s in store.stats().segments}[info["fid"]]
@@ -152,10 +157,7 @@ def test_a_batch_that_lost_part_of_its_payload_is_dropped_whole(
     with caplog.at_level(logging.ERROR, logger="qstore"), \
             qstore.open(store_path, compactor=False) as store:
         q = store.queue("q")
-        assert q.get(info["kept"]).payload == b"A" * 100
-        for mid in info["batch"]:
-            with pytest.raises(qstore.MessageNotFound):
-                q.get(mid)
+        _kept_and_gone(q, info["kept"], info["batch"])
         assert q.stats().ready == 1
         assert store.check().ok
         assert _pending_batch_keys(store) == []
@@ -190,9 +192,7 @@ def test_a_recovery_cut_short_drops_the_whole_batch_at_the_next_open(store_path:
     assert r.returncode == -signal.SIGKILL, r.stderr
     with qstore.open(store_path, compactor=False) as store:
         q = store.queue("q")
-        for mid in info["batch"]:
-            with pytest.raises(qstore.MessageNotFound):
-                q.get(mid)
+        _kept_and_gone(q, info["kept"], info["batch"])
         assert q.stats().ready == 1 and store.check().ok
         assert _pending_batch_keys(store) == []
 
