@@ -1304,8 +1304,14 @@ class Core(HotPaths):
 
     def delete_at_close(self, key: bytes) -> None:
         """Delete ``key`` in the last batch :meth:`close` writes (durable by its flush),
-        not now. A close that cannot write it (a full disk) leaves it."""
+        not now. A close that cannot write it (a full disk) leaves it: then it is
+        still in :attr:`kept_at_close` after the close."""
         self._deletes_at_close.append(key)
+
+    @property
+    def kept_at_close(self) -> list[bytes]:
+        """The keys :meth:`delete_at_close` named that no close has deleted yet."""
+        return list(self._deletes_at_close)
 
     def write_synced(self, puts: Sequence[tuple[bytes, bytes]] = (),
                      deletes: Sequence[bytes] = ()) -> None:
@@ -1620,6 +1626,7 @@ class Core(HotPaths):
                                                          self._next_id]))
             self.meta.write(batch)
             self._awaiting_sync.clear()
+            self._deletes_at_close.clear()
             self.meta.flush()
         except StorageError as exc:
             log.warning("closing %s: %s (the next open replays the log)", self.path, exc)

@@ -707,6 +707,10 @@ def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
                 delay_col=delay_col, dedup_col=dedup_col, ttl_col=ttl_col, master=master,
                 rejects=rejects,
                 create_queue_options=options or None, again=again)
+        # Said before Spark stops (about a second): the job's marker is gone once
+        # the store closed, and a crash before the report left the rows in and
+        # nothing said (a review).
+        _report_backfill(dataclasses.asdict(result) | {"rate": result.rate})
     except Exception as exc:  # a failed Spark run: reported, and the store is unchanged
         logging.getLogger("qstore.backfill").exception("backfill failed; nothing was loaded")
         _error(f"backfill failed, nothing was loaded: {exc}")
@@ -715,7 +719,6 @@ def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
         active = SparkSession.getActiveSession()
         if active is not None and not had_session:  # ours: spark-submit's or a local one
             active.stop()
-    _report_backfill(dataclasses.asdict(result) | {"rate": result.rate})
 
 
 def _backfill_through_server(into: str, args: dict[str, Any],

@@ -25,11 +25,12 @@ each point leaves (docs/backfill.md):
    which is how the counters are replaced.
 5. ``_SUCCESS`` is written in the rejects directory, the staging directory is
    removed (``cleaned``), and the job's marker is deleted: ``M backfill/<job>``,
-   which the ingestion wrote with the rows. A crash before that leaves the
-   marker: :func:`settle_loaded` (at the start of the next job, whichever it
-   is) writes the ``_SUCCESS`` the crashed one could not and keeps the marker,
-   settled, until a run of that same job, which it refuses once (its rows are
-   in) and deletes the marker then.
+   which the ingestion wrote with the rows (into a store the backfill opened
+   itself, by the store's close, in its last batch: ``marker_at_close``). A
+   crash before that leaves the marker: :func:`settle_loaded` (at the start of
+   the next job, whichever it is) writes the ``_SUCCESS`` the crashed one
+   could not and keeps the marker, settled; a run of that same job is refused
+   until one is given ``again``, which deletes it.
 
 Steps are also crash points for tests: with ``QSTORE_BACKFILL_CRASH_AT=<step>``
 in the environment the process SIGKILLs itself right after that step, and

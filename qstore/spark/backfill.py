@@ -102,6 +102,24 @@ _running: set[str] = set()
 _running_lock = threading.Lock()
 
 
+def _close_own(store: Store, result: BackfillResult | None) -> None:
+    """Close the store a backfill opened for itself. Its job's marker goes in the
+    close's last batch (``_ingest.commit_job``): once the job is in, a close that
+    fails, or cannot delete the marker, is said in the log and the result stands
+    (the rows are in: it raised, and the command said nothing was loaded)."""
+    try:
+        store.close()
+    except QStoreError as exc:
+        if result is None:
+            raise
+        log.error("backfill %s: its %d rows are in, but closing the store failed: %s",
+                  result.job_id, result.loaded, exc)
+    if result is not None and store.core.kept_at_close:
+        log.warning("backfill %s: its rows are in, but the store's close could not delete "
+                    "the job's marker: a run of the same job is refused until one is given "
+                    "again=True (--again)", result.job_id)
+
+
 def run_backfill(
     source: Any,
     *,
@@ -164,6 +182,7 @@ def run_backfill(
     shared = isinstance(into, Store)
     store = into if isinstance(into, Store) else _open_store(os.fspath(into), compactor=False)
     key = os.path.realpath(store.path)
+    result: BackfillResult | None = None
     try:
         with _running_lock:
             if key in _running:
@@ -192,7 +211,7 @@ def run_backfill(
                 _running.discard(key)
     finally:
         if not shared:
-            store.close()
+            _close_own(store, result)
     log.info("backfill %s: %d rows loaded into %r, %d rejected, in %.1fs", result.job_id,
              result.loaded, queue, result.rejected, result.seconds)
     return result

@@ -762,6 +762,38 @@ def test_kill_at_every_step_leaves_none_or_all_of_the_rows(spark: Any, tmp_path:
     check_consistent(work)
 
 
+def test_a_close_that_cannot_delete_the_marker_says_so_and_the_job_stands(
+        spark: Any, tmp_path: Path, monkeypatch: Any, caplog: Any) -> None:
+    # The marker of a job into a store the backfill opened goes in the close's
+    # last batch. A close that could not write it (a full disk) returned as
+    # usual: the job reported success, and a rerun was refused as if it had been
+    # killed, with nothing said (a review). It is logged now; the rows stand.
+    from qstore import _core
+
+    src = write_parquet(tmp_path / "src.parquet", payload=[b"r%d" % i for i in range(20)])
+    real = _core.Core._close_writer
+
+    def full_disk_close(self: Any) -> Any:
+        def refused(*args: Any, **kwargs: Any) -> None:
+            raise StorageError("metadata write failed: [Errno 28] No space left on device")
+        self.meta.write = refused
+        try:
+            return real(self)
+        finally:
+            del self.meta.write
+
+    monkeypatch.setattr(_core.Core, "_close_writer", full_disk_close)
+    with caplog.at_level("WARNING", logger="qstore.backfill"):
+        result = run_backfill(str(src), into=tmp_path / "store", queue="q", spark=spark)
+    monkeypatch.undo()
+    assert result.loaded == 20
+    assert any("could not delete the job's marker" in r.getMessage() for r in caplog.records)
+    assert len(_markers(tmp_path / "store")) == 1
+    with pytest.raises(_ingest.AlreadyLoaded):  # as the log said
+        run_backfill(str(src), into=tmp_path / "store", queue="q", spark=spark)
+    assert check_consistent(tmp_path / "store")["q"][0] == 20
+
+
 def _markers(store: Path) -> dict[str, list[Any]]:
     """The backfill job markers in ``store``: job id -> decoded record."""
     with qstore.open(store, readonly=True) as s:
