@@ -455,6 +455,8 @@ class Core(HotPaths):
                 if new_meta:  # RocksDB syncs what is in meta/, not its entry here
                     fsync_dir(path)
             except BaseException:
+                if hasattr(self, "meta"):
+                    self.meta.close()
                 _release_writer(self._writer_key)
                 raise
             try:
@@ -475,29 +477,44 @@ class Core(HotPaths):
                 raise
         self.syncer = Syncer(config.durability, config.sync_interval, self.payload, self.meta)
         if not self.readonly:
-            self.syncer.on_synced = self._record_synced_mark
-            if self.always:
-                self.syncer.on_checkpoint = self._journal_policy
-                self._journal_policy()
-            self._report_missing_segments(self._missing_segments())
-            self._drop_lost_tails()
-            self._complete_found()
-            # Without its reserve (released by an earlier run on a full disk, and
-            # no room to make it again), pushes wait for space from the start:
-            # space_low lived in memory only, so after a restart pushes took the
-            # room back (a review).
-            self.space_low = not self.space_ok()
-            self.space_tick()
-            self.syncer.on_tick = self.space_tick
-            # This process holds the store: a server's file left in it (by one
-            # killed) names no server any more (its pid may live on in a container
-            # or be reused).
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(path, SERVER_FILE))
-            self.syncer.start()
+            try:
+                self._recover_and_start(path)
+            except BaseException:
+                # A recovery that failed (a segment's fsync) or was cut short kept
+                # RocksDB's LOCK and this process's claim: every later open, here
+                # or in another process, said StoreLocked (a faults audit).
+                self.syncer.stop()
+                self.payload.close()
+                self.meta.close()
+                _release_writer(self._writer_key)
+                raise
         # Last: a clock that tells of its moves wakes the blocked pops (_waits.py).
         self._unwatch_clock = watch(config.clock, self._clock_moved)
         _cores.add(self)
+
+    def _recover_and_start(self, path: str) -> None:
+        """The rest of a read-write open: what a stop left is settled, and the
+        background threads start."""
+        self.syncer.on_synced = self._record_synced_mark
+        if self.always:
+            self.syncer.on_checkpoint = self._journal_policy
+            self._journal_policy()
+        self._report_missing_segments(self._missing_segments())
+        self._drop_lost_tails()
+        self._complete_found()
+        # Without its reserve (released by an earlier run on a full disk, and
+        # no room to make it again), pushes wait for space from the start:
+        # space_low lived in memory only, so after a restart pushes took the
+        # room back (a review).
+        self.space_low = not self.space_ok()
+        self.space_tick()
+        self.syncer.on_tick = self.space_tick
+        # This process holds the store: a server's file left in it (by one
+        # killed) names no server any more (its pid may live on in a container
+        # or be reused).
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, SERVER_FILE))
+        self.syncer.start()
 
     # -- waiting --------------------------------------------------------------
 

@@ -210,17 +210,28 @@ def make_dirs_durably(path: str) -> None:
         if parent == here:
             break
         here = parent
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory)
-        except FileExistsError:
-            if not os.path.isdir(directory):
-                raise
-        # A parent this process may write in but not read (mode 0733) cannot be
-        # opened to fsync: the directory is made, its entry as durable as the
-        # file system makes it on its own.
-        with contextlib.suppress(PermissionError):
-            fsync_dir(os.path.dirname(directory) or os.curdir)
+    made: list[str] = []
+    try:
+        for directory in reversed(missing):
+            try:
+                os.mkdir(directory)
+            except FileExistsError:
+                if not os.path.isdir(directory):
+                    raise
+            else:
+                made.append(directory)
+            # A parent this process may write in but not read (mode 0733) cannot be
+            # opened to fsync: the directory is made, its entry as durable as the
+            # file system makes it on its own.
+            with contextlib.suppress(PermissionError):
+                fsync_dir(os.path.dirname(directory) or os.curdir)
+    except BaseException:
+        # What this call made goes (empty still): a failed open or snapshot left
+        # the directories, and a retry found them and fsynced no parent again.
+        for directory in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+        raise
     if not missing and not os.path.isdir(path):
         raise FileExistsError(errno.EEXIST, "File exists", path)
 

@@ -511,20 +511,29 @@ class SegmentSet:
         after the sync in progress, which covers its bytes, has finished.
         """
         with self._sync_lock:
-            with self._lock:
-                writer = self._writer
-                if writer is None or not writer.unsynced:
-                    return
-                writer.unsynced = False
-                end = writer.end
-                fd = os.dup(writer._fd)
+            fd = -1
+            taken: SegmentWriter | None = None
             try:
+                with self._lock:
+                    writer = self._writer
+                    if writer is None or not writer.unsynced:
+                        return
+                    end = writer.end
+                    fd = os.dup(writer._fd)
+                    # Taken inside the try, noted first: an interrupt as dup returned
+                    # (or as the lock was let go) left the flag cleared with nothing
+                    # synced, and an always-mode group commit then returned durable
+                    # what no fdatasync had covered (an interrupt audit).
+                    taken = writer
+                    writer.unsynced = False
                 fcalls.fdatasync(fd)
             except BaseException:
-                writer.unsynced = True  # not known to be on disk: the next sync retries
+                if taken is not None:
+                    taken.unsynced = True  # not known to be on disk: the next sync retries
                 raise
             finally:
-                fcalls.close_fd(fd)
+                if fd >= 0:
+                    fcalls.close_fd(fd)
             writer.synced_end = max(writer.synced_end, end)
             if writer is self._writer:
                 self._synced = (writer.file_id, writer.synced_end)

@@ -12,6 +12,7 @@ returned (a power-loss audit that replayed the recorded syncs).
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -153,3 +154,26 @@ def test_an_always_mode_snapshot_leaves_no_journal_keys_its_sync_covered(
     with qstore.open(str(tmp_path / "snap"), readonly=True) as snap:
         assert [m.payload for m in snap.queue("q").peek(5)] == [b"journaled"]
         assert snap.check().ok
+
+
+def test_directories_made_for_a_failed_open_are_taken_away(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A new store under missing parents whose open failed as it fsynced a parent
+    # left every directory it had made, and a retry, finding them, fsynced no
+    # parent again (a faults audit).
+    base = os.path.realpath(tmp_path)
+    real, calls = _fs.fsync_dir, []
+
+    def failing_second(path: str) -> None:
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error", path)
+        real(path)
+
+    monkeypatch.setattr(_fs, "fsync_dir", failing_second)
+    with pytest.raises(qstore.StorageError):
+        qstore.open(os.path.join(base, "a", "b", "store"), compactor=False)
+    monkeypatch.undo()
+    assert os.listdir(base) == []
+    with qstore.open(os.path.join(base, "a", "b", "store"), compactor=False) as store:
+        store.create_queue("q").push(b"x")

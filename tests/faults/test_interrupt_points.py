@@ -143,6 +143,29 @@ def test_an_interrupt_as_the_writer_lock_is_taken_leaves_it_free(
         assert done and [m.payload for m in q.pop_many(5)] == [b"warm-up", b"another thread"]
 
 
+def test_an_interrupt_as_a_payload_sync_takes_its_flag_leaves_it_to_the_next_sync(
+        store_path: str) -> None:
+    # The flag that says appended bytes await an fdatasync was cleared before the
+    # try that puts it back: a Ctrl-C as the descriptor's dup returned (a
+    # snapshot's sync, in the main thread) left it cleared with nothing synced,
+    # and the next sync, an always-mode group commit's, synced nothing and
+    # returned durable an unjournaled batch (an interrupt audit).
+    with qstore.open(store_path, compactor=False, sync_interval=3600) as store:
+        store.create_queue("q").push_many([b"a", b"b"])  # appended, not synced
+        payload = store.core.payload
+        assert payload.unsynced
+        with interrupted_at(lambda f, e, a: e == "c_return"
+                            and getattr(a, "__name__", "") == "dup"
+                            and _in(f, "sync", "_segments.py")) as hit, \
+                pytest.raises(KeyboardInterrupt):
+            store.snapshot(store_path + "-snap")
+        assert hit
+        assert payload.unsynced  # still owed
+        store.core.syncer.sync_now()
+        fid, synced = payload.synced_position()
+        assert not payload.unsynced and synced == store.core.data_size(fid)
+
+
 def _open_files() -> list[str]:
     links = []
     for name in os.listdir("/proc/self/fd"):

@@ -7,6 +7,7 @@ shorter file), which is what lost page cache leaves, and reopens.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 import qstore
+from qstore import _core
 from qstore.meta import keys, records
 
 CHILD = textwrap.dedent("""
@@ -195,6 +197,28 @@ def test_a_recovery_cut_short_drops_the_whole_batch_at_the_next_open(store_path:
         _kept_and_gone(q, info["kept"], info["batch"])
         assert q.stats().ready == 1 and store.check().ok
         assert _pending_batch_keys(store) == []
+
+
+def test_an_open_whose_recovery_fails_leaves_the_store_to_the_next_open(
+        store_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The open's settling of the pending batches fsyncs their segment; when that
+    # failed (EIO), the open raised but kept RocksDB's LOCK and this process's
+    # claim: every later open, here or in another process, said StoreLocked
+    # while this one lived (a faults audit). Now the next open recovers.
+    info = _crash(store_path, "kill")
+
+    def failing(path: str) -> None:
+        raise OSError(errno.EIO, "Input/output error", path)
+
+    monkeypatch.setattr(_core, "fsync_file", failing)
+    with pytest.raises(qstore.StorageError, match="Input/output error"):
+        qstore.open(store_path, compactor=False)
+    monkeypatch.undo()
+    with qstore.open(store_path, compactor=False) as store:
+        q = store.queue("q")
+        assert [q.get(mid).payload for mid in info["batch"]] == [
+            bytes([65 + i]) * 20_000 for i in range(4)]
+        assert _pending_batch_keys(store) == [] and store.check().ok
 
 
 @pytest.mark.parametrize("how", ["kill", "kill-after-sync"])
