@@ -482,11 +482,18 @@ class Core(HotPaths):
             except BaseException:
                 # A recovery that failed (a segment's fsync) or was cut short kept
                 # RocksDB's LOCK and this process's claim: every later open, here
-                # or in another process, said StoreLocked (a faults audit).
-                self.syncer.stop()
-                self.payload.close()
-                self.meta.close()
-                _release_writer(self._writer_key)
+                # or in another process, said StoreLocked (a faults audit). Each
+                # step runs whatever the one before raised.
+                try:
+                    self.syncer.stop()
+                finally:
+                    try:
+                        self.payload.close()
+                    finally:
+                        try:
+                            self.meta.close()
+                        finally:
+                            _release_writer(self._writer_key)
                 raise
         # Last: a clock that tells of its moves wakes the blocked pops (_waits.py).
         self._unwatch_clock = watch(config.clock, self._clock_moved)
