@@ -249,7 +249,8 @@ class Syncer:
         self._stop.set()
         self._kick.set()
         if self._thread is not None:
-            self._thread.join()
+            if self._thread.ident is not None:  # else its start was cut short: no thread
+                self._thread.join()
             self._thread = None
         if self._pool is not None:
             self._pool.shutdown()

@@ -707,14 +707,17 @@ def backfill(sources: tuple[str, ...], fmt: str, queue: str, payload_col: str,
                 delay_col=delay_col, dedup_col=dedup_col, ttl_col=ttl_col, master=master,
                 rejects=rejects,
                 create_queue_options=options or None, again=again)
-        # Said before Spark stops (about a second): the job's marker is gone once
-        # the store closed, and a crash before the report left the rows in and
-        # nothing said (a review).
-        _report_backfill(dataclasses.asdict(result) | {"rate": result.rate})
     except Exception as exc:  # a failed Spark run: reported, and the store is unchanged
         logging.getLogger("qstore.backfill").exception("backfill failed; nothing was loaded")
         _error(f"backfill failed, nothing was loaded: {exc}")
         sys.exit(EXIT_SPARK_FAILED)
+    else:
+        # Said before Spark stops (about a second): the job's marker is gone once
+        # the store closed, and a crash before the report left the rows in and
+        # nothing said (a review). Outside the except above: a report that cannot
+        # be written (a broken pipe, 141) is no failed run (a review: it said
+        # "nothing was loaded", exit 3, and the rerun loaded the rows twice).
+        _report_backfill(dataclasses.asdict(result) | {"rate": result.rate})
     finally:
         active = SparkSession.getActiveSession()
         if active is not None and not had_session:  # ours: spark-submit's or a local one

@@ -166,6 +166,27 @@ def test_an_interrupt_as_a_payload_sync_takes_its_flag_leaves_it_to_the_next_syn
         assert not payload.unsynced and synced == store.core.data_size(fid)
 
 
+def test_a_syncer_whose_thread_start_was_cut_short_stops_cleanly(
+        store_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An interrupt inside Thread.start, before the thread ran: the failed open's
+    # cleanup stopped the syncer, whose join raised RuntimeError ("cannot join
+    # thread before it is started") in place of the KeyboardInterrupt (a review).
+    from qstore._durability import Syncer
+
+    with qstore.open(store_path, compactor=False) as store:
+        syncer = Syncer("interval", 3600.0, store.core.payload, store.core.meta)
+
+        def cut(self: threading.Thread) -> None:
+            raise KeyboardInterrupt("simulated Ctrl-C")
+
+        monkeypatch.setattr(threading.Thread, "start", cut)
+        with pytest.raises(KeyboardInterrupt):
+            syncer.start()
+        monkeypatch.undo()
+        syncer.stop()
+        assert syncer._thread is None
+
+
 def _open_files() -> list[str]:
     links = []
     for name in os.listdir("/proc/self/fd"):

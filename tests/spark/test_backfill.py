@@ -794,6 +794,26 @@ def test_a_close_that_cannot_delete_the_marker_says_so_and_the_job_stands(
     assert check_consistent(tmp_path / "store")["q"][0] == 20
 
 
+def test_a_report_that_cannot_be_written_is_no_failed_run(
+        spark: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    # The report moved before Spark stops, inside the except that turns a failed
+    # run into "nothing was loaded", exit 3: a broken pipe there said so after the
+    # rows were in (and their marker gone), and the rerun it invited loaded them
+    # twice (a review). A broken pipe is exit 141, as for every command.
+    from qstore import cli
+
+    src = write_parquet(tmp_path / "src.parquet", payload=[b"a", b"b", b"c"])
+
+    def gone(result: Any) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_report_backfill", gone)
+    r = backfill_cli(src, "--queue", "q", "--into", tmp_path / "store")
+    assert r.exit_code == 141, r.output
+    assert "nothing was loaded" not in r.output
+    assert check_consistent(tmp_path / "store")["q"][0] == 3
+
+
 def _markers(store: Path) -> dict[str, list[Any]]:
     """The backfill job markers in ``store``: job id -> decoded record."""
     with qstore.open(store, readonly=True) as s:
