@@ -188,7 +188,8 @@ class Compactor:
         """
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            if self._thread.ident is not None:  # else its start was cut short: no thread
+                self._thread.join()
             self._thread = None
         if self._pass_owner != threading.get_ident():
             with self._pass_lock:

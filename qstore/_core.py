@@ -475,17 +475,28 @@ class Core(HotPaths):
                 self.meta.close()
                 _release_writer(self._writer_key)
                 raise
-        self.syncer = Syncer(config.durability, config.sync_interval, self.payload, self.meta)
-        if not self.readonly:
+        if self.readonly:
+            self.syncer = Syncer(config.durability, config.sync_interval, self.payload,
+                                 self.meta)
+        else:
             try:
+                self.syncer = Syncer(config.durability, config.sync_interval, self.payload,
+                                     self.meta)
                 self._recover_and_start(path)
+                # Last: a clock that tells of its moves wakes the blocked pops
+                # (_waits.py); and the fork hook knows the store.
+                self._unwatch_clock = watch(config.clock, self._clock_moved)
+                _cores.add(self)
             except BaseException:
                 # A recovery that failed (a segment's fsync) or was cut short kept
                 # RocksDB's LOCK and this process's claim: every later open, here
                 # or in another process, said StoreLocked (a faults audit). Each
                 # step runs whatever the one before raised.
                 try:
-                    self.syncer.stop()
+                    if hasattr(self, "_unwatch_clock"):
+                        self._unwatch_clock()
+                    if hasattr(self, "syncer"):
+                        self.syncer.stop()
                 finally:
                     try:
                         self.payload.close()
@@ -495,9 +506,9 @@ class Core(HotPaths):
                         finally:
                             _release_writer(self._writer_key)
                 raise
-        # Last: a clock that tells of its moves wakes the blocked pops (_waits.py).
-        self._unwatch_clock = watch(config.clock, self._clock_moved)
-        _cores.add(self)
+        if self.readonly:
+            self._unwatch_clock = watch(config.clock, self._clock_moved)
+            _cores.add(self)
 
     def _recover_and_start(self, path: str) -> None:
         """The rest of a read-write open: what a stop left is settled, and the

@@ -68,14 +68,23 @@ class Store:
         try:
             self._compactor = Compactor(core)
             self._compactor.recover()
+            self._sweeper = threading.Thread(target=self._sweep_loop, name="qstore-sweeper",
+                                             daemon=True)
+            self._sweeper.start()
+            if config.compactor:
+                self._compactor.start()
         except BaseException:
-            core.close()
+            # Also cut short as a thread started (a review): else those threads ran
+            # on, and the core held the store locked for the life of the process.
+            self._stop.set()
+            try:
+                if self._sweeper is not None and self._sweeper.ident is not None:
+                    self._sweeper.join()
+                if self._compactor is not None:
+                    self._compactor.stop()
+            finally:
+                core.close()
             raise
-        self._sweeper = threading.Thread(target=self._sweep_loop, name="qstore-sweeper",
-                                         daemon=True)
-        self._sweeper.start()
-        if config.compactor:
-            self._compactor.start()
 
     @property
     def compactor(self) -> Compactor | None:

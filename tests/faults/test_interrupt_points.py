@@ -187,6 +187,28 @@ def test_a_syncer_whose_thread_start_was_cut_short_stops_cleanly(
         assert syncer._thread is None
 
 
+def test_an_open_cut_short_as_its_threads_start_leaves_the_store_free(
+        store_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sweeper and the compactor started after the open's cleanup try: a Ctrl-C
+    # there left them running and the store locked for the life of the process
+    # (a review). The next open in this process works now, and nothing runs on.
+    from qstore import _compact
+
+    with qstore.open(store_path) as store:
+        store.create_queue("q").push(b"kept")
+
+    def cut(self: Any) -> None:
+        raise KeyboardInterrupt("simulated Ctrl-C")
+
+    monkeypatch.setattr(_compact.Compactor, "start", cut)
+    with pytest.raises(KeyboardInterrupt):
+        qstore.open(store_path)
+    monkeypatch.undo()
+    assert not [t for t in threading.enumerate() if t.name.startswith("qstore-")]
+    with qstore.open(store_path) as store:
+        assert [m.payload for m in store.queue("q").peek(5)] == [b"kept"]
+
+
 def _open_files() -> list[str]:
     links = []
     for name in os.listdir("/proc/self/fd"):
