@@ -93,13 +93,20 @@ _writers: set[tuple[int, int]] = set()
 _writers_lock = threading.Lock()
 
 
-def _claim_writer(path: str) -> tuple[int, int]:
+def _claim_writer(path: str, claimed: list[tuple[int, int]]) -> tuple[int, int]:
+    """Note ``path`` as open read-write in this process (StoreLocked if it is).
+
+    The claim goes into ``claimed`` at once after ``_writers`` (two C calls: no
+    signal is raised between them), so that a caller cut short as this returns
+    knows what to release: an interrupt there kept the claim, and every later
+    open in the process said StoreLocked (a review)."""
     st = os.stat(path)
     key = (st.st_dev, st.st_ino)
     with _writers_lock:
         if key in _writers:
             raise StoreLocked(path)
         _writers.add(key)
+        claimed.append(key)
     return key
 
 
@@ -441,7 +448,13 @@ class Core(HotPaths):
         self._mark_failing = False  # the last write of the durable mark failed
         if not config.readonly:
             make_dirs_durably(path)
-            self._writer_key = _claim_writer(path)
+            claimed: list[tuple[int, int]] = []
+            try:
+                self._writer_key = _claim_writer(path, claimed)
+            except BaseException:
+                for key in claimed:
+                    _release_writer(key)
+                raise
         else:
             require_store(path)  # a read-only open creates nothing
         if config.readonly:

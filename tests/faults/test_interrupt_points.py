@@ -209,6 +209,21 @@ def test_an_open_cut_short_as_its_threads_start_leaves_the_store_free(
         assert [m.payload for m in store.queue("q").peek(5)] == [b"kept"]
 
 
+def test_an_interrupt_as_the_writer_claim_returns_leaves_no_claim(store_path: str) -> None:
+    # The process's claim on the store (beside RocksDB's LOCK) was noted before
+    # anything could release it: a Ctrl-C as _claim_writer returned kept it, and
+    # every later open in this process said StoreLocked (a review).
+    with qstore.open(store_path) as store:
+        store.create_queue("q").push(b"kept")
+    with interrupted_at(lambda f, e, a: e == "return"
+                        and _in(f, "_claim_writer", "_core.py")) as hit, \
+            pytest.raises(KeyboardInterrupt):
+        qstore.open(store_path)
+    assert hit
+    with qstore.open(store_path) as store:
+        assert [m.payload for m in store.queue("q").peek(5)] == [b"kept"]
+
+
 def _open_files() -> list[str]:
     links = []
     for name in os.listdir("/proc/self/fd"):
