@@ -504,20 +504,15 @@ class Core(HotPaths):
                 # A recovery that failed (a segment's fsync) or was cut short kept
                 # RocksDB's LOCK and this process's claim: every later open, here
                 # or in another process, said StoreLocked (a faults audit). Each
-                # step runs whatever the one before raised.
-                try:
-                    if hasattr(self, "_unwatch_clock"):
-                        self._unwatch_clock()
+                # step runs whatever the one before raised (last added, first run).
+                with contextlib.ExitStack() as undo:
+                    undo.callback(_release_writer, self._writer_key)
+                    undo.callback(self.meta.close)
+                    undo.callback(self.payload.close)
                     if hasattr(self, "syncer"):
-                        self.syncer.stop()
-                finally:
-                    try:
-                        self.payload.close()
-                    finally:
-                        try:
-                            self.meta.close()
-                        finally:
-                            _release_writer(self._writer_key)
+                        undo.callback(self.syncer.stop)
+                    if hasattr(self, "_unwatch_clock"):
+                        undo.callback(self._unwatch_clock)
                 raise
         if self.readonly:
             self._unwatch_clock = watch(config.clock, self._clock_moved)
