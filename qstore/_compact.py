@@ -113,6 +113,7 @@ class Compactor:
         self._pass_lock = threading.Lock()  # one pass at a time
         self._pass_owner: int | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a pass now, not at the end of the interval
         self._thread: threading.Thread | None = None
         # Sources of an interrupted pass that still hold live records: the next
         # pass takes them whatever their garbage ratio, so it finishes that pass.
@@ -167,7 +168,11 @@ class Compactor:
     def _loop(self) -> None:
         interval = self._core.config.compact_interval
         retries = RetryLog(log, "background compaction pass", interval)
-        while not self._stop.wait(interval):
+        while True:
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.run_pass()
                 retries.worked()
@@ -180,6 +185,10 @@ class Compactor:
                 # the error is reported and the pass retried at the next interval.
                 log.exception("background compaction pass failed; it will be retried")
 
+    def wake(self) -> None:
+        """Run the background pass now (a segment's sync failed: SegmentSet.in_doubt)."""
+        self._wake.set()
+
     def stop(self) -> None:
         """Stop the background thread and wait for any pass in progress (closing).
 
@@ -187,6 +196,7 @@ class Compactor:
         finishes, which takes at most a few batches.
         """
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             if self._thread.ident is not None:  # else its start was cut short: no thread
                 self._thread.join()
@@ -271,14 +281,16 @@ class Compactor:
     # -- steps ----------------------------------------------------------------
 
     def _active_worth_sealing(self, threshold: float) -> bool:
-        """Writer lock held: the active segment holds records, garbage >= threshold."""
+        """Writer lock held: the active segment holds records, and its garbage is at
+        least ``threshold`` or a sync of it failed (``SegmentSet.in_doubt``)."""
         core = self._core
         core.check_writable()
         active = core.payload.active_id
         assert active is not None
         size = core.payload.segment_size(active)
         live = core.segments.get(active, [0, 0, 0])[0]
-        return size > HEADER_SIZE and _garbage(size, live) >= threshold
+        return size > HEADER_SIZE and (_garbage(size, live) >= threshold
+                                       or active in core.payload.in_doubt)
 
     def _seal_if_worth(self, threshold: float) -> int | None:
         core = self._core
@@ -376,7 +388,8 @@ class Compactor:
         core = self._core
         with core.settling:
             segments = self._sealed_segments()
-        carry = set(self._carry)
+        # A segment whose sync failed is rewritten whatever its garbage, as a carry is.
+        carry = set(self._carry) | core.payload.in_doubt
         chosen: list[int] = []
         budget = 0
         for fid, size, live, _ in segments:

@@ -73,6 +73,7 @@ class Store:
             self._sweeper.start()
             if config.compactor:
                 self._compactor.start()
+                core.payload.on_doubt = self._compactor.wake
         except BaseException:
             # Also cut short as a thread started (a review): else those threads ran
             # on, and the core held the store locked for the life of the process.

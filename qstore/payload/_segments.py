@@ -122,6 +122,15 @@ class SegmentSet:
         self._readers: dict[int, SegmentReader] = {}
         self._writer: SegmentWriter | None = None
         self._synced = (0, 0)
+        # Segments an fdatasync (or the fsync of a seal) failed on: the bytes it
+        # should have covered may never reach the disk, even once a later call
+        # succeeds (Linux reports a writeback error once and may drop the dirty
+        # pages: "fsyncgate"). The compactor copies their live records to a
+        # new segment, which it syncs, and deletes them (docs/faults.md).
+        # Replaced, never changed in place, under _doubt_lock: readers take it as is.
+        self.in_doubt: frozenset[int] = frozenset()
+        self._doubt_lock = threading.Lock()
+        self.on_doubt: Callable[[], None] | None = None  # the compactor's wake-up
         if not readonly:
             make_dirs_durably(directory)
             self._remove_unfinished_creates()
@@ -387,7 +396,9 @@ class SegmentSet:
             try:
                 if sealing is not None:
                     sealing.finish()
-            except BaseException:
+            except BaseException as exc:
+                if sealing is not None and isinstance(exc, OSError) and sealing.sync_failed:
+                    self._doubt(sealing.file_id, exc)
                 if sealing is not None and sealing.closed:
                     # Finished but cut short after (an interrupt): the old segment is
                     # closed, so the new one must be the active one now.
@@ -527,9 +538,11 @@ class SegmentSet:
                     taken = writer
                     writer.unsynced = False
                 fcalls.fdatasync(fd)
-            except BaseException:
+            except BaseException as exc:
                 if taken is not None:
                     taken.unsynced = True  # not known to be on disk: the next sync retries
+                    if isinstance(exc, OSError):  # the fdatasync failed (dup is before)
+                        self._doubt(taken.file_id, exc)
                 raise
             finally:
                 if fd >= 0:
@@ -537,6 +550,18 @@ class SegmentSet:
             writer.synced_end = max(writer.synced_end, end)
             if writer is self._writer:
                 self._synced = (writer.file_id, writer.synced_end)
+
+    def _doubt(self, file_id: int, exc: OSError) -> None:
+        """Note that an fdatasync of ``file_id`` failed (see :attr:`in_doubt`)."""
+        with self._doubt_lock:
+            new = file_id not in self.in_doubt
+            self.in_doubt = self.in_doubt | {file_id}
+        if new:
+            log.error("the sync of segment %s failed (%s): what it held may not be on disk "
+                      "even when a later sync succeeds; its live messages will be copied to "
+                      "a new segment by the next compaction pass", self._path(file_id), exc)
+            if self.on_doubt is not None:  # once: a disk failing every sync must not
+                self.on_doubt()  # make the compactor retry in a tight loop
 
     def synced_position(self) -> tuple[int, int]:
         """(active file id, offset): the active segment's bytes below it are durable.
@@ -753,6 +778,9 @@ class SegmentSet:
                 reader = self._readers.pop(fid, None)
                 if reader is not None:
                     reader.detach()
+                if fid in self.in_doubt:
+                    with self._doubt_lock:
+                        self.in_doubt = self.in_doubt - {fid}
         if removed:
             fsync_dir(self.directory)
         if failed is not None:

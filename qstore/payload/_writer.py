@@ -119,6 +119,7 @@ class SegmentWriter:
         self.fast_limit = min(self.allocated, max_bytes)
         self.unsynced = False
         self.synced_end = end  # bytes below this are known to be on stable storage
+        self.sync_failed = False  # finish's fsync failed: its bytes are in doubt
         # A writable map of the file while every byte from ``end`` to its size
         # is an allocated block (see :meth:`reserve`): :meth:`append_one` copies
         # into it instead of making a system call. None: write with pwritev.
@@ -237,7 +238,11 @@ class SegmentWriter:
         if self.allocated != self.end:
             fcalls.ftruncate(self._fd, self.end)
             self.allocated = self.end
-        fcalls.fsync(self._fd)
+        try:
+            fcalls.fsync(self._fd)
+        except OSError:
+            self.sync_failed = True  # its bytes are in doubt (SegmentSet.in_doubt)
+            raise
         # Forget the descriptor before closing it: an interrupt (Ctrl-C) right after
         # the close left it set, and the next append wrote into whatever file got
         # that number next, a later close cutting that file (an interrupt audit).
