@@ -20,6 +20,7 @@ import select
 import socket
 import ssl
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar, Unpack
@@ -50,6 +51,10 @@ class _Link(base.LinkSettings):
         self._kernel_timeout = False  # the timeout is SO_RCVTIMEO/SO_SNDTIMEO, not Python's
         self._timeout_now = -1.0
         self._poll: select.poll | None = None  # readable while idle: see dropped()
+        # close() of the client from another thread (interrupt) against this
+        # link's own thread opening or closing its socket.
+        self._sock_lock = threading.Lock()
+        self._interrupted = False
 
     def _open(self) -> None:
         a = self.address
@@ -67,7 +72,10 @@ class _Link(base.LinkSettings):
                 # the kernel's own timeouts cost nothing per call.
                 sock.settimeout(None)
                 self._kernel_timeout = True
-            self._sock = sock
+            with self._sock_lock:
+                self._sock = sock
+                if self._interrupted:  # the client was closed as this connected
+                    _shut(sock)
             self._poll = select.poll()
             self._poll.register(sock, select.POLLIN)
             self._start = self._end = 0
@@ -241,14 +249,31 @@ class _Link(base.LinkSettings):
         """
         return self._poll is not None and bool(self._poll.poll(0))
 
+    def interrupt(self) -> None:
+        """Wake this link's call from another thread (the client is closing): its
+        socket is shut down, so a blocked read returns at once and the call
+        raises, not after its whole ``wait`` (an API audit)."""
+        with self._sock_lock:
+            self._interrupted = True
+            if self._sock is not None:
+                _shut(self._sock)
+
     def close(self) -> None:
         self._start = self._end = 0
         if len(self._in) > _RECV:
             self._in = bytearray(_RECV)
         self._poll = None
         if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+            with self._sock_lock:
+                self._sock.close()
+                self._sock = None
+
+
+def _shut(sock: socket.socket) -> None:
+    # The plain socket's shutdown, also under TLS: SSLSocket.shutdown drops the
+    # SSL object a read in another thread is using.
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 # Forks of this process so far, as a child counts them: a client made before a
@@ -273,9 +298,10 @@ class _Links:
     stay on one link, a waiting pop holds only its own, and a thread calling
     alone always gets back the link it used last (the idle list is a stack).
     ``list.pop`` and ``list.append`` are atomic in CPython, so taking and
-    giving back a link needs no lock. :meth:`close` closes the idle links; one
-    in use when it ran is closed as its call returns, and every later call
-    raises :class:`~qstore.StoreClosed`, as a closed embedded store does. In
+    giving back a link needs no lock. :meth:`close` closes the idle links and
+    shuts down the sockets of those in use, so a call another thread is making
+    (a waiting pop) raises :class:`~qstore.StoreClosed` at once; every later
+    call raises it too, as a closed embedded store's do. In
     a child process the links its parent made are dropped (the child's copies
     of their sockets closed; the parent's connections stay up) and the child
     connects on its own: a client made before a fork (a pre-forking web
@@ -289,6 +315,7 @@ class _Links:
         self.address = address
         self._settings = (address, token, timeout, keep_leases, ssl_context, server_hostname)
         self._idle: list[_Link] = []
+        self._busy: set[_Link] = set()  # links a call is using now (close interrupts them)
         self.closed = False
         self._forks = _forks
 
@@ -299,6 +326,10 @@ class _Links:
         try:
             value = link.call(op, args, wait)
             return value if convert is None else convert(value)
+        except ConnectionLost:
+            if self.closed:  # close() woke this call: StoreClosed, as embedded
+                raise self._closed_in_flight(op) from None
+            raise
         except QStoreError:
             raise  # the server's answer, an error: the link is as good as before
         except BaseException:
@@ -316,8 +347,16 @@ class _Links:
         link = self._take()
         try:
             return link.call_many(calls)
+        except ConnectionLost:
+            if self.closed:
+                raise self._closed_in_flight(f"a pipeline of {len(calls)}") from None
+            raise
         finally:
             self._give_back(link)
+
+    def _closed_in_flight(self, what: str) -> StoreClosed:
+        return StoreClosed(f"the client of {self.address} was closed during {what}; "
+                           "it may or may not have run")
 
     def _take(self) -> _Link:
         if self.closed:
@@ -330,12 +369,19 @@ class _Links:
         try:
             link = self._idle.pop()
         except IndexError:
-            return _Link(*self._settings)
-        if link.dropped():  # the server went away while it was idle (a restart)
-            link.close()    # it reconnects on this call
+            link = _Link(*self._settings)
+        else:
+            if link.dropped():  # the server went away while it was idle (a restart)
+                link.close()    # it reconnects on this call
+        self._busy.add(link)
+        if self.closed:  # close() ran since the check above: it may not have seen it
+            self._busy.discard(link)
+            link.close()
+            raise StoreClosed(f"the client of {self.address} is closed")
         return link
 
     def _give_back(self, link: _Link) -> None:
+        self._busy.discard(link)
         if self.closed:  # while this call ran
             link.close()
         else:
@@ -346,6 +392,8 @@ class _Links:
         idle, self._idle = self._idle, []
         for link in idle:
             link.close()
+        for link in list(self._busy):  # calls in other threads (a waiting pop) end now
+            link.interrupt()
 
 
 _T = TypeVar("_T")
@@ -370,7 +418,8 @@ class RemoteQueue(base.QueueInfo):
         result: _T = self._link.call(op, *base.queue_args(self.name, args, self._qid), convert)
         return result
 
-    def push(self, payload: bytes, priority: int | str | None = None, delay: float = 0.0,
+    def push(self, payload: bytes | bytearray | memoryview,
+             priority: int | str | None = None, delay: float = 0.0,
              dedup_key: str | bytes | None = None, ttl: float | None = None) -> int:
         return self._call("push", int, **base.push_args(payload, priority, delay, dedup_key,
                                                           ttl))
@@ -484,6 +533,17 @@ class _PipelinedQueue(RemoteQueue):
     def __repr__(self) -> str:
         return f"<qstore.RemoteQueue {self.name!r} in a pipeline>"
 
+    def __len__(self) -> int:
+        # RemoteQueue's len() is a stats call: here it recorded one and failed on the
+        # None it got back (an API audit).
+        raise TypeError("len() of a queue in a pipeline: its calls are recorded and run "
+                        "by execute(); record stats() and read .total from the results")
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names __init__ did not set: the queue's options (order, dedup...).
+        raise AttributeError(f"a queue in a pipeline only records calls; its {name!r} is "
+                             "not known here (client.queue(name) has it)")
+
     def _call(self, op: str, convert: Callable[[Any], _T], /, **args: Any) -> _T:
         args, wait = base.queue_args(self.name, args)
         base.request(0, op, args)  # an argument that cannot be sent fails here, not later
@@ -533,7 +593,7 @@ class Client:
         return wire.decode_compaction(self._link.call(
             "compact", base.compact_args(threshold, max_bytes), wait=3600.0))
 
-    def snapshot(self, dest: str) -> str:
+    def snapshot(self, dest: str | os.PathLike[str]) -> str:
         """A snapshot taken by the server at ``dest`` (a path on the server's machine)."""
         return str(self._link.call("snapshot", base.snapshot_args(self._link.address, dest),
                                    wait=3600.0))

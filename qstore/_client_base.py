@@ -119,7 +119,7 @@ def result(value: Any, rid: int) -> Any:
     return value[2]
 
 
-def snapshot_args(address: Address, dest: str) -> dict[str, Any]:
+def snapshot_args(address: Address, dest: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``snapshot`` request's arguments: ``dest`` is a path on the server's
     machine. Through a unix socket that is this machine, so a relative one is
     this process's; over TCP the server may be elsewhere, so it must be absolute."""
@@ -240,7 +240,7 @@ def create_queue_args(name: str, order: str, priority_type: str, max_attempts: i
     return args
 
 
-def push_args(payload: bytes, priority: int | str | None, delay: float,
+def push_args(payload: bytes | bytearray | memoryview, priority: int | str | None, delay: float,
               dedup_key: str | bytes | None, ttl: float | None) -> dict[str, Any]:
     args: dict[str, Any] = {"payload": payload, "priority": priority, "delay": delay,
                             "dedup_key": dedup_key}

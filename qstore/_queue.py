@@ -255,7 +255,8 @@ class Queue:
 
     # -- push -----------------------------------------------------------------
 
-    def push(self, payload: bytes, priority: int | str | None = None, delay: float = 0.0,
+    def push(self, payload: bytes | bytearray | memoryview,
+             priority: int | str | None = None, delay: float = 0.0,
              dedup_key: str | bytes | None = None, ttl: float | None = None) -> int:
         """Enqueue one message; returns its id (the existing id for a dedup hit).
 
@@ -447,8 +448,9 @@ class Queue:
             deadline = wait_clock() + wait
             while True:
                 left = deadline - wait_clock()
-                if got or left <= 0 or core.closed:
+                if got or left <= 0:
                     return got
+                core.check_open()  # close() woke us: StoreClosed, as any later call
                 now = core.clock()
                 end = deadline if wait_clock is core.clock else now + left  # store clock
                 bucket = self._q.bucket
@@ -459,8 +461,9 @@ class Queue:
                 else:
                     until = min(end, self._q.next_event_us / 1e6)
                 core.wait_until(until)
-                if core.closed:  # close() woke us; the database may be gone already
-                    return []
+                # close() woke us (the database may be gone already): StoreClosed,
+                # as through a client, not an empty answer (an API audit).
+                core.check_open()
                 got = self._pop_locked(n, lease)
 
     def _pop_locked(self, n: int, lease: float) -> list[Message]:

@@ -48,7 +48,7 @@ def unfinished(dest: str) -> bool:
             and not os.path.exists(os.path.join(dest, MANIFEST)))
 
 
-def take_snapshot(core: Core, dest: str) -> str:
+def take_snapshot(core: Core, dest: str | os.PathLike[str]) -> str:
     """Write a snapshot of the store to ``dest`` (new, or an empty directory).
 
     All or nothing: a snapshot that fails (a full disk, an I/O error, a

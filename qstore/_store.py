@@ -126,7 +126,7 @@ class Store:
         operator changed, say, the TTL. A difference raises
         ``InvalidArgument`` naming each option that differs.
         """
-        _check_queue_name(name)
+        name = _check_queue_name(name)
         if not isinstance(exist_ok, bool):
             raise InvalidArgument(f"exist_ok must be a bool, not {exist_ok!r:.60}")
         if order not in ("max", "min", "fifo"):
@@ -239,10 +239,11 @@ class Store:
         assert self._compactor is not None
         return self._compactor.run_pass(threshold, max_bytes, progress)
 
-    def snapshot(self, dest: str) -> str:
-        """A consistent, self-contained copy of the store at ``dest`` (see docs/spark.md)."""
+    def snapshot(self, dest: str | os.PathLike[str]) -> str:
+        """A consistent, self-contained copy of the store at ``dest`` (see docs/spark.md);
+        returns its absolute path, as a client's ``snapshot`` does."""
         self._core.check_open()
-        return take_snapshot(self._core, dest)
+        return os.path.abspath(take_snapshot(self._core, dest))
 
     def stats(self) -> StoreStats:
         core = self._core
@@ -417,15 +418,21 @@ def _lookup(queues: dict[str, QueueState], name: object) -> QueueState:
     raise QueueNotFound(name)
 
 
-def _check_queue_name(name: object) -> None:
+def _check_queue_name(name: object) -> str:
+    """``name`` checked, as a plain str: a str subclass (a str Enum's member) was
+    kept as given, so stats, messages and ``queues()`` showed ``QName.JOBS`` until
+    a reopen, and ``'jobs'`` through a client (an API audit)."""
     _check_name_type(name)
     assert isinstance(name, str)
+    if type(name) is not str:
+        name = str.__str__(name)
     try:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:  # a lone surrogate such as "\udc80"
         raise InvalidArgument(f"queue name {name!r} is not encodable as UTF-8") from None
     if size > MAX_QUEUE_NAME_BYTES:
         raise InvalidArgument(f"queue name is over {MAX_QUEUE_NAME_BYTES} UTF-8 bytes")
+    return name
 
 
 def open_store(path: str | os.PathLike[str], **options: Unpack[StoreOptions]) -> Store:

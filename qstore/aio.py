@@ -17,14 +17,14 @@ import math
 import os
 import socket
 import ssl
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any, Unpack
 
 from . import _client_base as base
 from . import _wire as wire
 from ._address import Address, parse_address
 from ._check_report import CheckReport
-from ._errors import StoreClosed
+from ._errors import QStoreError, StoreClosed
 from ._message import CompactionResult, Message, QueueStats, StoreStats
 from ._net_errors import ConnectionLost, ProtocolError
 from ._options import QueueOptions
@@ -149,7 +149,9 @@ class _Link(base.LinkSettings):
         self.closed = True
         proto, self._proto = self._proto, None
         if proto is not None:
-            await proto.close()
+            await proto.close(error=StoreClosed(
+                f"the client of {self.address} was closed while this call was in flight; "
+                "it may or may not have run"))
 
 
 _POPS = frozenset({"pop", "pop_many"})
@@ -301,10 +303,12 @@ class _Protocol(asyncio.Protocol):
         self._drains.append(fut)
         await fut
 
-    async def close(self, why: str = "closed by the client") -> None:
-        """Close, failing what is in flight with ConnectionLost; returns once closed."""
-        self._fail(ConnectionLost(f"connection to {self.address} {why}; requests in "
-                                  "flight may or may not have run"))
+    async def close(self, why: str = "closed by the client",
+                    error: QStoreError | None = None) -> None:
+        """Close, failing what is in flight with ``error`` (ConnectionLost by
+        default); returns once closed."""
+        self._fail(error or ConnectionLost(f"connection to {self.address} {why}; requests "
+                                           "in flight may or may not have run"))
         self.transport.close()
         try:
             await asyncio.wait_for(asyncio.shield(self._closed), 5.0)
@@ -327,7 +331,8 @@ class AsyncQueue(base.QueueInfo):
     async def _call(self, op: str, /, **args: Any) -> Any:
         return await self._link.call(op, *base.queue_args(self.name, args, self._qid))
 
-    async def push(self, payload: bytes, priority: int | str | None = None, delay: float = 0.0,
+    async def push(self, payload: bytes | bytearray | memoryview,
+                   priority: int | str | None = None, delay: float = 0.0,
                    dedup_key: str | bytes | None = None, ttl: float | None = None) -> int:
         return int(await self._call("push", **base.push_args(payload, priority, delay, dedup_key,
                                                              ttl)))
@@ -418,7 +423,7 @@ class AsyncClient:
         return wire.decode_check(await self._link.call("check", {"repair": repair},
                                                        wait=3600.0))
 
-    async def snapshot(self, dest: str) -> str:
+    async def snapshot(self, dest: str | os.PathLike[str]) -> str:
         return str(await self._link.call(
             "snapshot", base.snapshot_args(self._link.address, dest), wait=3600.0))
 
@@ -435,6 +440,11 @@ class AsyncClient:
         await self.ping()
         return self
 
+    def __await__(self) -> Generator[Any, None, AsyncClient]:
+        """``client = await qstore.aio.connect(...)`` connects at once, as ``async
+        with`` does (it raised TypeError: an API audit)."""
+        return self.__aenter__().__await__()
+
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
@@ -449,8 +459,9 @@ def connect(address: str | os.PathLike[str], *, token: str | None = None,
             server_hostname: str | None = None) -> AsyncClient:
     """An asyncio client of the server at ``address``; connects on first use.
 
-    Use as ``async with qstore.aio.connect(...) as client:`` (which connects
-    at once) or call its methods and ``await client.close()``.
+    Use as ``async with qstore.aio.connect(...) as client:`` or ``client =
+    await qstore.aio.connect(...)`` (both connect at once), or call its methods
+    (the first connects) and ``await client.close()``.
     """
     ctx = tls if isinstance(tls, ssl.SSLContext) else (
         base.client_tls(cafile) if tls or cafile else None)

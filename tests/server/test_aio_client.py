@@ -109,6 +109,24 @@ def test_calls_after_a_failed_send_go_to_no_dead_transport(
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 
+def test_closing_the_client_ends_a_waiting_pop_with_store_closed(
+        server: ServerProcess, run: Run) -> None:
+    # As a closed embedded store's waiting pop and the sync client's: it raised
+    # ConnectionLost here (an API audit). And `await connect(...)` connects.
+    async def main() -> None:
+        client = await qstore.aio.connect(server.address)
+        assert isinstance(client, qstore.aio.AsyncClient)
+        q = await client.create_queue("c")
+        waiting = asyncio.ensure_future(q.pop(wait=30.0))
+        await asyncio.sleep(0)  # a pass of the loop: its request is sent
+        assert not waiting.done()
+        await client.close()
+        with pytest.raises(qstore.StoreClosed, match="closed while this call"):
+            await asyncio.wait_for(waiting, 20)  # under its wait: the close ended it
+
+    run(main())
+
+
 def test_a_closed_client_raises_store_closed(server: ServerProcess, run: Run) -> None:
     async def main() -> None:
         client = qstore.aio.connect(server.address)

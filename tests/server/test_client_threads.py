@@ -163,3 +163,24 @@ def test_a_call_interrupted_while_waiting_leaves_no_answer_for_the_next(
         stats = q.stats()
         assert (stats.ready, stats.in_flight) == (4, 0)
         assert [m.payload for m in q.pop_many(4)] == [b"job0", b"job1", b"job2", b"job3"]
+
+
+def test_closing_a_shared_client_ends_the_pops_other_threads_wait_in(tmp_path: Any) -> None:
+    """At once, with StoreClosed, as a closed embedded store's waiting pop: they
+    waited out their whole ``wait`` (an API audit); their leases, had any been
+    taken, go back with the connection."""
+    port = _free_port()
+    with running(str(tmp_path / "store"), "--metrics-port", str(port)) as srv:
+        client = qstore.connect(srv.address)
+        q = client.create_queue("w")
+        waiters, got = _waiting_pops(q, 3, port)  # wait=30
+        _until(port, 3)
+        client.close()
+        for t in waiters:
+            t.join(20)  # under the pops' wait: only the close can have ended them
+            assert not t.is_alive()
+        assert [type(e) for e in got] == [qstore.StoreClosed] * 3
+        assert "was closed during" in str(got[0])
+        _until(port, 0)
+        with qstore.connect(srv.address) as other:
+            assert other.queue("w").stats().total == 0

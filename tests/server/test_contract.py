@@ -7,6 +7,9 @@ drift from the embedded API: same results, same exception classes and fields.
 
 from __future__ import annotations
 
+import enum
+import os
+import pathlib
 import threading
 from typing import Any
 
@@ -367,6 +370,34 @@ def test_a_snapshot_destination_that_is_no_path_is_refused(store: Any, tmp_path:
         with pytest.raises(qstore.InvalidArgument, match="snapshot destination"):
             store.snapshot(dest)
     assert list(cwd.iterdir()) == []
+
+
+def test_a_snapshot_returns_its_absolute_path(store: Any, tmp_path: Any,
+                                              monkeypatch: Any) -> None:
+    # The embedded store returned the path as given ('snap/'), a client the
+    # absolute one (an API audit). A path object is taken too. Over TCP the
+    # destination must be absolute (the server may be elsewhere).
+    monkeypatch.chdir(tmp_path)
+    tcp = str(store.path).startswith("tcp://")
+    got = store.snapshot(tmp_path / "snap" if tcp else pathlib.Path("snap/"))
+    assert got == str(tmp_path / "snap") and os.path.isabs(got)
+    with qstore.open(got, readonly=True) as snap:
+        assert snap.queues() == store.queues()
+
+
+def test_a_str_subclass_queue_name_comes_back_as_a_plain_str(store: Any) -> None:
+    # A str Enum's member was kept as given by the embedded store: its name showed
+    # as "Name.JOBS" in stats and messages until a reopen, "jobs" through a client.
+    class Name(str, enum.Enum):
+        JOBS = "jobs"
+
+    q = store.create_queue(Name.JOBS)
+    q.push(b"x")
+    msg = q.pop()
+    assert msg is not None
+    for got in (q.name, store.queues()[0], q.stats().queue, msg.queue,
+                store.queue(Name.JOBS).name):
+        assert type(got) is str and got == "jobs"
 
 
 def test_a_deleted_queue_is_named_before_a_bad_argument(store: Any) -> None:

@@ -37,6 +37,22 @@ def test_a_pipeline_returns_each_result_as_the_direct_call_would(
         assert client.queue("p").stats().in_flight == 0
 
 
+def test_a_pipelined_queue_refuses_len_and_its_options_clearly(server: ServerProcess) -> None:
+    # len() recorded a stats call and failed on its None; .order was a bare
+    # AttributeError about a private class (an API audit).
+    with qstore.connect(server.address) as client:
+        client.create_queue("p")
+        pipe = client.pipeline()
+        q = pipe.queue("p")
+        with pytest.raises(TypeError, match="in a pipeline"):
+            len(q)
+        with pytest.raises(AttributeError, match="only records calls"):
+            q.order  # noqa: B018
+        assert len(pipe) == 0
+        q.push(b"x")
+        assert pipe.execute() == [1]
+
+
 def test_errors_come_back_in_place_or_as_the_first_error_raised(
         server: ServerProcess) -> None:
     with qstore.connect(server.address) as client:
