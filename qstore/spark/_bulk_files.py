@@ -56,7 +56,13 @@ class FilePart:
 
 def list_parquet(paths: list[str]) -> list[str] | None:
     """The data files of ``paths`` in name order, as Spark lists them (hidden files and
-    ``_``-files skipped); None if a path is not local or holds Hive partition directories."""
+    ``_``-files skipped); None if a path is not local or is a directory that holds
+    directories (Hive partitions, or others), which Spark's listing decides.
+
+    This path once walked every subdirectory, which Spark's reader does not: one
+    directory loaded an ``archive/`` subdirectory's rows into a plain queue and
+    not into a dedup queue, which Spark reads (a backfill audit).
+    """
     out: list[str] = []
     for path in paths:
         if "://" in path or not os.path.exists(path):
@@ -64,12 +70,13 @@ def list_parquet(paths: list[str]) -> list[str] | None:
         if os.path.isfile(path):
             out.append(os.path.abspath(path))
             continue
-        for root, dirs, names in os.walk(path):
-            if any("=" in d for d in dirs):
-                return None  # partition columns come from directory names: Spark's job
-            dirs[:] = sorted(d for d in dirs if not d.startswith(("_", ".")))
-            out.extend(os.path.abspath(os.path.join(root, n)) for n in sorted(names)
-                       if not n.startswith(("_", ".")))
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if entry.name.startswith(("_", ".")):
+                    continue
+                if entry.is_dir():  # a symlink to one too
+                    return None
+                out.append(os.path.abspath(entry.path))
     return sorted(out) if out else None
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import errno
 import re
 
-from .._errors import Corruption, StorageError
+from .._errors import Corruption, InvalidArgument, StorageError
 
 # "qstore._errors.Corruption: corruption in PATH at offset N: REASON" (Corruption's message)
 _CORRUPTION_LINE = re.compile(
@@ -64,3 +64,26 @@ def task_storage_error(exc: BaseException) -> StorageError | None:
                        f"{last.group('text')}")
     err.errno = int(last.group("errno"))
     return err
+
+
+# Spark's CSV reader, told to check each file's header (enforceSchema=false), fails
+# the task on a file whose header names the columns in another order.
+_CSV_HEADER = re.compile(
+    r"CSV header does not conform to the schema\.\s*Header: (?P<header>[^\n]*?)\s*\n"
+    r"\s*Schema: (?P<schema>[^\n]*?)\s*\n.*?CSV file: (?P<file>\S+)", re.DOTALL)
+
+
+def task_input_error(exc: BaseException) -> InvalidArgument | None:
+    """An :class:`~qstore.InvalidArgument` for a task that failed the job of ``exc``
+    on a source file the job cannot read as asked, or None: a CSV file of the
+    source whose header lists the columns in another order than the file the
+    columns were taken from (they were read by position, payload and priority
+    swapped, before the job asked Spark to check headers; a backfill audit)."""
+    found = _CSV_HEADER.search(str(exc))
+    if found is None:
+        return None
+    path = found.group("file").removeprefix("file://")
+    return InvalidArgument(
+        f"the CSV file {path} has the header {found.group('header')!r}, where the source's "
+        f"columns are {found.group('schema')!r}: the files of one CSV source must name the "
+        "same columns in the same order")

@@ -50,7 +50,7 @@ from ..payload import _format as fmt
 from . import _ingest
 from ._bulk import PARTITION_COL, REASON_COL, ROW_COL, PartitionPlan
 from ._rows import LoadSpec
-from ._task_errors import task_storage_error
+from ._task_errors import task_input_error, task_storage_error
 
 if TYPE_CHECKING:
     from ._bulk_files import FilePart
@@ -202,7 +202,7 @@ def run_backfill(
             except Exception as exc:
                 # A full disk or an I/O error met by a task: the storage failed
                 # (exit 5, one line naming the file), not the job; nothing was loaded.
-                failed = task_storage_error(exc)
+                failed = task_storage_error(exc) or task_input_error(exc)
                 if failed is None:
                     raise
                 raise failed from None
@@ -801,6 +801,16 @@ def _cores(spark: Any) -> int:
         return 2
 
 
+# CSV as Python's csv module, pandas and spreadsheets write it (RFC 4180), not
+# Spark's defaults (an audit of real files): a quote inside a quoted field is
+# doubled, not backslashed (`"say ""hi"""` loaded as those very bytes, and a JSON
+# body's `"{""id"": 7}"` was split at its comma); a quoted field may hold line
+# breaks (its second half loaded as a message of its own); and each file's header
+# is checked against the columns (files of one source whose headers list them in
+# another order were read by position: payload and priority swapped, exit 0).
+CSV_OPTIONS = {"escape": '"', "multiLine": "true", "enforceSchema": "false"}
+
+
 def _read(spark: Any, source: Any, fmt: str, text_cols: list[str] | None = None,
           int_cols: list[str] | None = None) -> tuple[Any, str | None]:
     """The source as a DataFrame, and the name of its malformed-line column (CSV
@@ -820,7 +830,8 @@ def _read(spark: Any, source: Any, fmt: str, text_cols: list[str] | None = None,
             os.fspath(s) for s in source]
         reader = spark.read.format(fmt)
         if fmt == "csv":
-            reader = reader.option("header", "true").option("inferSchema", "true")
+            reader = (reader.option("header", "true").option("inferSchema", "true")
+                      .options(**CSV_OPTIONS))
         from pyspark.errors import AnalysisException
 
         try:

@@ -317,13 +317,59 @@ def test_csv_malformed_lines_are_rejected_not_loaded(spark: Any, tmp_path: Path)
                        "--into", store, "--rejects", rejects)
     assert run.exit_code == 1, run.output
     assert spark.conf.get(pruning, None) == before  # the session is left as it was
-    assert [(p, b) for _, p, b in drain(store, "q")] == [(8, b"b"), (5, b"a")]
+    # A quoted field runs to its closing quote, over line breaks (RFC 4180, as
+    # Python's csv module reads it): an unclosed one takes the rest of the file
+    # into one malformed record, rejected with its text; nothing of it loads.
+    assert [(p, b) for _, p, b in drain(store, "q")] == [(5, b"a")]
     table = spark.read.parquet(str(rejects)).orderBy("source_row").collect()
     assert [r["source_row"] for r in table] == [1, 2, 3]
     # A source column already has the name: the job's column takes a "_" more.
-    assert [r["malformed_line_"] for r in table] == ["short", "long,6,x,y,extra", '"open,7,x,y']
+    assert [r["malformed_line_"] for r in table] == ["short", "long,6,x,y,extra",
+                                                     '"open,7,x,y\nb,8,x,y']
     assert {r["reject_reason"] for r in table} == {
         "malformed CSV line (its text is in column 'malformed_line_')"}
+
+
+def test_csv_as_python_s_csv_module_writes_it_loads_as_written(spark: Any,
+                                                               tmp_path: Path) -> None:
+    # Spark's own CSV defaults (a backslash escape, one line a record) loaded
+    # `"say ""hi"""` as those very bytes, split a JSON body at its comma, and
+    # loaded the second half of a quoted field with a line break as a message of
+    # its own (a backfill audit of real files).
+    import csv
+    bodies = ['say "hi"', '{"id": 7, "op": "refund"}', "a,b", "ship order 42\nto: Alice",
+              "back\\slash"]
+    src = tmp_path / "rows.csv"
+    with open(src, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["payload", "priority"])
+        w.writerows((b, i) for i, b in enumerate(bodies))
+    store = tmp_path / "store"
+    run = backfill_cli(src, "--format", "csv", "--queue", "q", "--priority-col", "priority",
+                       "--into", store)
+    assert run.exit_code == 0, run.output
+    assert f"loaded {len(bodies)} of {len(bodies)} rows" in run.output
+    assert sorted((p, b) for _, p, b in drain(store, "q")) == [
+        (i, b.encode()) for i, b in enumerate(bodies)]
+
+
+def test_csv_files_whose_headers_differ_in_order_are_a_usage_error(spark: Any,
+                                                                   tmp_path: Path) -> None:
+    # Spark read every file by the position of the first one's columns: payload
+    # and priority of b.csv swapped, exit 0 (a backfill audit).
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.csv").write_text("payload,priority\n1001,1\n1002,2\n", encoding="utf-8")
+    (src / "b.csv").write_text("priority,payload\n3,1003\n4,1004\n", encoding="utf-8")
+    store = tmp_path / "store"
+    run = backfill_cli(src, "--format", "csv", "--queue", "q", "--priority-col", "priority",
+                       "--into", store)
+    assert run.exit_code == 2, run.output
+    text = " ".join(run.output.split())
+    assert f"the CSV file {src / 'b.csv'} has the header 'priority, payload'" in text
+    assert "must name the same columns in the same order" in text
+    with qstore.open(store, compactor=False) as s:
+        assert [s.queue(n).stats().total for n in s.queues()] in ([], [0])
 
 
 def test_json_malformed_lines_are_rejected_with_their_text(spark: Any, tmp_path: Path) -> None:
@@ -1310,6 +1356,23 @@ def test_sources_the_direct_path_cannot_take_go_through_spark(spark: Any,
     result = run_backfill(str(src), into=tmp_path / "s2", queue="q", spark=spark,
                           create_queue_options={"dedup": True})
     assert result.phases[0][0] == "count" and (result.loaded, result.duplicates) == (2, 1)
+
+
+def test_a_directory_with_a_subdirectory_loads_the_same_rows_on_both_paths(
+        spark: Any, tmp_path: Path) -> None:
+    # The direct path walked every subdirectory, Spark's reader does not: a plain
+    # queue got archive/'s row and a dedup queue (Spark's reader) did not, both
+    # exit 0 (a backfill audit). Spark's listing decides for both now.
+    src = tmp_path / "events"
+    write_parquet(src / "part-0.parquet", payload=[b"top-1", b"top-2"])
+    write_parquet(src / "archive" / "part-0.parquet", payload=[b"archive-1"])
+    loaded = {}
+    for name, options in (("plain", {}), ("dedup", {"dedup": True})):
+        result = run_backfill(str(src), into=tmp_path / name, queue="q", spark=spark,
+                              create_queue_options=options)
+        assert result.phases[0][0] == "count"  # Spark's reader, not the direct path
+        loaded[name] = sorted(b for _, _, b in drain(tmp_path / name, "q"))
+    assert loaded["plain"] == loaded["dedup"]
 
 
 def test_plan_files_cuts_whole_row_groups_in_file_order(tmp_path: Path) -> None:
