@@ -28,6 +28,7 @@ import json
 import math
 import os
 import secrets
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
+from .._errors import InvalidArgument
 from ._bulk import PartitionPlan, load_partition
 from ._bulk_source import read_plan
 from ._rows import LoadSpec
@@ -78,6 +80,42 @@ def list_parquet(paths: list[str]) -> list[str] | None:
                     return None
                 out.append(os.path.abspath(entry.path))
     return sorted(out) if out else None
+
+
+def check_file_columns(files: list[str], columns: list[str]) -> None:
+    """Raise InvalidArgument if a local Parquet file of the source lacks one of the
+    ``columns`` the job reads, or has one that a Hive partition directory in its
+    path (``col=value/``) also names.
+
+    Spark takes a Parquet source's schema from one file: a file without the
+    priority column loaded its rows at priority 0, or the job refused the
+    column as missing, depending on which file Spark looked at; and a
+    partition directory's value silently replaced the rows' own column (a
+    backfill audit). Only footers are read; files not on a local path are
+    left to Spark.
+    """
+    for uri in files:
+        url = urllib.parse.urlparse(uri)
+        if url.scheme not in ("", "file"):
+            continue
+        path = urllib.parse.unquote(url.path) if url.scheme else uri
+        if not os.path.isfile(path):
+            continue
+        parts = {c.split("=", 1)[0] for c in path.split(os.sep)[:-1] if "=" in c}
+        try:
+            names = set(pq.read_schema(path).names)
+        except (OSError, pa.ArrowException):
+            continue  # not Parquet, or unreadable: Spark's read says what is wrong
+        for col in columns:
+            if col in parts and col in names:
+                raise InvalidArgument(
+                    f"column {col!r} is both a column of the Parquet file {path} and a "
+                    f"partition directory ({col}=...) above it: Spark would load the "
+                    "directory's value in place of the rows' own")
+            if col not in parts and col not in names:
+                raise InvalidArgument(
+                    f"the Parquet file {path} has no column {col!r}, which other files of "
+                    "the source have: its rows would load with it null")
 
 
 def plan_files(paths: list[str], columns: list[str], cores: int) -> list[FilePart] | None:

@@ -478,6 +478,12 @@ class _Job:
         if self.dedup_col is not None and not dedup:
             raise InvalidArgument(f"queue {self.queue!r} was not created with dedup=True, so "
                                   "it takes no dedup column")
+        if self.paths is not None:  # Parquet files: each must have the columns read
+            from ._bulk_files import check_file_columns
+
+            used = [self.payload_col, self.priority_col, self.delay_col, self.ttl_col,
+                    self.dedup_col]
+            check_file_columns(self.df.inputFiles(), [c for c in used if c is not None])
 
     # -- pass 1: count, reserve -------------------------------------------------
 

@@ -1375,6 +1375,33 @@ def test_a_directory_with_a_subdirectory_loads_the_same_rows_on_both_paths(
     assert loaded["plain"] == loaded["dedup"]
 
 
+def test_a_parquet_file_without_a_column_the_others_have_is_a_usage_error(
+        spark: Any, tmp_path: Path) -> None:
+    # Spark takes the schema from one file: with the file lacking "prio" named
+    # b.parquet its rows loaded at priority 0, exit 0; named a.parquet the job
+    # said the column was missing (a backfill audit). Both are refused now.
+    src = tmp_path / "src"
+    write_parquet(src / "a.parquet", payload=[b"x"], prio=[5])
+    write_parquet(src / "b.parquet", payload=[b"y"])
+    run = backfill_cli(src, "--format", "parquet", "--queue", "q", "--priority-col", "prio",
+                       "--into", tmp_path / "store")
+    assert run.exit_code == 2, run.output
+    text = " ".join(run.output.split())
+    assert f"the Parquet file {src / 'b.parquet'} has no column 'prio'" in text
+
+
+def test_a_partition_directory_naming_a_file_column_is_a_usage_error(
+        spark: Any, tmp_path: Path) -> None:
+    # p=1/ and p=2/ whose rows hold p = 101 and 102 loaded at priorities 1 and 2.
+    src = tmp_path / "src"
+    write_parquet(src / "p=1" / "part.parquet", payload=[b"x"], p=[101])
+    write_parquet(src / "p=2" / "part.parquet", payload=[b"y"], p=[102])
+    run = backfill_cli(src, "--format", "parquet", "--queue", "q", "--priority-col", "p",
+                       "--into", tmp_path / "store")
+    assert run.exit_code == 2, run.output
+    assert "is both a column of the Parquet file" in " ".join(run.output.split())
+
+
 def test_plan_files_cuts_whole_row_groups_in_file_order(tmp_path: Path) -> None:
     from qstore.spark import _bulk_files as bf
 
