@@ -453,6 +453,17 @@ class _Job:
         fields = {f.name: f.dataType for f in self.df.schema.fields
                   if f.name != self.malformed_col}
 
+        if not fields:
+            # Every line malformed, or only empty files: "payload column 'payload' is
+            # not in the source; its columns are []" sent users looking for a
+            # misspelt column (a backfill audit).
+            raise InvalidArgument(
+                f"no column could be read from the {self.malformed_format} source: its "
+                "files are empty, or no line parses"
+                + (" (JSON sources are read as JSON Lines: one object per line, UTF-8; "
+                   "a pretty-printed document or an array over several lines is not)"
+                   if self.malformed_format == "JSON" else ""))
+
         def need(col: str | None, what: str, allowed: tuple[type, ...], hint: str) -> None:
             if col is None:
                 return

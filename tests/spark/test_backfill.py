@@ -372,6 +372,22 @@ def test_csv_files_whose_headers_differ_in_order_are_a_usage_error(spark: Any,
         assert [s.queue(n).stats().total for n in s.queues()] in ([], [0])
 
 
+def test_a_source_with_no_readable_column_says_so(spark: Any, tmp_path: Path) -> None:
+    # A pretty-printed JSON array, or only empty files, said "payload column
+    # 'payload' is not in the source; its columns are []" (a backfill audit).
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text('{\n  "payload": "a",\n  "priority": 1\n}\n', encoding="utf-8")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.csv").write_text("", encoding="utf-8")
+    for src, fmt in ((pretty, "json"), (empty, "csv")):
+        run = backfill_cli(src, "--format", fmt, "--queue", "q", "--into", tmp_path / "store")
+        assert run.exit_code == 2, run.output
+        text = " ".join(run.output.split())
+        assert f"no column could be read from the {fmt.upper()} source" in text
+        assert ("JSON Lines" in text) == (fmt == "json")
+
+
 def test_json_malformed_lines_are_rejected_with_their_text(spark: Any, tmp_path: Path) -> None:
     # A line that does not parse was loaded in PERMISSIVE mode with every column
     # null: rejected as "payload: null", its text lost (CSV kept it; a review).
