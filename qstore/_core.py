@@ -489,8 +489,20 @@ class Core(HotPaths):
                 _release_writer(self._writer_key)
                 raise
         if self.readonly:
-            self.syncer = Syncer(config.durability, config.sync_interval, self.payload,
-                                 self.meta)
+            try:
+                self.syncer = Syncer(config.durability, config.sync_interval, self.payload,
+                                     self.meta)
+                self._unwatch_clock = watch(config.clock, self._clock_moved)
+                _cores.add(self)
+            except BaseException:
+                # The view's files and pins go too (they stayed open for the life of
+                # the process: a review of the open's cleanup).
+                with contextlib.ExitStack() as undo:
+                    undo.callback(self.meta.close)
+                    undo.callback(self.payload.close)
+                    if hasattr(self, "_unwatch_clock"):
+                        undo.callback(self._unwatch_clock)
+                raise
         else:
             try:
                 self.syncer = Syncer(config.durability, config.sync_interval, self.payload,
@@ -514,9 +526,6 @@ class Core(HotPaths):
                     if hasattr(self, "_unwatch_clock"):
                         undo.callback(self._unwatch_clock)
                 raise
-        if self.readonly:
-            self._unwatch_clock = watch(config.clock, self._clock_moved)
-            _cores.add(self)
 
     def _recover_and_start(self, path: str) -> None:
         """The rest of a read-write open: what a stop left is settled, and the

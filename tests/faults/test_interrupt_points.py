@@ -209,6 +209,29 @@ def test_an_open_cut_short_as_its_threads_start_leaves_the_store_free(
         assert [m.payload for m in store.queue("q").peek(5)] == [b"kept"]
 
 
+def test_a_view_open_cut_short_at_its_end_keeps_no_file_open(
+        store_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The steps after the view's files were open (its syncer, the clock watch)
+    # ran outside any cleanup: a Ctrl-C there kept its segments and its metadata
+    # open for the life of the process (a review of the open's cleanup).
+    from qstore import _core
+
+    with qstore.open(store_path) as store:
+        store.create_queue("q").push(b"kept")
+    before = [link for link in _open_files() if link.startswith(store_path)]
+
+    def cut(*args: Any) -> None:
+        raise KeyboardInterrupt("simulated Ctrl-C")
+
+    monkeypatch.setattr(_core, "watch", cut)
+    with pytest.raises(KeyboardInterrupt):
+        qstore.open(store_path, readonly=True)
+    monkeypatch.undo()
+    assert [link for link in _open_files() if link.startswith(store_path)] == before
+    with qstore.open(store_path, readonly=True) as view:
+        assert [m.payload for m in view.queue("q").peek(5)] == [b"kept"]
+
+
 def test_an_interrupt_as_the_writer_claim_returns_leaves_no_claim(store_path: str) -> None:
     # The process's claim on the store (beside RocksDB's LOCK) was noted before
     # anything could release it: a Ctrl-C as _claim_writer returned kept it, and
