@@ -380,12 +380,12 @@ def test_a_source_with_no_readable_column_says_so(spark: Any, tmp_path: Path) ->
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "a.csv").write_text("", encoding="utf-8")
-    for src, fmt in ((pretty, "json"), (empty, "csv")):
-        run = backfill_cli(src, "--format", fmt, "--queue", "q", "--into", tmp_path / "store")
+    for src, kind in ((pretty, "json"), (empty, "csv")):
+        run = backfill_cli(src, "--format", kind, "--queue", "q", "--into", tmp_path / "store")
         assert run.exit_code == 2, run.output
         text = " ".join(run.output.split())
-        assert f"no column could be read from the {fmt.upper()} source" in text
-        assert ("JSON Lines" in text) == (fmt == "json")
+        assert f"no column could be read from the {kind.upper()} source" in text
+        assert ("JSON Lines" in text) == (kind == "json")
 
 
 def test_json_malformed_lines_are_rejected_with_their_text(spark: Any, tmp_path: Path) -> None:
