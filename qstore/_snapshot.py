@@ -13,6 +13,7 @@ live store and are ignored by readers of the snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -63,6 +64,7 @@ def take_snapshot(core: Core, dest: str | os.PathLike[str]) -> str:
         raise InvalidArgument(f"snapshot destination {dest!r} is inside the store "
                               f"{core.path!r}")
     if os.path.isdir(dest) and unfinished(dest):
+        _check_replaceable(dest)
         # Ours, cut short by a kill: nothing reads it (no manifest). Its files are
         # hard links and a checkpoint's copies; the store's own stay untouched.
         log.warning("replacing the unfinished snapshot in %s (its process was killed "
@@ -195,10 +197,35 @@ def _storage_error(what: str, exc: OSError) -> StorageError:
     return err
 
 
-def _remove_partial(dest: str, existed: bool) -> None:
-    """Remove what a failed snapshot wrote: ``dest`` itself, or its contents if it existed.
+# Every name a snapshot writes in its destination; nothing else there is its own.
+_WRITTEN = frozenset({UNFINISHED, "meta", "payload", MANIFEST, MANIFEST + ".tmp"})
 
-    Hard links and the checkpoint's files only: the store's own files are untouched.
+
+def _check_replaceable(dest: str) -> None:
+    """Refuse to replace an unfinished snapshot that holds more than a snapshot
+    writes, or whose marker another user made.
+
+    Any directory holding the marker was taken for one and emptied, whatever
+    else it held: a client of a server could plant the marker in a directory
+    it may write (a sticky /tmp) and have the server delete other users'
+    files there (a security audit).
+    """
+    others = sorted(set(os.listdir(dest)) - _WRITTEN)
+    owner = os.lstat(os.path.join(dest, UNFINISHED)).st_uid
+    if others or owner != os.geteuid():
+        why = (f"it also holds {others[:5]!r}" if others
+               else f"its marker {UNFINISHED} belongs to user {owner}, not to this process's")
+        raise InvalidArgument(
+            f"snapshot destination {dest!r} looks like a snapshot cut short, but {why}: "
+            "not replaced; remove what you do not want there by hand")
+
+
+def _remove_partial(dest: str, existed: bool) -> None:
+    """Remove what a failed snapshot wrote: its names in ``dest``, and ``dest`` itself
+    if this snapshot made it (and nothing else is in it).
+
+    Hard links and the checkpoint's files only: the store's own files are
+    untouched, and so is anything else in ``dest``.
     """
     try:
         names = os.listdir(dest)
@@ -206,11 +233,13 @@ def _remove_partial(dest: str, existed: bool) -> None:
         return
     # The marker last: a kill meanwhile leaves the directory still marked, never
     # meta/ and payload/ without it, which would look like a store.
-    left = remove_paths([os.path.join(dest, n) for n in names if n != UNFINISHED])
+    left = remove_paths([os.path.join(dest, n) for n in names
+                         if n in _WRITTEN and n != UNFINISHED])
     if not left:
         left = remove_paths([os.path.join(dest, UNFINISHED)])
     if not left and not existed:
-        left = remove_paths([dest])
+        with contextlib.suppress(OSError):  # not empty: what another put there stays
+            os.rmdir(dest)
     for path in left:
         log.error("cannot remove %s of a failed snapshot; remove it by hand", path)
 

@@ -412,6 +412,34 @@ def test_a_snapshot_cut_short_by_a_kill_is_named_and_taken_again_in_its_place(
     assert sorted(os.listdir(other)) == ["notes.txt", "payload"]
 
 
+def test_a_planted_snapshot_marker_empties_no_directory(tmp_path: Any, clock: FakeClock) -> None:
+    # Any directory holding the marker (and no manifest) was taken for a killed
+    # snapshot and emptied, subdirectories too: a client of a server could plant
+    # it in a directory it may write (a sticky /tmp) and have the server delete
+    # others' files there (a security audit).
+    path = str(tmp_path / "store")
+    build(path, clock)
+    victim = tmp_path / "victim"
+    (victim / "sub").mkdir(parents=True)
+    (victim / "sub" / "keep.db").write_text("theirs")
+    (victim / "notes.txt").write_text("theirs")
+    (victim / ".qstore-snapshot-unfinished").write_bytes(b"")
+    with qstore.open(path, clock=clock, compactor=False) as s, \
+            pytest.raises(qstore.InvalidArgument, match=r"also holds \['notes.txt', 'sub'\]"):
+        s.snapshot(victim)
+    assert sorted(os.listdir(victim)) == [".qstore-snapshot-unfinished", "notes.txt", "sub"]
+    assert (victim / "sub" / "keep.db").read_text() == "theirs"
+    # A marker another user made is not this process's either.
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / ".qstore-snapshot-unfinished").write_bytes(b"")
+    os.chown(theirs / ".qstore-snapshot-unfinished", 65534, 65534)
+    with qstore.open(path, clock=clock, compactor=False) as s, \
+            pytest.raises(qstore.InvalidArgument, match="belongs to user 65534"):
+        s.snapshot(theirs)
+    assert os.listdir(theirs) == [".qstore-snapshot-unfinished"]
+
+
 def test_an_unfinished_snapshot_is_never_opened_and_stays_marked_until_gone(
         tmp_path: Any, clock: FakeClock) -> None:
     # A read-write open of a killed snapshot was accepted: its segments are hard
