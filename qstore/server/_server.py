@@ -484,9 +484,23 @@ class Server:
                     key = group_key(op, args)
                     j = i + 1
                     if key is not None:
+                        # A pop's answer may be max_payload_bytes: one pop per
+                        # connection in a group, none for a connection whose unsent
+                        # answers are over ANSWERS_MAX (it goes to _dispatch, which
+                        # holds it back). A pipeline of N unread pops was popped as
+                        # one group and its N answers queued at once: 1.1 GB for
+                        # 1,500 of 256 KiB (a security audit).
+                        seen = {conn} if op == "pop" else None
                         while (j < n and reqs[j][2] == op and not reqs[j][0].held
                                and group_key(op, reqs[j][3]) == key):
+                            if seen is not None:
+                                other = reqs[j][0]
+                                if other in seen or other.answers_backed_up():
+                                    break
+                                seen.add(other)
                             j += 1
+                    if op == "pop" and conn.answers_backed_up():
+                        j = i + 1  # not grouped: _dispatch holds it back
                     if j > i + 1:
                         self._group(key, reqs[i:j])  # type: ignore[arg-type]
                         i = j

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import qstore
 from qstore import _client_base as base
+from qstore._wire import decode_message
 
 from ._support import ServerProcess, frame, raw_socket, read_frames, running, send_junk
 
@@ -195,6 +196,38 @@ def test_answers_a_client_does_not_read_stay_bounded_and_come_in_order(tmp_path:
             s.close()
         assert [a[0] for a in got] == list(range(1, n + 1))  # every one, in order
         assert all(a[1] == 0 and len(a[2]) == peek for a in got)
+
+
+def test_unread_answers_of_pipelined_pops_stay_bounded_too(tmp_path: Any) -> None:
+    # Pops of one queue with one lease run as one group, and a group's answers
+    # were queued whatever the connection had not read: 1,500 pipelined pops of
+    # 256 KiB messages held 1.1 GB in the server (a security audit). A connection
+    # now has one pop in a group, and none once its answers are backed up.
+    n, size = 300, 256 * 1024
+    with running(str(tmp_path / "s")) as srv:
+        pid = srv.proc.pid
+        with qstore.connect(srv.address) as client:
+            q = client.create_queue("a")
+            for i in range(0, n, 50):
+                q.push_many([bytes([i % 251]) * size] * 50)
+        base = _rss(pid)
+        s = raw_socket(srv.address)
+        try:
+            s.sendall(HELLO)
+            assert isinstance(read_frames(s, 1)[0], dict)
+            s.sendall(b"".join(frame([i, "pop", {"queue": "a", "lease": 300}])
+                               for i in range(1, n + 1)))
+            peak = 0
+            for _ in range(5):  # other clients are served meanwhile
+                _works(srv.address)
+                peak = max(peak, _rss(pid) - base)
+            assert peak < 40 * MiB, peak  # the answers are 75 MiB
+            got = read_frames(s, n)
+        finally:
+            s.close()
+        assert [a[0] for a in got] == list(range(1, n + 1))  # every one, in order
+        popped = [decode_message(a[2]) for a in got if a[1] == 0]
+        assert len({m.id for m in popped}) == n and {len(m.payload) for m in popped} == {size}
 
 
 def _reset_peak(pid: int) -> int:
