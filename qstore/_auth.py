@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 from ._address import Address
 from ._errors import InvalidArgument
 
@@ -10,6 +13,8 @@ from ._errors import InvalidArgument
 # by `serve`, and no client could ever send it; a configuration audit). 60 KiB
 # leaves the rest of the handshake room, and takes every token that worked before.
 MAX_TOKEN_BYTES = 60 * 1024
+
+log = logging.getLogger("qstore.auth")
 
 
 def check_token(token: object, *, empty_ok: bool = False) -> str:
@@ -28,10 +33,17 @@ def read_token_file(path: str) -> str:
     """The token in file ``path``, surrounding whitespace stripped (InvalidArgument,
     naming the file, if it cannot be read, is not UTF-8, or is empty or too long)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        # utf-8-sig: a byte-order mark an editor wrote is not part of the token.
+        with open(path, encoding="utf-8-sig") as f:
             token = f.read(4 * MAX_TOKEN_BYTES + 1).strip()
+            mode = os.fstat(f.fileno()).st_mode
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"token file {path}: cannot read a UTF-8 token: {exc}") from None
+    if mode & 0o077:
+        # Not refused (a mounted secret is often 0644), but said: whoever can read
+        # the file can use the server (a security audit found it unchecked).
+        log.warning("token file %s has mode %04o: other users than its owner may read "
+                    "it, and with it use the server; chmod 600 it", path, mode & 0o7777)
     try:
         return check_token(token)
     except InvalidArgument as exc:

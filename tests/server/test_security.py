@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import ssl
@@ -140,6 +141,26 @@ def test_serve_refuses_settings_it_could_not_serve_with(tmp_path: Any, case: str
     assert r.exit_code == 2, r.output
     assert "Traceback" not in r.output
     assert not (tmp_path / "s").exists()
+
+
+def test_a_token_file_others_may_read_is_said_and_a_bom_is_no_part_of_it(
+        tmp_path: Any, caplog: Any) -> None:
+    # Neither was looked at: a world-readable token file started the server
+    # without a word, and an editor's byte-order mark became part of the token
+    # (a security audit).
+    from qstore._auth import read_token_file
+
+    tok = tmp_path / "tok"
+    tok.write_bytes(b"\xef\xbb\xbfsecret\n")
+    for mode, warned in ((0o600, False), (0o640, True), (0o644, True), (0o400, False)):
+        os.chmod(tok, mode)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="qstore.auth"):
+            assert read_token_file(str(tok)) == "secret"
+        said = [r.getMessage() for r in caplog.records]
+        assert bool(said) == warned, (oct(mode), said)
+        if warned:
+            assert f"has mode {mode:04o}" in said[0] and "chmod 600" in said[0]
 
 
 def test_the_longest_token_the_handshake_carries_works(tmp_path: Any) -> None:
