@@ -30,9 +30,14 @@ process-global one), served over HTTP by the library's own thread:
 
 from __future__ import annotations
 
+import socket
+import socketserver
+import threading
 from collections.abc import Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -127,5 +132,55 @@ class Metrics:
         self.latency.labels(op).observe(seconds)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        """Serve /metrics over HTTP on ``host:port`` (a daemon thread of prometheus_client)."""
-        start_http_server(port, addr=host, registry=self.registry)
+        """Serve /metrics over HTTP on ``host:port`` (prometheus_client's WSGI app, in
+        a daemon thread, at most MAX_SCRAPERS connections at once)."""
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        server = type("_Server", (_MetricsServer,), {"address_family": family})
+        httpd: WSGIServer = make_server(host, port, make_wsgi_app(self.registry), server,
+                            handler_class=_MetricsHandler)
+        threading.Thread(target=httpd.serve_forever, name="qstore-metrics", daemon=True).start()
+
+
+# prometheus_client's own server (start_http_server) starts a thread for each
+# connection and keeps it while the connection stays open: any local user could
+# pile up threads in the queue server's process, 800 idle connections 800
+# threads (a security audit). Here a connection that sends nothing for
+# SCRAPE_TIMEOUT is closed, and past MAX_SCRAPERS at once a new one is closed
+# at once (a scraper retries at its next interval).
+MAX_SCRAPERS = 16
+SCRAPE_TIMEOUT = 10.0
+
+
+class _MetricsHandler(WSGIRequestHandler):
+    timeout = SCRAPE_TIMEOUT
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a line per scrape on stderr, as prometheus_client's handler avoids too
+
+
+class _MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPERS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: closed, no thread
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a timed-out or dropped scraper: no traceback on stderr

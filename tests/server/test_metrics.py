@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -220,3 +221,43 @@ def test_a_metrics_port_of_0_is_refused(tmp_path: Any) -> None:
     r = CliRunner().invoke(main, ["serve", str(tmp_path / "s"), "--metrics-port", "0"])
     assert r.exit_code == 2 and "--metrics-port" in r.output
     assert not (tmp_path / "s").exists()
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def test_idle_connections_to_the_metrics_port_take_a_bounded_number_of_threads(
+        tmp_path: Any) -> None:
+    # prometheus_client's server kept a thread per open connection: 800 idle
+    # connections were 800 threads in the queue server (a security audit). At
+    # most MAX_SCRAPERS now; the others are closed at once, and once the idle
+    # ones go a scrape works.
+    from qstore.server._metrics import MAX_SCRAPERS
+
+    port = _free_port()
+    with running(str(tmp_path / "s"), "--metrics-port", str(port)) as srv:
+        _scrape(port)
+        base = _threads(srv.proc.pid)
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
+        try:
+            # Those past the limit see their connection closed at once (the others
+            # only after SCRAPE_TIMEOUT, 10 s, of silence).
+            closed: set[socket.socket] = set()
+            deadline = time.monotonic() + 5
+            while len(closed) < 100 - MAX_SCRAPERS and time.monotonic() < deadline:
+                ready, _, _ = select.select([s for s in idle if s not in closed], [], [], 0.5)
+                closed.update(s for s in ready if s.recv(1) == b"")
+            assert len(closed) == 100 - MAX_SCRAPERS
+            assert _threads(srv.proc.pid) <= base + MAX_SCRAPERS
+        finally:
+            for s in idle:
+                s.close()
+        deadline = time.monotonic() + 30
+        while True:  # the idle ones' threads end as their connections close
+            try:
+                assert _scrape(port)[("qstore_connections", ())] == 0
+                break
+            except OSError:
+                assert time.monotonic() < deadline
