@@ -65,14 +65,22 @@ def checked_path(value: object, what: str) -> str:
 
 def unix_socket_answers(path: str, timeout: float) -> bool:
     """True when a server accepts connections on the unix socket ``path`` (a connect
-    succeeds; no handshake, so no token is needed to tell). False for no file or a
-    stale one, left by a server that was killed."""
+    succeeds; no handshake, so no token is needed to tell), or may: a socket this
+    user may not connect to (EACCES: another user's server, mode 0600) counts as
+    one. False for no file or a stale one, left by a server that was killed.
+
+    EACCES counted as stale: a second server run by another user replaced a live
+    server's socket (its clients' pushes went to the other store), and a command
+    said the store was locked by an embedding application (a non-root audit).
+    """
     if not os.path.exists(path):
         return False
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
             sock.connect(path)
+        except PermissionError:
+            return True
         except OSError:
             return False
     return True

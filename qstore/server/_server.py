@@ -182,6 +182,7 @@ class Server:
         # out by a real-time timer. An injected clock decides waits (_waits.py).
         self._real_clock = store.config.clock is time.time
         self._server: asyncio.base_events.Server | None = None
+        self._socket_id: tuple[int, int] | None = None  # (dev, inode) of our unix socket
         self._thread: StoreThread | InlineStore | None = None
         self._inline = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -210,7 +211,8 @@ class Server:
             # is fine to replace, but one another server listens on is not (its
             # clients then reached this server's store; an operations audit).
             if unix_socket_answers(a.path, UNIX_PROBE_TIMEOUT):
-                raise OSError(errno.EADDRINUSE, "another server listens there")
+                raise OSError(errno.EADDRINUSE, "another server listens there (or a socket "
+                              "this user may not connect to)")
             old = os.umask(0o177)  # the socket is born mode 0600: no window where others connect
             try:
                 self._server = await loop.create_unix_server(
@@ -218,6 +220,7 @@ class Server:
                     backlog=backlog)
             finally:
                 os.umask(old)
+            self._socket_id = _file_id(a.path)
         else:
             self._server = await loop.create_server(self._accept, a.host, a.port,
                                                     ssl=self._ssl, reuse_address=True,
@@ -294,7 +297,8 @@ class Server:
             self._due_timer.cancel()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.stop)
-        if self.address.kind == "unix" and self._server is not None:  # ours to remove
+        if self.address.kind == "unix" and self._server is not None \
+                and _file_id(self.address.path) == self._socket_id:  # still ours to remove
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.address.path)
         if self._server is not None:
@@ -1088,6 +1092,16 @@ def _touched(reqs: list[_Request]) -> set[str] | None:
         elif op != "ping" and op != "cancel":
             return None
     return out
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    """(device, inode) of ``path`` itself, or None if there is none: a server
+    removes only the socket it made, not one another put at its path since."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _layered(reqs: list[_Request]) -> list[_Request]:

@@ -163,6 +163,49 @@ def test_a_token_file_others_may_read_is_said_and_a_bom_is_no_part_of_it(
             assert f"has mode {mode:04o}" in said[0] and "chmod 600" in said[0]
 
 
+def test_a_socket_this_user_may_not_connect_to_counts_as_a_server(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    # EACCES on the probe's connect (another user's server, its socket 0600) was
+    # taken for a stale socket: a second server replaced the live one's socket
+    # and its clients' pushes went to the other store (a non-root audit; tests
+    # run as root, who may connect anywhere, so the refusal is simulated).
+    from qstore import _address
+
+    path = tmp_path / "s.sock"
+    path.write_bytes(b"")
+
+    class Refused(socket.socket):
+        def connect(self, address: Any) -> None:
+            raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(_address.socket, "socket", Refused)
+    assert _address.unix_socket_answers(str(path), 1.0)
+
+
+def test_a_server_removes_only_the_socket_it_made(tmp_path: Any) -> None:
+    # At its stop it unlinked whatever was at its path: another server's socket
+    # put there since (a non-root audit), which then had no way in.
+    sock_path = str(tmp_path / "x.sock")
+    srv = ServerProcess(str(tmp_path / "store"), "--listen", f"unix://{sock_path}")
+    try:
+        with qstore.connect(srv.address) as client:
+            client.queues()
+        os.rename(sock_path, sock_path + ".moved")
+        other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        other.bind(sock_path)
+        other.listen(1)
+        try:
+            assert srv.terminate() == 0
+            assert os.path.exists(sock_path)  # the other one's, left in place
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.connect(sock_path)
+            probe.close()
+        finally:
+            other.close()
+    finally:
+        srv.kill()
+
+
 def test_the_longest_token_the_handshake_carries_works(tmp_path: Any) -> None:
     # Bounded at what the 64 KiB handshake can carry, not lower: a JWT-sized token
     # (6,000 bytes) that worked before must go on working (a review).
