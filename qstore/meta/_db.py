@@ -234,6 +234,11 @@ def _read_only_fs(exc: Exception) -> bool:
     return "Read-only file system" in text or "os error 30" in text  # EROFS
 
 
+def _denied(exc: Exception) -> bool:
+    text = str(exc)
+    return "Permission denied" in text or "os error 13" in text  # EACCES
+
+
 def _corruption(exc: Exception) -> bool:
     """RocksDB's status "Corruption: ..." (a damaged table, manifest or log)."""
     return "Corruption:" in str(exc)
@@ -241,7 +246,10 @@ def _corruption(exc: Exception) -> bool:
 
 def _locked(exc: Exception) -> bool:
     text = str(exc)
-    return "lock" in text.lower() and ("LOCK" in text or "Resource temporarily" in text)
+    # A LOCK file this user may not open is not another writer: StorageError, naming
+    # it (it was StoreLocked, "locked by another writer"; a non-root audit).
+    return ("lock" in text.lower() and ("LOCK" in text or "Resource temporarily" in text)
+            and not _denied(exc))
 
 
 class MetaDB:
@@ -297,9 +305,14 @@ class MetaDB:
                         and os.path.abspath(address[len("unix://"):]) == os.path.abspath(sock):
                     address = None  # its own socket: the store's path reaches it
                 raise StoreLocked(self._store_path, served, address) from None
-            if readonly and _read_only_fs(exc):
+            if readonly and (_read_only_fs(exc) or _denied(exc)):
                 # On a read-only filesystem nothing can change under the view, so
                 # a private copy linking the same table files is the same database.
+                # A directory this user may read but not write (another user's
+                # store, a root-made snapshot) is opened the same way: the open
+                # failed writing rocksdict's config file into it, so no view of
+                # such a store worked (a non-root audit). A writer may change it
+                # meanwhile: a copy that met a flush fails as a raced open does.
                 return self._open_copy(self.path)
             raise _open_error(self.path, exc, self.shown) from None
         raise StorageError(f"cannot open metadata at {self.shown} read-only: its writer "

@@ -1,0 +1,91 @@
+"""A store of another user, met by a process without root's privileges.
+
+The suite runs as root, which may read and write every file, so permission
+problems never showed in it (a non-root audit found them by hand). These
+tests run the child that meets the store as root without its capabilities
+(``setpriv``: no CAP_DAC_OVERRIDE), so the files' owners and modes decide,
+as for any user, while the interpreter under root's home stays reachable.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+import qstore
+
+NOBODY = 65534
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv to drop root's file capabilities")
+
+
+def _run_unprivileged(code: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-all",
+                           sys.executable, "-c", textwrap.dedent(code)],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def _give_away(path: str) -> None:
+    """Make ``path`` another user's: owned by nobody, writable by nobody else."""
+    for root, dirs, files in os.walk(path):
+        for name in [*dirs, *files]:
+            os.lchown(os.path.join(root, name), NOBODY, NOBODY)
+    os.chown(path, NOBODY, NOBODY)
+    subprocess.run(["chmod", "-R", "go-w", path], check=True)
+
+
+def test_a_view_of_a_store_this_user_may_read_but_not_write(tmp_path: Any) -> None:
+    # Every read-only open rewrote rocksdict's config file in meta/: a user who
+    # may read a store but not write it (another user's store, a snapshot root
+    # made) could open no view, nor run stats, peek or check (a non-root audit).
+    path = str(tmp_path / "store")
+    with qstore.open(path) as store:
+        store.create_queue("q").push_many([b"a", b"b"])
+        store.snapshot(str(tmp_path / "snap"))
+    _give_away(path)
+    _give_away(str(tmp_path / "snap"))
+    for target in (path, str(tmp_path / "snap")):
+        r = _run_unprivileged(f"""
+            import qstore
+            with qstore.open({target!r}, readonly=True) as v:
+                print(sorted(m.payload for m in v.queue("q").peek(5)), v.check().ok)
+            """)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split("\n")[0] == "[b'a', b'b'] True"
+        r = _run_unprivileged(f"""
+            import sys
+            from qstore.cli import main
+            sys.argv = ["qstore", "check", {target!r}]
+            main()
+            """)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_lock_file_this_user_may_not_open_is_not_another_writer(tmp_path: Any) -> None:
+    # RocksDB's "While open a file for lock: .../LOCK: Permission denied" was
+    # taken for a second writer: StoreLocked, exit 3 (a non-root audit).
+    path = str(tmp_path / "store")
+    with qstore.open(path) as store:
+        store.create_queue("q").push(b"a")
+    lock = os.path.join(path, "meta", "LOCK")
+    os.chown(lock, NOBODY, NOBODY)
+    os.chmod(lock, 0o644)
+    r = _run_unprivileged(f"""
+        import qstore
+        try:
+            qstore.open({path!r})
+        except qstore.QStoreError as exc:
+            print(type(exc).__name__, exc)
+        """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("StorageError") and "LOCK" in r.stdout, r.stdout
+    assert "Permission denied" in r.stdout
