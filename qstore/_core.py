@@ -122,6 +122,42 @@ def writer_running(path: str) -> bool:
     return locked_by_another_process(os.path.join(path, "meta"))
 
 
+def _owner_if_not_root(path: str) -> tuple[int, int] | None:
+    """(uid, gid) of the store directory when root opens another user's store
+    read-write, else None.
+
+    The files such a session creates (segments, tables, the log) are root's,
+    and the store's owner could then open it no more ("Permission denied" on a
+    new segment; under umask 077 not even read-only): a cron job or an admin
+    run as root locked the owner out (a non-root audit). Not refused (a
+    container runs as root on a volume another uid owns); the files go to
+    the store's owner when the session closes (:func:`_hand_over`).
+    """
+    if os.geteuid() != 0:
+        return None
+    st = os.stat(path)
+    if st.st_uid == 0:
+        return None
+    log.warning("opening the store %s of user %d as root: the files this session creates "
+                "are handed to that user when it closes (a session killed before leaves "
+                "them root's: chown -R them)", path, st.st_uid)
+    return st.st_uid, st.st_gid
+
+
+def _hand_over(path: str, owner: tuple[int, int]) -> None:
+    """Give every root-owned file and directory under ``path`` to ``owner``."""
+    uid, gid = owner
+    for root, dirs, files in os.walk(path):
+        for name in [*dirs, *files]:
+            entry = os.path.join(root, name)
+            try:
+                if os.lstat(entry).st_uid == 0:
+                    os.lchown(entry, uid, gid)
+            except OSError as exc:  # gone meanwhile, or a filesystem without owners
+                if not isinstance(exc, FileNotFoundError):
+                    log.warning("cannot give %s to user %d: %s", entry, uid, exc)
+
+
 def _release_writer(key: tuple[int, int] | None) -> None:
     if key is not None:
         with _writers_lock:
@@ -446,8 +482,10 @@ class Core(HotPaths):
             config.sync_interval if config.durability != "none" else config.sweep_interval)
         self._log_flush_due = False  # the log grown before it was kept small: flush it
         self._mark_failing = False  # the last write of the durable mark failed
+        self._owner: tuple[int, int] | None = None  # see _owner_if_not_root
         if not config.readonly:
             make_dirs_durably(path)
+            self._owner = _owner_if_not_root(path)
             claimed: list[tuple[int, int]] = []
             try:
                 self._writer_key = _claim_writer(path, claimed)
@@ -1634,6 +1672,8 @@ class Core(HotPaths):
                     log.warning("%s", exc)
                 _release_writer(self._writer_key)
                 self._released = True
+                if self._owner is not None:
+                    _hand_over(self.path, self._owner)
             self._close_done = True
         if error is not None:
             raise error

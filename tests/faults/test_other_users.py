@@ -89,3 +89,25 @@ def test_a_lock_file_this_user_may_not_open_is_not_another_writer(tmp_path: Any)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("StorageError") and "LOCK" in r.stdout, r.stdout
     assert "Permission denied" in r.stdout
+
+
+def test_a_root_session_on_another_user_s_store_gives_its_files_to_that_user(
+        tmp_path: Any, caplog: Any) -> None:
+    # A compaction, a rotation, any new table made by root stayed root's, and the
+    # store's owner could open it no more (a cron job as root; a non-root audit).
+    path = str(tmp_path / "store")
+    with qstore.open(path) as store:
+        store.create_queue("q").push(b"first")
+    _give_away(path)
+    with qstore.open(path, segment_max_bytes=64 * 1024, compactor=False) as store:
+        q = store.queue("q")
+        for _ in range(3):
+            q.push_many([b"x" * 1000] * 100)  # new segments
+        q.ack_many(q.pop_many(300))
+        store.compact(threshold=0.0)
+        new = [n for n in os.listdir(os.path.join(path, "payload")) if n.endswith(".seg")]
+        assert any(os.stat(os.path.join(path, "payload", n)).st_uid == 0 for n in new)
+    assert "as root: the files this session creates are handed" in caplog.text
+    owners = {os.lstat(os.path.join(root, name)).st_uid
+              for root, dirs, files in os.walk(path) for name in [*dirs, *files]}
+    assert owners == {NOBODY}
