@@ -138,9 +138,8 @@ def _write(core: Core, dest: str) -> None:
                 linked.append(target)
             except OSError as exc:
                 if not (core.readonly and exc.errno == errno.ENOENT):
-                    raise _storage_error(f"cannot hard-link segment {name} into {dest!r} (a "
-                                         "snapshot must be on the store's filesystem)",
-                                         exc) from exc
+                    raise _storage_error(f"cannot hard-link segment {name} into {dest!r} "
+                                         f"({_link_hint(exc)})", exc) from exc
                 if fid in damaged:
                     # A view's damaged segment the writer retired since (a repair
                     # renamed it: nothing referred to it), and no pinned map of it.
@@ -195,6 +194,17 @@ def _storage_error(what: str, exc: OSError) -> StorageError:
     err = StorageError(f"{what}: {exc}")
     err.errno = exc.errno
     return err
+
+
+def _link_hint(exc: OSError) -> str:
+    """Why a segment's hard link failed, as far as its errno tells: the store's
+    filesystem named for EPERM too was wrong (a non-root audit)."""
+    if exc.errno == errno.EXDEV:
+        return "a snapshot must be on the store's filesystem"
+    if exc.errno == errno.EPERM:
+        return ("the kernel refuses links to files this user does not own "
+                "(fs.protected_hardlinks): take the snapshot as the store's owner")
+    return "the destination must be writable and on the store's filesystem"
 
 
 # Every name a snapshot writes in its destination; nothing else there is its own.

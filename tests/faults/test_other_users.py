@@ -111,3 +111,25 @@ def test_a_root_session_on_another_user_s_store_gives_its_files_to_that_user(
     owners = {os.lstat(os.path.join(root, name)).st_uid
               for root, dirs, files in os.walk(path) for name in [*dirs, *files]}
     assert owners == {NOBODY}
+
+
+def test_a_snapshot_the_kernel_refuses_to_link_says_why(tmp_path: Any) -> None:
+    # With fs.protected_hardlinks, linking another user's segment is EPERM, and the
+    # error said the snapshot must be on the store's filesystem (it was).
+    with open("/proc/sys/fs/protected_hardlinks") as f:
+        if f.read().strip() != "1":
+            pytest.skip("fs.protected_hardlinks is off")
+    path = str(tmp_path / "store")
+    with qstore.open(path) as store:
+        store.create_queue("q").push(b"a")
+    _give_away(path)
+    r = _run_unprivileged(f"""
+        import qstore
+        with qstore.open({path!r}, readonly=True) as v:
+            try:
+                v.snapshot({str(tmp_path / "snap")!r})
+            except qstore.StorageError as exc:
+                print(exc)
+        """)
+    assert r.returncode == 0, r.stderr
+    assert "fs.protected_hardlinks" in r.stdout and "filesystem" not in r.stdout, r.stdout
