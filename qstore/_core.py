@@ -17,6 +17,7 @@ number read-only.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import dataclasses
 import errno
@@ -186,7 +187,7 @@ def _after_fork_in_child() -> None:
     parent = os.getppid()
     for core in list(_cores):
         core.forked_from = parent
-        core.lock = threading.RLock()
+        core.lock = writer_lock()
         core.ready = ReadySignal(core.lock)
         core.waiters = 0
         core.closed = True
@@ -291,6 +292,26 @@ def require_store(path: str) -> None:
         raise StorageError(f"cannot read the store at {path!r}: {current!r} is not a file")
 
 
+if hasattr(threading.RLock(), "_recursion_count"):
+    writer_lock: Callable[[], Any] = threading.RLock
+else:
+    class _CountedRLock(_thread.RLock):  # type: ignore[misc,unused-ignore]
+        """Python before 3.11.6: the C RLock has no ``_recursion_count`` (which the
+        writer-lock sections read to undo an ``__enter__`` an interrupt cut short),
+        and every open failed with AttributeError on Debian 12's Python 3.11.2 (a
+        non-root audit). Its ``repr`` has the count; only these versions read it."""
+
+        __slots__ = ()
+
+        def _recursion_count(self) -> int:
+            if not self._is_owned():  # type: ignore[attr-defined]
+                return 0
+            text = repr(self)
+            return int(text[text.index("count=") + 6:text.index(" at ")])
+
+    writer_lock = _CountedRLock
+
+
 def _let_go(lock: Any, depth: int) -> None:
     """Release ``lock`` if this thread took it once more than ``depth`` (its count
     before the acquire): an ``__enter__`` left by an exception. A KeyboardInterrupt
@@ -319,7 +340,7 @@ class Settling:
     def __enter__(self) -> None:
         core = self._core
         lock = core.lock
-        depth = lock._recursion_count()  # type: ignore[attr-defined]
+        depth = lock._recursion_count()
         try:
             lock.acquire()
             if depth:  # nested: the outer mark stands
@@ -353,7 +374,7 @@ class Writing(Settling):
     def __enter__(self) -> None:
         core = self._core
         lock = core.lock
-        depth = lock._recursion_count()  # type: ignore[attr-defined]
+        depth = lock._recursion_count()
         try:
             lock.acquire()
             if core.closed or core.readonly or core.meta.failed is not None:
@@ -419,7 +440,7 @@ class Core(HotPaths):
         self.clock = checked_clock(config.clock)  # a bad time raises, never is stored
         self.readonly = config.readonly
         self.max_payload_bytes = config.max_payload_bytes
-        self.lock = threading.RLock()
+        self.lock = writer_lock()
         self.ready = ReadySignal(self.lock)  # notified when ready keys are added
         self.waiters = 0  # pops blocked in ready.wait (lock held to change it)
         self._sleep_time = sleep_time_of(config.clock, self.clock)  # see wait_until
