@@ -332,6 +332,10 @@ class Compactor:
         core = self._core
         with core.settling:
             dead = [(fid, size) for fid, size, _, count in self._sealed_segments() if count == 0]
+            unrecorded = [fid for fid, _ in dead if fid not in core.segments]
+            if unrecorded:
+                kept = self._recount_unrecorded(unrecorded)
+                dead = [(fid, size) for fid, size in dead if fid not in kept]
         done: list[tuple[int, int]] = []
         # DELETE_CHUNK at a time, letting go of the writer lock between them: one
         # hold for all took about 100 us a segment (5,000 dead segments held every
@@ -357,6 +361,35 @@ class Compactor:
                     raise
             done += chunk
         return done
+
+    def _recount_unrecorded(self, fids: list[int]) -> set[int]:
+        """Writer lock held: of sealed segments with no S record, those messages
+        refer to; their S records are rebuilt from a recount (an ERROR line each).
+
+        A file without an S record is one whose deletion a crash cut short (the
+        record goes first): nothing refers to it, and it is deleted. But a lost
+        or damaged S record looks the same, and the open deleted a segment full
+        of live messages, a later ``check --repair`` then burying them all as
+        damaged (a check-vs-audit differential). Rare, so the scan of every
+        message record this costs is paid only when such a file is there.
+        """
+        core = self._core
+        live = self._scan_live(fids)
+        if not live.keys:
+            return set()
+        frames = live.refs[:, 2] + _FRAME_SIZE
+        found: dict[int, tuple[int, int, int]] = {}
+        for fid in np.unique(live.refs[:, 0]).tolist():
+            rows = live.refs[:, 0] == fid
+            found[fid] = (int(frames[rows].sum()), int(rows.sum()),
+                          int((live.refs[rows, 1] + frames[rows]).max()))
+        core.rebuild_derived([], [], {}, dict(found), None)
+        for fid, (nbytes, count, end) in found.items():
+            log.error("segment %s has no S record, but %d messages refer to it: kept, its "
+                      "record rebuilt from them (%d bytes, data end %d); the record was "
+                      "lost or damaged (run `qstore check`)", core.payload.path_of(fid),
+                      count, nbytes, end)
+        return set(found)
 
     def _account_undeleted(self, accounts: dict[int, list[int] | None]) -> None:
         """Writer lock held: give the dead segments whose unlink failed their S records back.

@@ -830,6 +830,32 @@ def test_an_s_record_data_end_below_the_last_record_is_a_mismatch(
     assert f"past the S record's data end {end - 1}" in report.findings[0].detail
 
 
+def _payloads(path: str, clock: FakeClock) -> dict[int, bytes]:
+    with qstore.open(path, readonly=True, clock=clock) as view:
+        q = view.queue("a")
+        return {m.id: m.payload for m in [*q.peek(100), *q.dead_letters(100)]}
+
+
+def test_a_lost_s_record_never_makes_the_open_delete_a_live_segment(
+        damaged: tuple[str, dict[str, Any]], clock: FakeClock, caplog: Any) -> None:
+    # A sealed segment with no S record counted as dead: the next read-write open
+    # (a `check --repair` too) deleted the file, and the repair then buried every
+    # message in it as damaged (a check-vs-audit differential). The open keeps it
+    # and rebuilds the record from the messages that refer to it.
+    path, where = damaged
+    fid = where["a0"][2]
+    assert fid != max(w[2] for w in where.values())  # sealed, not the active one
+    before = _payloads(path, clock)
+    write_meta(path, deletes=[keys.segment_key(fid)])
+    report = check_path(path)
+    assert kinds(report) == [("segment_record_mismatch", None, None, fid)]
+    with qstore.open(path, clock=clock) as store:
+        assert os.path.exists(seg_path(path, fid))
+        assert store.check().ok
+    assert f"segment {seg_path(path, fid)} has no S record, but" in caplog.text
+    assert _payloads(path, clock) == before
+
+
 def test_a_negative_expired_total_is_a_counter_mismatch(damaged: tuple[str, dict[str, Any]]
                                                         ) -> None:
     # An E record that decodes but counts -1 expired messages is damage, not a
