@@ -856,6 +856,31 @@ def test_a_lost_s_record_never_makes_the_open_delete_a_live_segment(
     assert _payloads(path, clock) == before
 
 
+def test_an_s_record_end_inside_a_record_never_cuts_a_sealed_segment(
+        damaged: tuple[str, dict[str, Any]], clock: FakeClock, caplog: Any) -> None:
+    # The open cut a sealed segment back to its S record's data end, which damage
+    # had put inside a record: every record after it went, and the repair buried
+    # their messages as damaged (a check-vs-audit differential). The file stays
+    # whole now and the repair rebuilds the record.
+    path, where = damaged
+    fid = where["a0"][2]
+    size = os.path.getsize(seg_path(path, fid))
+    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
+    try:
+        live_bytes, count, end = records.decode_segment(meta.get(keys.segment_key(fid)) or b"")
+    finally:
+        meta.close()
+    write_meta(path, puts={keys.segment_key(fid):
+                           records.encode_segment(live_bytes, count, fmt.HEADER_SIZE + 100)})
+    before = _payloads(path, clock)
+    with qstore.open(path, clock=clock) as store:
+        assert os.path.getsize(seg_path(path, fid)) == size
+        report = store.check(repair=True)
+        assert report.ok and [r.kind for r in report.repairs] == ["segment_record_rebuilt"]
+    assert "falls inside a record; the record was damaged, the file is left whole" in caplog.text
+    assert _payloads(path, clock) == before
+
+
 def test_a_negative_expired_total_is_a_counter_mismatch(damaged: tuple[str, dict[str, Any]]
                                                         ) -> None:
     # An E record that decodes but counts -1 expired messages is damage, not a

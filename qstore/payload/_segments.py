@@ -196,7 +196,15 @@ class SegmentSet:
                 # (a compaction output) already existed: cut its tail as for the
                 # active segment. Nothing past the hint is referenced, so no data
                 # is at stake; a cleanly sealed segment ends at its hint.
-                self._recover_tail(reader, hint)
+                if _on_a_record_boundary(reader, hint):
+                    self._recover_tail(reader, hint)
+                else:
+                    # Mid-record: the hint (its S record's end) is damaged, not the
+                    # file. The scan from it met no record and cut every one after
+                    # it, live messages too (a check-vs-audit differential).
+                    log.error("segment %s: its recorded data end %d falls inside a record; "
+                              "the record was damaged, the file is left whole (run `qstore "
+                              "check --repair`, which rebuilds the record)", reader.path, hint)
         if readonly:
             if ids:
                 self.pin(ids[-1:])
@@ -858,6 +866,19 @@ class SegmentSet:
                 for reader in self._readers.values():
                     reader.close()
                 self._readers.clear()
+
+
+def _on_a_record_boundary(reader: SegmentReader, offset: int) -> bool:
+    """Whether a record starts (or the intact run ends) at ``offset``, walking the
+    segment's records from its header; also True when damage before ``offset``
+    stops the walk (nothing tells then: the hint is taken, as before)."""
+    try:
+        for ref in reader.scan(fmt.HEADER_SIZE):
+            if ref.offset >= offset:
+                return ref.offset == offset
+    except ScanError as exc:
+        return exc.stop.offset <= offset
+    return True  # the intact records end before it: the tail past them is torn
 
 
 class _CopySink:
