@@ -31,6 +31,7 @@ UNLISTED_SEGMENT = "unlisted_segment"  # segment: a referenced file missing from
 # Kinds of the check only.
 BAD_QUEUE_RECORD = "bad_queue_record"  # queue: its Q record does not decode
 ID_ABOVE_HWM = "id_above_hwm"  # message: its id is not below M"id_hwm" (could be reused)
+OVERLAP = "overlap"  # message: its bytes overlap an earlier record's in the same segment
 BAD_COMPACTION_RECORD = "bad_compaction_record"  # M"compaction" does not decode or disagrees
 # A note, not damage: a compaction pass was interrupted; the next open finishes it.
 COMPACTION_IN_PROGRESS = "compaction_in_progress"

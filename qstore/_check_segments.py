@@ -16,7 +16,9 @@ implementation, the same findings in the same words.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+
+import numpy as np
 
 from . import _check_report as k
 from ._check_files import SegmentFiles
@@ -209,3 +211,33 @@ def records_past_end(fid: int, max_end: int, end: int) -> Finding | None:
     return Finding(k.SEGMENT_RECORD_MISMATCH, file_id=fid, detail=(
         f"messages refer to records up to offset {max_end}, past the S record's data "
         f"end {end}"))
+
+
+# Records that share bytes: per segment, ordered by offset then id (the Spark
+# audit's tasks and driver, and the check, call these).
+def _sorted(f: np.ndarray, o: np.ndarray, e: np.ndarray, m: np.ndarray
+            ) -> tuple[np.ndarray, ...]:
+    order = np.lexsort((m, o, f))
+    return f[order], o[order], e[order], m[order]
+
+
+def running_end(f: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """For each record (sorted by segment, offset), the largest end of the records
+    before it in its segment; -1 for a segment's first record."""
+    prev = np.full(len(f), -1, np.int64)
+    starts = np.flatnonzero(np.r_[True, f[1:] != f[:-1]])
+    for a, b in zip(starts, np.r_[starts[1:], len(f)], strict=True):
+        prev[a + 1 : b] = np.maximum.accumulate(e[a : b - 1])
+    return prev
+
+
+def overlaps(f: np.ndarray, o: np.ndarray, e: np.ndarray, m: np.ndarray
+             ) -> Iterator[tuple[str, int, int, int, str]]:
+    """(kind, message id, file id, offset, detail) of every record that starts
+    before an earlier record of its segment (ordered by offset, then id) ends."""
+    f, o, e, m = _sorted(f, o, e, m)
+    prev = running_end(f, e)
+    for i in np.flatnonzero(o < prev).tolist():
+        yield (k.OVERLAP, int(m[i]), int(f[i]), int(o[i]),
+               f"record [{o[i]}, {e[i]}) overlaps an earlier record ending at {prev[i]} "
+               f"(the record before it belongs to message {m[i - 1]})")

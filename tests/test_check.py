@@ -881,6 +881,52 @@ def test_an_s_record_end_inside_a_record_never_cuts_a_sealed_segment(
     assert _payloads(path, clock) == before
 
 
+def test_two_messages_naming_one_record_are_an_overlap(damaged: tuple[str, dict[str, Any]],
+                                                        clock: FakeClock) -> None:
+    # Message a1's record pointed at a0's (same segment, same length): every read
+    # was intact, and the check called the store clean while get(a1) returned
+    # a0's bytes; the Spark audit said `overlap` (a check-vs-audit differential).
+    path, where = damaged
+    _, mid0, fid, off0 = where["a0"]
+    _, mid1, fid1, _ = where["a1"]
+    assert fid1 == fid
+    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
+    try:
+        key = keys.message_key(1, mid1)
+        rec = records.MessageRecord.decode(meta.get(key) or b"")
+    finally:
+        meta.close()
+    rec.offset = off0
+    write_meta(path, puts={key: rec.encode()})
+    report = check_path(path)
+    assert kinds(report) == [("overlap", "a", max(mid0, mid1), fid)]
+    assert "overlaps an earlier record ending at" in report.findings[0].detail
+    with qstore.open(path, clock=clock) as store:  # a repair cannot tell whose bytes
+        assert [f.kind for f in store.check(repair=True).findings] == ["overlap"]
+
+
+def test_a_message_id_of_2_63_or_more_is_a_bad_record_and_no_repair_hands_out_such_ids(
+        damaged: tuple[str, dict[str, Any]], clock: FakeClock) -> None:
+    # The check counted it as a message (the audit called it a bad record), and
+    # its repair raised M id_hwm past 2**63: every later push was then an audit
+    # finding (a check-vs-audit differential).
+    path, where = damaged
+    _, mid, _, _ = where["delayed"]
+    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
+    try:
+        raw = meta.get(keys.message_key(1, mid)) or b""
+    finally:
+        meta.close()
+    huge = 2**63 + 5
+    write_meta(path, puts={keys.message_key(1, huge): raw})
+    report = check_path(path)
+    assert kinds(report) == [("bad_record", "a", huge, None)]
+    assert "is 2**63 or more" in report.findings[0].detail
+    with qstore.open(path, clock=clock) as store:
+        store.check(repair=True)
+        assert store.queue("a").push(b"next") < 2**63
+
+
 def test_a_negative_expired_total_is_a_counter_mismatch(damaged: tuple[str, dict[str, Any]]
                                                         ) -> None:
     # An E record that decodes but counts -1 expired messages is damage, not a

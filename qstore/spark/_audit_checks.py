@@ -26,7 +26,6 @@ from ._snapshot_view import Snapshot
 
 # Finding kinds (one row of findings.parquet each; docs/spark.md explains each):
 # the integrity check's (qstore/_check_report.py), plus the audit's own.
-OVERLAP = "overlap"  # message: its bytes overlap an earlier record's in the same segment
 
 FINDINGS_SCHEMA = pa.schema([
     pa.field("kind", pa.string()),

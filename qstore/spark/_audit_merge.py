@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .._check_report import Finding
+from .._check_segments import overlaps, running_end
 from . import _audit_source as src
 from ._index_hash import MASK
 from ._scan import scan_range
@@ -148,7 +149,7 @@ def cross_task_overlaps(snap: Snapshot, runs: pa.Table, names: dict[int, str]
     f, o, e = (runs[c].to_numpy() for c in ("file_id", "offset", "end"))
     order = np.lexsort((o, f))
     f, o, e = f[order], o[order], e[order]
-    prev = src.running_end(f, e)
+    prev = running_end(f, e)
     bad = set(f[o < prev].tolist())
     if not bad:
         return []
@@ -166,6 +167,6 @@ def cross_task_overlaps(snap: Snapshot, runs: pa.Table, names: dict[int, str]
                                      r["id"]))
                         queue_of[r["id"]] = names.get(run["qid"])
         arrays = [np.array(col, np.int64) for col in zip(*refs, strict=True)]
-        for kind, mid, file_id, off, detail in src.overlaps(*arrays):
+        for kind, mid, file_id, off, detail in overlaps(*arrays):
             found.append(Finding(kind, queue_of.get(mid), mid, file_id, off, detail))
     return found

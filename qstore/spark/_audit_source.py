@@ -36,11 +36,11 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from .._check_report import BAD_RECORD, DAMAGED_SET_ASIDE, MESSAGE_WITHOUT_QUEUE, REASON_KINDS
+from .._check_segments import _sorted, overlaps, running_end
 from .._errors import InvalidArgument
 from ..meta import keys, records
 from ..payload import _format as fmt
 from . import _index_hash as ih
-from ._audit_checks import OVERLAP
 from ._datasource import RangePartition, spark_schema
 from ._scan import BATCH_ROWS, checked_records
 from ._snapshot_view import ScanRange, Snapshot, plan_ranges
@@ -422,34 +422,6 @@ class _RangeAudit:
 
 def _priority(p: Any) -> dict[str, Any]:
     return {"priority_str": p} if isinstance(p, str) else {"priority_int": p}
-
-
-def _sorted(f: np.ndarray, o: np.ndarray, e: np.ndarray, m: np.ndarray
-            ) -> tuple[np.ndarray, ...]:
-    order = np.lexsort((m, o, f))
-    return f[order], o[order], e[order], m[order]
-
-
-def running_end(f: np.ndarray, e: np.ndarray) -> np.ndarray:
-    """For each record (sorted by segment, offset), the largest end of the records
-    before it in its segment; -1 for a segment's first record."""
-    prev = np.full(len(f), -1, np.int64)
-    starts = np.flatnonzero(np.r_[True, f[1:] != f[:-1]])
-    for a, b in zip(starts, np.r_[starts[1:], len(f)], strict=True):
-        prev[a + 1 : b] = np.maximum.accumulate(e[a : b - 1])
-    return prev
-
-
-def overlaps(f: np.ndarray, o: np.ndarray, e: np.ndarray, m: np.ndarray
-             ) -> Iterator[tuple[str, int, int, int, str]]:
-    """(kind, message id, file id, offset, detail) of every record that starts
-    before an earlier record of its segment (ordered by offset, then id) ends."""
-    f, o, e, m = _sorted(f, o, e, m)
-    prev = running_end(f, e)
-    for i in np.flatnonzero(o < prev).tolist():
-        yield (OVERLAP, int(m[i]), int(f[i]), int(o[i]),
-               f"record [{o[i]}, {e[i]}) overlaps an earlier record ending at {prev[i]} "
-               f"(the record before it belongs to message {m[i - 1]})")
 
 
 def runs_of(f: np.ndarray, o: np.ndarray, e: np.ndarray, m: np.ndarray

@@ -36,11 +36,11 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from .. import _check_report as kinds
-from .._check_report import Finding
+from .._check_report import OVERLAP, Finding
 from .._fs import write_json_durably
 from ..payload import _format as fmt
 from . import _audit_checks as checks
-from ._audit_checks import OVERLAP, MetaFacts
+from ._audit_checks import MetaFacts
 from ._audit_merge import cross_task_overlaps, merge
 from ._index_hash import MASK
 from ._report import render_html, render_text
