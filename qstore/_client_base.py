@@ -18,6 +18,7 @@ from ._address import Address, checked_path
 from ._auth import check_tls, check_token
 from ._batch import no_receipt, refuse_single_item
 from ._errors import InvalidArgument, PayloadTooLarge
+from ._fs import absolute
 from ._message import Message
 from ._net_errors import AuthenticationFailed, ProtocolError
 
@@ -129,7 +130,9 @@ def snapshot_args(address: Address, dest: str | os.PathLike[str]) -> dict[str, A
     if os.path.isabs(dest):
         return {"dest": dest}
     if address.kind == "unix":
-        return {"dest": os.path.abspath(dest)}
+        # Not os.path.abspath: it collapses link/.. by text, and the server
+        # wrote the snapshot where the client did not name.
+        return {"dest": absolute(dest)}
     raise InvalidArgument(f"snapshot through {address}: give DEST as an absolute path on the "
                           f"server's machine, not {dest!r}")
 

@@ -176,6 +176,13 @@ def complete_write(fd: int, parts: Sequence[Buffer], at: int, written: int) -> N
         pos += n
 
 
+def absolute(path: str) -> str:
+    """``path`` made absolute against the working directory, not normalised:
+    ``os.path.abspath`` collapses ``link/..`` by text, which names another
+    directory when ``link`` is a symbolic link."""
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+
 def fsync_file(path: str) -> None:
     fd = calls.open_fd(path, os.O_RDONLY)
     try:

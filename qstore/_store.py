@@ -23,6 +23,7 @@ from ._compact import Compactor
 from ._config import Config
 from ._core import Core
 from ._errors import InvalidArgument, QueueExists, QueueNotFound, StorageError
+from ._fs import absolute
 from ._message import CompactionResult, SegmentStats, StoreStats
 from ._options import QueueOptions, StoreOptions
 from ._queue import MAX_SECONDS, Queue
@@ -243,7 +244,7 @@ class Store:
         """A consistent, self-contained copy of the store at ``dest`` (see docs/spark.md);
         returns its absolute path, as a client's ``snapshot`` does."""
         self._core.check_open()
-        return os.path.abspath(take_snapshot(self._core, dest))
+        return absolute(take_snapshot(self._core, dest))
 
     def stats(self) -> StoreStats:
         core = self._core

@@ -122,6 +122,20 @@ def test_files_written_durably_through_a_symlink_s_parent_are_synced_where_they_
     assert os.path.samefile(dest, os.path.join(base, "elsewhere", "snap"))
 
 
+def test_a_client_sends_a_relative_snapshot_path_without_collapsing_a_link(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Through a unix socket a relative destination is made absolute for the
+    # server; os.path.abspath collapsed "link/.." by text, so the server wrote
+    # the snapshot beside the link, not where the path leads (a review).
+    from qstore import _client_base as base
+    from qstore._address import parse_address
+
+    monkeypatch.chdir(tmp_path)
+    args = base.snapshot_args(parse_address(f"unix://{tmp_path}/s.sock"),
+                              os.path.join("link", "..", "snap"))
+    assert args == {"dest": os.path.join(os.getcwd(), "link", "..", "snap")}
+
+
 def test_a_view_s_snapshot_syncs_the_newest_segment_it_links(tmp_path: Any,
                                                              fsynced: list[str]) -> None:
     # The writer's snapshot syncs its payload first; a read-only view's did not,
