@@ -389,6 +389,10 @@ def test_malformed_keys_and_a_short_s_end_are_findings_as_in_the_check(
     batch.put(keys.message_key(1, 7) + b"\x01", some)  # one byte too many
     batch.put(keys.message_key(1, 2**63 + 5), some)
     batch.put(keys.MESSAGE + b"\x00\x01", some)  # no queue id: no partition read it
+    # Too short, and last of its queue's keys: the audit's planning read an id out
+    # of it and failed with struct.error, exit 3 (a second differential).
+    tail_key = keys.prefix(keys.MESSAGE, 1) + b"\xff\xff"
+    batch.put(tail_key, some)
     batch.put(keys.segment_key(first), records.encode_segment(seg[0], seg[1], seg[2] - 1))
     db.write(batch, sync=True)
     db.close()
@@ -405,6 +409,7 @@ def test_malformed_keys_and_a_short_s_end_are_findings_as_in_the_check(
     no_qid = (keys.MESSAGE + b"\x00\x01").hex()
     assert bad == sorted([f"message key {long_key} is not m qid:u32 id:u64",
                           f"message key {no_qid} is not m qid:u32 id:u64",
+                          f"message key {tail_key.hex()} is not m qid:u32 id:u64",
                           f"message key {keys.message_key(1, 2**63 + 5).hex()}: id "
                           f"{2**63 + 5} is 2**63 or more, which no push hands out"])
     assert ("bad_record", f"message key {no_qid} is not m qid") in {
