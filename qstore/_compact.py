@@ -141,6 +141,19 @@ class Compactor:
         core = self._core
         raw = core.meta.get(keys.COMPACTION_KEY)
         if raw is not None:
+            try:
+                phase, output, sources = records.decode_compaction(raw)
+            except StorageError as exc:
+                # Damaged (the open failed with a msgpack traceback; a differential).
+                # Dropping it is safe: an output nothing refers to is deleted below as
+                # dead, one messages refer to is kept and accounted, and sources
+                # still holding records are compacted again by their garbage.
+                log.error("the record of an interrupted compaction pass is damaged (%s): "
+                          "dropped; its output and sources are settled as any segment is",
+                          exc)
+                core.write_synced(deletes=[keys.COMPACTION_KEY])
+                raw = None
+        if raw is not None:
             phase, output, sources = records.decode_compaction(raw)
             log.warning("finishing a compaction pass interrupted in phase %s "
                         "(output %s, sources %s)", phase, output, sources)

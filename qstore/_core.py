@@ -783,8 +783,13 @@ class Core(HotPaths):
         """The segments of a read-write open: recovery from the metadata's marks."""
         compaction = self.meta.get(keys.COMPACTION_KEY)
         discard: list[int] = []
-        if compaction is not None and records.decode_compaction(compaction)[0] == records.COPYING:
-            discard.append(records.decode_compaction(compaction)[1])
+        try:
+            phase, output, _ = (records.decode_compaction(compaction) if compaction is not None
+                                else ("", 0, []))
+        except StorageError:
+            phase = ""  # Compactor.recover says so and drops it (see there)
+        if phase == records.COPYING:
+            discard.append(output)
         return SegmentSet(
             os.path.join(self.path, "payload"),
             segment_max_bytes=self.config.segment_max_bytes,
@@ -801,9 +806,15 @@ class Core(HotPaths):
         found: set[str] = set()
         firsts = self._first_dues()
         for key, value in self.meta.scan(keys.QUEUE, keys.prefix_end(keys.QUEUE)):
-            rec = records.QueueRecord.decode(value)
+            try:
+                rec = records.QueueRecord.decode(value)
+            except StorageError as exc:
+                raise StorageError(
+                    f"the record of queue {key[1:].decode('utf-8', 'replace')!r} (key "
+                    f"{key.hex()}) is damaged: {exc}; a read-only `qstore check` names "
+                    "what else is") from None
             raw = self.meta.get(keys.counts_key(rec.qid))
-            counts = records.decode_counts(raw) if raw else [0, 0, 0, 0, 0]
+            counts = self._counts_of(rec.qid, raw)
             name = key[1:].decode("utf-8")
             state = self.queues.get(name)
             if state is None or state.qid != rec.qid:
@@ -816,12 +827,41 @@ class Core(HotPaths):
                 state.dead_floor = 0
                 state.next_event_us = 0
             totals = self.meta.get(keys.totals_key(rec.qid))
-            state.expired = records.decode_totals(totals) if totals else 0
+            try:
+                state.expired = records.decode_totals(totals) if totals else 0
+            except StorageError as exc:  # a lifetime total: counted from 0 again
+                log.error("queue %r: its totals record is damaged (%s); expired counts "
+                          "from 0 again", name, exc)
+                state.expired = 0
             self.set_options(state, rec)  # (the floor is 0: every key counts)
             state.next_event_us = min(state.aging_next_us, firsts.get(rec.qid, NO_EVENT_US))
             found.add(name)
         for name in set(self.queues) - found:
             self.queues.pop(name).deleted = True
+
+    def _counts_of(self, qid: int, raw: bytes | None) -> list[int]:
+        """A queue's counters from its C record, or recounted from its message
+        records when that does not decode: the open failed with a msgpack
+        traceback, and so did the `check --repair` that rebuilds it (a
+        check-vs-audit differential). The next write of the queue, or a repair,
+        writes the record again."""
+        if raw is None:
+            return [0, 0, 0, 0, 0]
+        try:
+            return records.decode_counts(raw)
+        except StorageError as exc:
+            counts = [0, 0, 0, 0, 0]
+            prefix = keys.prefix(keys.MESSAGE, qid)
+            for _, value in self.meta.scan(prefix, keys.prefix_end(prefix)):
+                try:
+                    rec = records.MessageRecord.decode(value)
+                except StorageError:
+                    continue  # a bad record: the check names it
+                counts[rec.state] += 1
+                counts[4] += rec.length
+            log.error("queue id %d: its counters record is damaged (%s); recounted from its "
+                      "messages: %s", qid, exc, counts)
+            return counts
 
     def _first_dues(self) -> dict[int, int]:
         """The earliest time in the delayed, in-flight and expiry indexes of each queue

@@ -121,6 +121,7 @@ def _rebuild(core: Core, check: Check, done: list[Finding]) -> None:
     for key, _ in puts:
         done.append(Finding(INDEX_KEY_ADDED, detail=f"key {key.hex()}"))
     counts = _counters(core, check.counts, done)
+    puts.extend(_totals(core, done))
     recount = {fid: list(seg) for fid, seg in check.segs.items()}
     for fid, (nbytes, count, end) in check.late.items():  # none after settle_segments
         seg = recount.setdefault(fid, [0, 0, 0])
@@ -147,6 +148,24 @@ def _counters(core: Core, recount: dict[int, list[int]], done: list[Finding]
             out[q] = want
             done.append(Finding(COUNTERS_REBUILT, queue=q.name, detail=(
                 f"[ready, delayed, in_flight, dead, bytes] {stored} -> {want}")))
+    return out
+
+
+def _totals(core: Core, done: list[Finding]) -> list[tuple[bytes, bytes]]:
+    """A queue's E totals record that does not decode, written again with what the
+    open counts from (0 expired: a lifetime total, not derivable from messages).
+    It stayed a finding after every repair (a check-vs-audit differential)."""
+    out = []
+    for q in sorted(core.queues.values(), key=lambda s: s.name):
+        raw = core.meta.get(keys.totals_key(q.qid))
+        if raw is None:
+            continue
+        try:
+            records.decode_totals(raw)
+        except StorageError:
+            out.append((keys.totals_key(q.qid), records.encode_totals(q.expired)))
+            done.append(Finding(COUNTERS_REBUILT, queue=q.name, detail=(
+                f"E record: did not decode; expired -> {q.expired}")))
     return out
 
 

@@ -927,6 +927,32 @@ def test_a_message_id_of_2_63_or_more_is_a_bad_record_and_no_repair_hands_out_su
         assert store.queue("a").push(b"next") < 2**63
 
 
+def test_undecodable_derived_records_are_repaired_and_a_queue_record_is_named(
+        damaged: tuple[str, dict[str, Any]], clock: FakeClock) -> None:
+    # A C, E or M compaction record that does not decode made every read-write
+    # open (and so `check --repair`, which rebuilds them) fail with a bare msgpack
+    # FormatError traceback; the check's detail was empty (a differential).
+    path, _ = damaged
+    before = _payloads(path, clock)
+    with qstore.open(path, readonly=True, clock=clock) as view:
+        stats = view.queue("a").stats()
+    write_meta(path, puts={keys.counts_key(1): b"\xc1", keys.totals_key(1): b"\xc1",
+                           keys.COMPACTION_KEY: b"\xc1"})
+    details = {f.kind: f.detail for f in check_path(path).findings}
+    assert "does not decode: FormatError" in details["counter_mismatch"]
+    assert "does not decode: FormatError" in details["bad_compaction_record"]
+    with qstore.open(path, clock=clock) as store:
+        got = store.queue("a").stats()  # recounted from the message records
+        assert (got.ready, got.delayed, got.in_flight, got.dead) == (
+            stats.ready, stats.delayed, stats.in_flight, stats.dead)
+        report = store.check(repair=True)
+        assert report.ok, report.findings
+    assert _payloads(path, clock) == before
+    write_meta(path, puts={keys.queue_key("a"): b"\xc1"})  # a primary record
+    with pytest.raises(qstore.StorageError, match="the record of queue 'a' .* is damaged"):
+        qstore.open(path, clock=clock)
+
+
 def test_a_negative_expired_total_is_a_counter_mismatch(damaged: tuple[str, dict[str, Any]]
                                                         ) -> None:
     # An E record that decodes but counts -1 expired messages is damage, not a

@@ -64,7 +64,13 @@ def pack(value: Any) -> bytes:
 
 
 def unpack(data: bytes, what: str, versions: tuple[int, ...] = _V1) -> list[Any]:
-    value = msgpack.unpackb(data, use_list=True, raw=False)
+    try:
+        value = msgpack.unpackb(data, use_list=True, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        # A bare msgpack FormatError (no message) reached the user as a traceback
+        # from an open, and as an empty detail in the check (a differential).
+        raise StorageError(f"{what} record does not decode: {type(exc).__name__}"
+                           + (f": {exc}" if str(exc) else "")) from None
     if not isinstance(value, list) or not value or value[0] not in versions:
         raise StorageError(f"unsupported {what} record version: {value!r:.80}")
     return value
