@@ -24,8 +24,6 @@ import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
-import numpy as np
-
 from . import _check_report as k
 from ._check_files import SegmentFiles
 from ._check_report import CheckReport, Finding
@@ -309,7 +307,9 @@ class Check:
             counts[rec.state] += 1
             counts[4] += rec.length
             ref = PayloadRef(rec.file_id, rec.offset, rec.length)
-            spans.extend((rec.file_id, rec.offset, rec.offset + ref.frame_bytes, mid, qid))
+            # (a bigger one is out of bounds, which files.check below reports)
+            if rec.offset + ref.frame_bytes < 2**63 and rec.file_id < 2**63:
+                spans.extend((rec.file_id, rec.offset, rec.offset + ref.frame_bytes, mid, qid))
             c = self.covered.get(rec.file_id)
             tally = self.segs if c is None or mid < c else self.late
             seg = tally.setdefault(rec.file_id, [0, 0, 0])
@@ -346,13 +346,16 @@ class Check:
         found it, the check called the store clean). The audit's own test."""
         if not spans:
             return
+        import numpy as np  # with the first check that has messages, not at open
+
         table = np.frombuffer(spans, np.int64).reshape(-1, 5)
         names = {qid: name for qid, (name, _) in self.queues.items()}
-        queue_of = dict(zip(table[:, 3].tolist(), table[:, 4].tolist(), strict=True))
+        queue_of = dict(zip(map(tuple, table[:, [3, 0, 1]].tolist()), table[:, 4].tolist(),
+                            strict=True))  # (id, file id, offset) -> queue id
         for kind, mid, fid, off, detail in overlaps(table[:, 0], table[:, 1], table[:, 2],
                                                     table[:, 3]):
-            self.add(kind, queue=names.get(queue_of[mid]), message_id=mid, file_id=fid,
-                     offset=off, detail=detail)
+            self.add(kind, queue=names.get(queue_of.get((mid, fid, off), -1)), message_id=mid,
+                     file_id=fid, offset=off, detail=detail)
 
     def _damaged_payload(self, qid: int, mid: int, name: str | None,
                          rec: records.MessageRecord, problem: str) -> None:

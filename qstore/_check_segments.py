@@ -17,8 +17,10 @@ implementation, the same findings in the same words.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # numpy loads with the first check, not with `import qstore`
+    import numpy as np
 
 from . import _check_report as k
 from ._check_files import SegmentFiles
@@ -217,6 +219,8 @@ def records_past_end(fid: int, max_end: int, end: int) -> Finding | None:
 # audit's tasks and driver, and the check, call these).
 def _sorted(f: np.ndarray, o: np.ndarray, e: np.ndarray, m: np.ndarray
             ) -> tuple[np.ndarray, ...]:
+    import numpy as np
+
     order = np.lexsort((m, o, f))
     return f[order], o[order], e[order], m[order]
 
@@ -224,6 +228,8 @@ def _sorted(f: np.ndarray, o: np.ndarray, e: np.ndarray, m: np.ndarray
 def running_end(f: np.ndarray, e: np.ndarray) -> np.ndarray:
     """For each record (sorted by segment, offset), the largest end of the records
     before it in its segment; -1 for a segment's first record."""
+    import numpy as np
+
     prev = np.full(len(f), -1, np.int64)
     starts = np.flatnonzero(np.r_[True, f[1:] != f[:-1]])
     for a, b in zip(starts, np.r_[starts[1:], len(f)], strict=True):
@@ -235,6 +241,8 @@ def overlaps(f: np.ndarray, o: np.ndarray, e: np.ndarray, m: np.ndarray
              ) -> Iterator[tuple[str, int, int, int, str]]:
     """(kind, message id, file id, offset, detail) of every record that starts
     before an earlier record of its segment (ordered by offset, then id) ends."""
+    import numpy as np
+
     f, o, e, m = _sorted(f, o, e, m)
     prev = running_end(f, e)
     for i in np.flatnonzero(o < prev).tolist():

@@ -186,9 +186,7 @@ def _marker(job_id: str, raw: bytes) -> list[Any]:
         value = records.unpack(raw, "backfill job", MARKER_VERSIONS)
         if len(value) != 4:
             raise ValueError(f"{len(value)} fields")
-    except StorageError:
-        raise
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
+    except (StorageError, ValueError) as exc:  # records.unpack names a decode failure
         raise StorageError(f"the marker of backfill {job_id} (record M backfill/{job_id}) "
                            f"is damaged: {exc!r:.100}") from None
     return value
