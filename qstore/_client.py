@@ -362,10 +362,7 @@ class _Links:
         if self.closed:
             raise StoreClosed(f"the client of {self.address} is closed")
         if self._forks != _forks:  # this process is a child of the one that made them
-            self._forks = _forks
-            inherited, self._idle = self._idle, []
-            for link in inherited:
-                link.close()
+            self._forget_parents_links()
         try:
             link = self._idle.pop()
         except IndexError:
@@ -387,8 +384,22 @@ class _Links:
         else:
             self._idle.append(link)
 
+    def _forget_parents_links(self) -> None:
+        """In a forked child: close this process's copies of the parent's sockets
+        (its connections stay up) and forget the ones its threads were using,
+        never shutting them down: a shutdown ends the connection for both
+        processes, and a child's close() failed the parent's waiting pop (a
+        review)."""
+        self._forks = _forks
+        inherited, self._idle = self._idle, []
+        busy, self._busy = self._busy, set()
+        for link in [*inherited, *busy]:
+            link.close()
+
     def close(self) -> None:
         self.closed = True
+        if self._forks != _forks:
+            self._forget_parents_links()
         idle, self._idle = self._idle, []
         for link in idle:
             link.close()

@@ -23,6 +23,7 @@ import dataclasses
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 import weakref
@@ -146,17 +147,32 @@ def _owner_if_not_root(path: str) -> tuple[int, int] | None:
 
 
 def _hand_over(path: str, owner: tuple[int, int]) -> None:
-    """Give every root-owned file and directory under ``path`` to ``owner``."""
+    """Give every root-owned directory and file under ``path`` to ``owner``.
+
+    The store's owner controls these directories, so nothing is resolved by
+    path: ``os.fwalk`` holds each directory open (a directory swapped for a
+    symbolic link while it runs is not entered), and each entry is looked at
+    and changed relative to that descriptor, never following a link. A file
+    with more than one link is left (a hard link to a file of root's placed
+    in the store would be given away; a review found both). A segment a
+    snapshot links is such a file: it stays root's and is named.
+    """
     uid, gid = owner
-    for root, dirs, files in os.walk(path):
+    for root, dirs, files, fd in os.fwalk(path, follow_symlinks=False):
         for name in [*dirs, *files]:
-            entry = os.path.join(root, name)
             try:
-                if os.lstat(entry).st_uid == 0:
-                    os.lchown(entry, uid, gid)
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if st.st_uid != 0 or stat.S_ISLNK(st.st_mode):
+                    continue
+                if not stat.S_ISDIR(st.st_mode) and st.st_nlink != 1:
+                    log.warning("left %s root's: it has %d links (a snapshot's?)",
+                                os.path.join(root, name), st.st_nlink)
+                    continue
+                os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
             except OSError as exc:  # gone meanwhile, or a filesystem without owners
                 if not isinstance(exc, FileNotFoundError):
-                    log.warning("cannot give %s to user %d: %s", entry, uid, exc)
+                    log.warning("cannot give %s to user %d: %s", os.path.join(root, name),
+                                uid, exc)
 
 
 def _release_writer(key: tuple[int, int] | None) -> None:

@@ -208,7 +208,10 @@ def _link_hint(exc: OSError) -> str:
 
 
 # Every name a snapshot writes in its destination; nothing else there is its own.
-_WRITTEN = frozenset({UNFINISHED, "meta", "payload", MANIFEST, MANIFEST + ".tmp"})
+# (RocksDB's checkpoint stages in meta.tmp, a view's export writes meta.export.sst:
+# a snapshot killed there was refused its retake in place; a review.)
+_WRITTEN = frozenset({UNFINISHED, "meta", "meta.tmp", "meta.export.sst", "payload", MANIFEST,
+                      MANIFEST + ".tmp"})
 
 
 def _check_replaceable(dest: str) -> None:

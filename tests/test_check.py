@@ -440,6 +440,23 @@ def test_a_planted_snapshot_marker_empties_no_directory(tmp_path: Any, clock: Fa
     assert os.listdir(theirs) == [".qstore-snapshot-unfinished"]
 
 
+def test_a_snapshot_killed_in_its_checkpoint_is_taken_again_in_place(
+        tmp_path: Any, clock: FakeClock) -> None:
+    # RocksDB's checkpoint stages in meta.tmp (a view's export writes
+    # meta.export.sst): a snapshot killed there was refused its retake, "it also
+    # holds ['meta.tmp']" (a review of the marker check).
+    path, snap = str(tmp_path / "store"), tmp_path / "snap"
+    build(path, clock)
+    (snap / "meta.tmp").mkdir(parents=True)
+    (snap / "meta.tmp" / "000001.sst").write_bytes(b"half")
+    (snap / "payload").mkdir()
+    (snap / ".qstore-snapshot-unfinished").write_bytes(b"")
+    with qstore.open(path, clock=clock, compactor=False) as s:
+        s.snapshot(str(snap))
+    assert sorted(os.listdir(snap)) == ["MANIFEST.json", "meta", "payload"]
+    assert check_path(str(snap)).ok
+
+
 def test_an_unfinished_snapshot_is_never_opened_and_stays_marked_until_gone(
         tmp_path: Any, clock: FakeClock) -> None:
     # A read-write open of a killed snapshot was accepted: its segments are hard
@@ -951,6 +968,24 @@ def test_undecodable_derived_records_are_repaired_and_a_queue_record_is_named(
     write_meta(path, puts={keys.queue_key("a"): b"\xc1"})  # a primary record
     with pytest.raises(qstore.StorageError, match="the record of queue 'a' .* is damaged"):
         qstore.open(path, clock=clock)
+
+
+def test_a_record_offset_of_2_63_or_more_is_out_of_bounds_not_a_crash(
+        damaged: tuple[str, dict[str, Any]]) -> None:
+    # The overlap test's table of offsets is int64: such an offset raised
+    # OverflowError out of the whole check (a review).
+    path, where = damaged
+    _, mid, _, _ = where["a3"]
+    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
+    try:
+        key = keys.message_key(1, mid)
+        rec = records.MessageRecord.decode(meta.get(key) or b"")
+    finally:
+        meta.close()
+    rec.offset = 2**63 + 5
+    write_meta(path, puts={key: rec.encode()})
+    found = {(f.kind, f.message_id) for f in check_path(path).findings}
+    assert ("out_of_bounds", mid) in found
 
 
 def test_a_negative_expired_total_is_a_counter_mismatch(damaged: tuple[str, dict[str, Any]]

@@ -82,7 +82,7 @@ def list_parquet(paths: list[str]) -> list[str] | None:
     return sorted(out) if out else None
 
 
-def check_file_columns(files: list[str], columns: list[str]) -> None:
+def check_file_columns(files: list[str], columns: list[str], sources: list[str]) -> None:
     """Raise InvalidArgument if a local Parquet file of the source lacks one of the
     ``columns`` the job reads, or has one that a Hive partition directory in its
     path (``col=value/``) also names.
@@ -92,8 +92,12 @@ def check_file_columns(files: list[str], columns: list[str]) -> None:
     column as missing, depending on which file Spark looked at; and a
     partition directory's value silently replaced the rows' own column (a
     backfill audit). Only footers are read; files not on a local path are
-    left to Spark.
+    left to Spark. Partition directories are those below the source path the
+    file is in, as Spark finds them (``day=1/`` above the source is no
+    partition; a review); for a file under no source path given (a glob) any
+    ``col=`` directory counts for the missing-column test, none for the other.
     """
+    roots = [os.path.abspath(p) for p in sources]
     for uri in files:
         url = urllib.parse.urlparse(uri)
         if url.scheme not in ("", "file"):
@@ -101,13 +105,16 @@ def check_file_columns(files: list[str], columns: list[str]) -> None:
         path = urllib.parse.unquote(url.path) if url.scheme else uri
         if not os.path.isfile(path):
             continue
-        parts = {c.split("=", 1)[0] for c in path.split(os.sep)[:-1] if "=" in c}
+        root = max((r for r in roots if path == r or path.startswith(r + os.sep)),
+                   key=len, default=None)
+        below = path[len(root):] if root is not None else path
+        parts = {c.split("=", 1)[0] for c in below.split(os.sep)[:-1] if "=" in c}
         try:
             names = set(pq.read_schema(path).names)
         except (OSError, pa.ArrowException):
             continue  # not Parquet, or unreadable: Spark's read says what is wrong
         for col in columns:
-            if col in parts and col in names:
+            if col in parts and col in names and root is not None:
                 raise InvalidArgument(
                     f"column {col!r} is both a column of the Parquet file {path} and a "
                     f"partition directory ({col}=...) above it: Spark would load the "

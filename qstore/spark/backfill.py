@@ -494,7 +494,8 @@ class _Job:
 
             used = [self.payload_col, self.priority_col, self.delay_col, self.ttl_col,
                     self.dedup_col]
-            check_file_columns(self.df.inputFiles(), [c for c in used if c is not None])
+            check_file_columns(self.df.inputFiles(), [c for c in used if c is not None],
+                               self.paths)
 
     # -- pass 1: count, reserve -------------------------------------------------
 

@@ -38,7 +38,9 @@ def _give_away(path: str) -> None:
     """Make ``path`` another user's: owned by nobody, writable by nobody else."""
     for root, dirs, files in os.walk(path):
         for name in [*dirs, *files]:
-            os.lchown(os.path.join(root, name), NOBODY, NOBODY)
+            entry = os.path.join(root, name)
+            if os.lstat(entry).st_nlink == 1 or os.path.isdir(entry):
+                os.lchown(entry, NOBODY, NOBODY)
     os.chown(path, NOBODY, NOBODY)
     subprocess.run(["chmod", "-R", "go-w", path], check=True)
 
@@ -133,3 +135,20 @@ def test_a_snapshot_the_kernel_refuses_to_link_says_why(tmp_path: Any) -> None:
         """)
     assert r.returncode == 0, r.stderr
     assert "fs.protected_hardlinks" in r.stdout and "filesystem" not in r.stdout, r.stdout
+
+
+def test_the_hand_over_follows_no_link_out_of_the_store(tmp_path: Any) -> None:
+    # The walk resolved each path again, and lchown'd what a hard link named: the
+    # store's owner could have root give it any file of root's (a review).
+    path = str(tmp_path / "store")
+    with qstore.open(path) as store:
+        store.create_queue("q").push(b"first")
+    victim = tmp_path / "roots-file"
+    victim.write_text("root's")
+    os.link(victim, os.path.join(path, "payload", "linked"))
+    os.symlink(victim, os.path.join(path, "payload", "pointing"))
+    _give_away(path)
+    os.lchown(os.path.join(path, "payload", "pointing"), 0, 0)  # a link root owns
+    with qstore.open(path, compactor=False) as store:
+        store.queue("q").push(b"second")
+    assert os.stat(victim).st_uid == 0

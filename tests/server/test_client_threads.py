@@ -184,3 +184,29 @@ def test_closing_a_shared_client_ends_the_pops_other_threads_wait_in(tmp_path: A
         _until(port, 0)
         with qstore.connect(srv.address) as other:
             assert other.queue("w").stats().total == 0
+
+
+def test_a_forked_child_closing_its_copy_of_a_client_ends_no_call_of_its_parent(
+        tmp_path: Any) -> None:
+    # close() shut down the sockets of calls in flight, the parent's too when a
+    # forked child closed the client it inherited: the parent's waiting pop
+    # failed with ConnectionLost at once (a review).
+    port = _free_port()
+    with running(str(tmp_path / "store"), "--metrics-port", str(port)) as srv:
+        client = qstore.connect(srv.address)
+        q = client.create_queue("w")
+        waiters, got = _waiting_pops(q, 1, port)
+        _until(port, 1)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                client.close()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        with qstore.connect(srv.address) as other:
+            other.queue("w").push(b"for the parent")
+        waiters[0].join(60)
+        assert [m.payload for m in got] == [b"for the parent"]
+        client.close()

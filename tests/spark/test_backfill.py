@@ -1418,6 +1418,20 @@ def test_a_partition_directory_naming_a_file_column_is_a_usage_error(
     assert "is both a column of the Parquet file" in " ".join(run.output.split())
 
 
+def test_a_name_with_an_equals_sign_above_the_source_is_no_partition(tmp_path: Path) -> None:
+    # Only directories below the source are partitions, as Spark finds them: an
+    # export under day=2024-01-01/ whose files have a day column was refused (a
+    # review of the per-file column check).
+    from qstore.spark._bulk_files import check_file_columns
+
+    src = tmp_path / "day=2024-01-01" / "export"
+    f = write_parquet(src / "a.parquet", payload=[b"x"], day=["2024-01-01"])
+    check_file_columns([f"file://{f}"], ["payload", "day"], [str(src)])
+    below = write_parquet(src / "day=2" / "b.parquet", payload=[b"y"], day=["2"])
+    with pytest.raises(qstore.InvalidArgument, match="is both a column"):
+        check_file_columns([f"file://{below}"], ["payload", "day"], [str(src)])
+
+
 def test_plan_files_cuts_whole_row_groups_in_file_order(tmp_path: Path) -> None:
     from qstore.spark import _bulk_files as bf
 
