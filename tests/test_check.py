@@ -847,6 +847,16 @@ def test_an_s_record_data_end_below_the_last_record_is_a_mismatch(
     assert f"past the S record's data end {end - 1}" in report.findings[0].detail
 
 
+def _message_record(path: str, mid: int) -> tuple[bytes, records.MessageRecord]:
+    """Queue "a"'s message ``mid``: its key and its decoded record."""
+    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
+    try:
+        key = keys.message_key(1, mid)
+        return key, records.MessageRecord.decode(meta.get(key) or b"")
+    finally:
+        meta.close()
+
+
 def _payloads(path: str, clock: FakeClock) -> dict[int, bytes]:
     with qstore.open(path, readonly=True, clock=clock) as view:
         q = view.queue("a")
@@ -907,12 +917,7 @@ def test_two_messages_naming_one_record_are_an_overlap(damaged: tuple[str, dict[
     _, mid0, fid, off0 = where["a0"]
     _, mid1, fid1, _ = where["a1"]
     assert fid1 == fid
-    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
-    try:
-        key = keys.message_key(1, mid1)
-        rec = records.MessageRecord.decode(meta.get(key) or b"")
-    finally:
-        meta.close()
+    key, rec = _message_record(path, mid1)
     rec.offset = off0
     write_meta(path, puts={key: rec.encode()})
     report = check_path(path)
@@ -976,12 +981,7 @@ def test_a_record_offset_of_2_63_or_more_is_out_of_bounds_not_a_crash(
     # OverflowError out of the whole check (a review).
     path, where = damaged
     _, mid, _, _ = where["a3"]
-    meta = MetaDB(os.path.join(path, "meta"), readonly=True, store_path=path)
-    try:
-        key = keys.message_key(1, mid)
-        rec = records.MessageRecord.decode(meta.get(key) or b"")
-    finally:
-        meta.close()
+    key, rec = _message_record(path, mid)
     rec.offset = 2**63 + 5
     write_meta(path, puts={key: rec.encode()})
     found = {(f.kind, f.message_id) for f in check_path(path).findings}

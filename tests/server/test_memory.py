@@ -170,31 +170,39 @@ def test_a_client_allows_a_long_wait_its_time_for_the_answer() -> None:
     assert base.queue_args("q", {})[1] == 0.0
 
 
+def _unread_answers(srv: ServerProcess, requests: list[bytes], answers_mib: int) -> list[Any]:
+    """Send ``requests`` pipelined on a raw connection, read nothing while other
+    clients are served: the server's RSS must stay far under the answers' size.
+    Then read every answer; they come in order."""
+    pid = srv.proc.pid
+    base = _rss(pid)
+    s = raw_socket(srv.address)
+    try:
+        s.sendall(HELLO)
+        assert isinstance(read_frames(s, 1)[0], dict)
+        s.sendall(b"".join(requests))
+        peak = 0
+        for _ in range(5):  # other clients are served meanwhile
+            _works(srv.address)
+            peak = max(peak, _rss(pid) - base)
+        assert peak < 40 * MiB < answers_mib * MiB, peak
+        got = read_frames(s, len(requests))
+    finally:
+        s.close()
+    assert [a[0] for a in got] == list(range(1, len(requests) + 1))  # every one, in order
+    return got
+
+
 def test_answers_a_client_does_not_read_stay_bounded_and_come_in_order(tmp_path: Any) -> None:
     # 24-byte peek(200) requests answered with 200 KiB each: a client that sent
     # thousands and read none made the server hold every answer (gigabytes, found
     # by a resource audit). Requests read past 4 MiB of unsent answers now wait.
     n, peek = 600, 200
     with running(str(tmp_path / "s")) as srv:
-        pid = srv.proc.pid
         with qstore.connect(srv.address) as client:
             client.create_queue("a").push_many([bytes([i % 251]) * 1024 for i in range(peek)])
-        base = _rss(pid)
-        s = raw_socket(srv.address)
-        try:
-            s.sendall(HELLO)
-            assert isinstance(read_frames(s, 1)[0], dict)
-            s.sendall(b"".join(frame([i, "peek", {"queue": "a", "n": peek}])
-                               for i in range(1, n + 1)))
-            peak = 0
-            for _ in range(5):  # other clients are served meanwhile
-                _works(srv.address)
-                peak = max(peak, _rss(pid) - base)
-            assert peak < 40 * MiB, peak  # the answers are 120 MiB
-            got = read_frames(s, n)
-        finally:
-            s.close()
-        assert [a[0] for a in got] == list(range(1, n + 1))  # every one, in order
+        got = _unread_answers(srv, [frame([i, "peek", {"queue": "a", "n": peek}])
+                                    for i in range(1, n + 1)], answers_mib=120)
         assert all(a[1] == 0 and len(a[2]) == peek for a in got)
 
 
@@ -205,27 +213,12 @@ def test_unread_answers_of_pipelined_pops_stay_bounded_too(tmp_path: Any) -> Non
     # now has one pop in a group, and none once its answers are backed up.
     n, size = 300, 256 * 1024
     with running(str(tmp_path / "s")) as srv:
-        pid = srv.proc.pid
         with qstore.connect(srv.address) as client:
             q = client.create_queue("a")
             for i in range(0, n, 50):
                 q.push_many([bytes([i % 251]) * size] * 50)
-        base = _rss(pid)
-        s = raw_socket(srv.address)
-        try:
-            s.sendall(HELLO)
-            assert isinstance(read_frames(s, 1)[0], dict)
-            s.sendall(b"".join(frame([i, "pop", {"queue": "a", "lease": 300}])
-                               for i in range(1, n + 1)))
-            peak = 0
-            for _ in range(5):  # other clients are served meanwhile
-                _works(srv.address)
-                peak = max(peak, _rss(pid) - base)
-            assert peak < 40 * MiB, peak  # the answers are 75 MiB
-            got = read_frames(s, n)
-        finally:
-            s.close()
-        assert [a[0] for a in got] == list(range(1, n + 1))  # every one, in order
+        got = _unread_answers(srv, [frame([i, "pop", {"queue": "a", "lease": 300}])
+                                    for i in range(1, n + 1)], answers_mib=75)
         popped = [decode_message(a[2]) for a in got if a[1] == 0]
         assert len({m.id for m in popped}) == n and {len(m.payload) for m in popped} == {size}
 
